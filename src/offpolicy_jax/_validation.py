@@ -1,0 +1,53 @@
+"""Trace-time checks of array arguments: rank, shape and dtype, with the argument's name.
+
+They run on static shape/dtype information only, so they cost nothing under
+``jax.jit`` and fail at trace time instead of producing NaN steps later.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def as_float_logp(name: str, x) -> jax.Array:
+    """Checks a log-prob array and upcasts it to float32 (bf16/fp16 inputs are fine)."""
+    if x is None:
+        raise ValueError(f"{name} is required but got None")
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array of log-probs, got dtype {dtype}")
+    x = jnp.asarray(x)
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have shape [..., T] (rank >= 1), got a scalar")
+    if dtype == jnp.float64:
+        return x  # keep float64 when the user enabled x64
+    return x.astype(jnp.float32)
+
+
+def as_float_mask(name: str, mask) -> jax.Array:
+    """Checks a mask (bool, integer or float 0/1 weights) and returns float32 weights."""
+    if mask is None:
+        raise ValueError(f"{name} is required but got None")
+    dtype = jnp.result_type(mask)
+    if not (
+        jnp.issubdtype(dtype, jnp.floating)
+        or jnp.issubdtype(dtype, jnp.integer)
+        or dtype == jnp.bool_
+    ):
+        raise TypeError(f"{name} must be a bool, integer or float array, got dtype {dtype}")
+    mask = jnp.asarray(mask)
+    if mask.ndim < 1:
+        raise ValueError(f"{name} must have shape [..., T] (rank >= 1), got a scalar")
+    return mask.astype(jnp.float32)
+
+
+def check_same_shape(reference_name: str, reference: jax.Array, **others: jax.Array) -> None:
+    """Raises ``ValueError`` naming the first argument whose shape differs."""
+    for name, value in others.items():
+        if value is not None and np.shape(value) != np.shape(reference):
+            raise ValueError(
+                f"{name} has shape {tuple(np.shape(value))} but {reference_name} has shape "
+                f"{tuple(np.shape(reference))}; all per-token inputs must be [..., T] alike"
+            )
