@@ -8,16 +8,24 @@ and sharding safe.
 """
 
 from offpolicy_jax._reduce import MeanParts, MeshAxes
-from offpolicy_jax.config import CorrectionConfig, VanillaTIS
+from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, compute_correction
+from offpolicy_jax.losses import LossParts, aggregate, policy_loss, policy_loss_parts
+from offpolicy_jax.metrics import finalize as finalize_metrics
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CorrectionConfig",
     "CorrectionResult",
+    "LossConfig",
+    "LossParts",
     "MeanParts",
     "MeshAxes",
     "VanillaTIS",
+    "aggregate",
     "compute_correction",
+    "finalize_metrics",
+    "policy_loss",
+    "policy_loss_parts",
 ]

@@ -249,3 +249,169 @@ class VanillaTIS:
 
 CorrectionFn = Callable[..., Any]
 Correction = Union[CorrectionConfig, VanillaTIS, CorrectionFn, None]
+
+
+# --------------------------------------------------------------------------- losses
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Settings of :func:`~offpolicy_jax.policy_loss` (semantics.md §5).
+
+    Attributes:
+      algorithm: ``"ppo"`` (old log-probs as the ratio denominator), ``"bypass_ppo"``
+        (rollout log-probs as the denominator; ``old_logp`` may be None),
+        ``"decoupled_ppo"`` (3-policy PPO: IS weights π_old/π_rollout multiply the
+        clipped loss) or ``"reinforce_is"`` (``−sg(w)·A·log π_θ``, no clipping).
+      clip_eps: PPO clip range ``ε`` (lower side, and upper side unless
+        ``clip_eps_high`` is set).
+      clip_eps_high: upper clip range ``ε_high`` (DAPO-style clip-higher); None = ``ε``.
+      dual_clip_c: dual-clip constant ``c > 1`` bounding the loss for negative
+        advantages (Ye et al., 2020); None disables it.
+      correction: a :class:`CorrectionConfig`, a :class:`VanillaTIS`, a callable
+        with the signature of ``compute_correction`` minus ``config``
+        (``fn(old_logp, rollout_logp, mask, *, reduction, axis_names)``), or None.
+      aggregation: ``"sequence_mean"``, ``"token_mean"`` or ``"sequence_sum"``.
+      rejected_in_denominator: keep rejected tokens in the loss denominator (the
+        reference's behaviour); False = they leave it (D5).
+      get_mismatch_metrics: add the §4 mismatch metrics without changing the loss.
+      metric_reduction: ``"sequence"`` or ``"token"`` reduction of the metrics.
+    """
+
+    algorithm: str = "ppo"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip_c: float | None = None
+    correction: Correction = None
+    aggregation: str = "sequence_mean"
+    rejected_in_denominator: bool = False
+    get_mismatch_metrics: bool = False
+    metric_reduction: str = "sequence"
+
+    def __post_init__(self):
+        owner = "LossConfig"
+        set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen)
+        set_("algorithm", _check_choice(owner, "algorithm", self.algorithm, ALGORITHMS))
+        set_("aggregation", _check_choice(owner, "aggregation", self.aggregation, AGGREGATIONS))
+        set_(
+            "metric_reduction",
+            _check_choice(owner, "metric_reduction", self.metric_reduction, METRIC_REDUCTIONS),
+        )
+        for key in ("rejected_in_denominator", "get_mismatch_metrics"):
+            set_(key, _check_bool(owner, key, getattr(self, key)))
+        set_("clip_eps", _check_number(owner, "clip_eps", self.clip_eps, optional=False))
+        for key in ("clip_eps_high", "dual_clip_c"):
+            set_(key, _check_number(owner, key, getattr(self, key), optional=True))
+        _check_positive(owner, "clip_eps", self.clip_eps)
+        _check_positive(owner, "clip_eps_high", self.clip_eps_high)
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"{owner}.dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
+        self._check_correction()
+
+    def _check_correction(self) -> None:
+        correction, algorithm = self.correction, self.algorithm
+        if isinstance(correction, Mapping):
+            raise ValueError(
+                "LossConfig.correction must be a CorrectionConfig, VanillaTIS or callable, got a "
+                "mapping; build it with CorrectionConfig.from_dict(...)"
+            )
+        if correction is not None and not (
+            isinstance(correction, (CorrectionConfig, VanillaTIS)) or callable(correction)
+        ):
+            raise ValueError(
+                "LossConfig.correction must be a CorrectionConfig, VanillaTIS, callable or None, "
+                f"got {type(correction).__name__}"
+            )
+        weights_on = self.reweights
+        if algorithm in ("decoupled_ppo", "reinforce_is") and not weights_on:
+            what = "None" if correction is None else "a CorrectionConfig with use_tis: false"
+            raise ValueError(
+                f"LossConfig.correction: algorithm {algorithm!r} needs importance weights "
+                f"(a CorrectionConfig with use_tis: true, a VanillaTIS or a callable), got {what}"
+            )
+        if algorithm in ("ppo", "bypass_ppo") and weights_on:
+            instead = "decoupled_ppo" if algorithm == "ppo" else "reinforce_is"
+            raise ValueError(
+                f"LossConfig.correction: algorithm {algorithm!r} does not apply importance weights, "
+                f"but the correction enables them; use algorithm={instead!r}, or a "
+                "CorrectionConfig with use_tis: false for mismatch metrics only"
+            )
+
+    @property
+    def reweights(self) -> bool:
+        """Whether the correction produces importance weights (not metrics only)."""
+        correction = self.correction
+        if correction is None:
+            return False
+        if isinstance(correction, CorrectionConfig):
+            return correction.use_tis
+        return True  # VanillaTIS or a user callable
+
+    @property
+    def upper_clip_eps(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    @property
+    def wants_mismatch_metrics(self) -> bool:
+        """§4 metrics: asked for, or part of a (possibly metrics-only) CorrectionConfig."""
+        return self.get_mismatch_metrics or isinstance(self.correction, CorrectionConfig)
+
+    @classmethod
+    def from_flags(
+        cls,
+        use_rollout_logprobs: bool = False,
+        use_tis: bool = False,
+        custom_config_path: str | os.PathLike[str] | None = None,
+        *,
+        tis_clip: float = 2.0,
+        tis_clip_low: float = 0.0,
+        **other_fields: Any,
+    ) -> LossConfig:
+        """Maps the reference's command-line flags to a :class:`LossConfig`.
+
+        ==========================  =========  ==================
+        ``use_rollout_logprobs``    ``use_tis``  algorithm
+        ==========================  =========  ==================
+        False                       False      ``ppo``
+        True                        False      ``bypass_ppo``
+        False                       True       ``decoupled_ppo``
+        True                        True       ``reinforce_is`` (D9)
+        ==========================  =========  ==================
+
+        With ``use_tis`` the correction is the YAML at ``custom_config_path`` (the
+        reference ``mis.yaml``) or, without one, the built-in
+        ``VanillaTIS(tis_clip_low, tis_clip)``. Without ``use_tis`` a YAML may only
+        ask for metrics (``use_tis: false``), which turns on ``get_mismatch_metrics``.
+        A YAML that contradicts the flags raises ``ValueError``.
+        """
+        use_rollout_logprobs = _check_bool("from_flags", "use_rollout_logprobs", use_rollout_logprobs)
+        use_tis = _check_bool("from_flags", "use_tis", use_tis)
+        if "algorithm" in other_fields or "correction" in other_fields:
+            raise ValueError(
+                "from_flags derives 'algorithm' and 'correction' from the flags; "
+                "pass them to LossConfig(...) directly instead"
+            )
+        algorithm = {
+            (False, False): "ppo",
+            (True, False): "bypass_ppo",
+            (False, True): "decoupled_ppo",
+            (True, True): "reinforce_is",
+        }[(use_rollout_logprobs, use_tis)]
+        correction: Correction = None
+        if custom_config_path is not None:
+            correction = CorrectionConfig.from_yaml(custom_config_path)
+            if correction.use_tis != use_tis:
+                raise ValueError(
+                    f"use_tis={use_tis} contradicts use_tis: {str(correction.use_tis).lower()} "
+                    f"in {os.fspath(custom_config_path)!r}: "
+                    + (
+                        "the flag enables importance sampling but the YAML only asks for metrics"
+                        if use_tis
+                        else "the YAML enables importance sampling but the flag is off"
+                    )
+                )
+            if not use_tis:
+                other_fields.setdefault("get_mismatch_metrics", True)
+        elif use_tis:
+            correction = VanillaTIS(clip_low=tis_clip_low, clip=tis_clip)
+        return cls(algorithm=algorithm, correction=correction, **other_fields)

@@ -1,0 +1,279 @@
+"""``policy_loss``: PPO, bypass PPO, decoupled 3-policy PPO with IS, REINFORCE-IS.
+
+Per-token terms come from ``surrogates``, IS weights and the rejection mask from
+``compute_correction`` (or ``VanillaTIS`` / a user callable), and the
+aggregation below turns them into a scalar as a (numerator, denominator) pair,
+so that micro-batches and devices pool exactly (semantics.md §5).
+
+=================  ======================================  =====================
+algorithm          per-token loss                          ratio denominator d
+=================  ======================================  =====================
+``ppo``            ``ℓ(θ; d)``                             π_old
+``bypass_ppo``     ``ℓ(θ; d)``                             π_rollout
+``decoupled_ppo``  ``w(o, b) · ℓ(θ; d)`` on ``m'``         π_old
+``reinforce_is``   ``−sg(w(θ, b)) · A · θ`` on ``m'``      (no ratio, no clip)
+=================  ======================================  =====================
+
+Decoupled PPO: Hilton et al., "Batch size-invariance for policy optimization"
+(2022); truncated IS under training–inference mismatch: Yao et al. (2025).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from offpolicy_jax import _reduce, metrics, rejection
+from offpolicy_jax._reduce import AxisNames, MeanParts, MeshAxes
+from offpolicy_jax._validation import as_float_logp, as_float_mask, check_same_shape
+from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
+from offpolicy_jax.correction import CorrectionResult, correction_parts
+from offpolicy_jax.surrogates import ppo_surrogate, reinforce_term, vanilla_tis
+
+
+class LossParts(NamedTuple):
+    """The loss as ``numerator / denominator``; sum parts over micro-batches, then divide.
+
+    The denominator never depends on ``logp``, so the gradient pools the same
+    way: ``∇(Σ numerator) / Σ denominator``.
+    """
+
+    numerator: jax.Array
+    denominator: jax.Array
+
+    def value(self) -> jax.Array:
+        return _reduce.safe_divide(self.numerator, self.denominator)
+
+
+def aggregate(
+    per_token_loss: jax.Array,
+    final_mask: jax.Array,
+    denominator_mask: jax.Array,
+    aggregation: str,
+    axes: MeshAxes = MeshAxes(),
+) -> LossParts:
+    """Aggregates per-token losses ``ℓ'`` over the final mask ``m'``.
+
+    * ``"sequence_mean"``: mean over sequences with ``Σ m'' > 0`` of ``Σ ℓ' m' / Σ m''``
+    * ``"token_mean"``: ``Σ ℓ' m' / Σ m''``
+    * ``"sequence_sum"``: ``Σ_t ℓ' m'`` averaged over the same sequences as
+      ``sequence_mean`` (no length normalisation)
+
+    Args:
+      per_token_loss: ``[..., T]`` weighted per-token losses ``ℓ'``.
+      final_mask: ``[..., T]`` float mask ``m'`` of the tokens in the loss.
+      denominator_mask: ``[..., T]`` float ``m''``: ``m'`` (D5, rejected tokens
+        leave the denominator) or the original mask.
+      aggregation: one of the three names above.
+      axes: mesh axes to combine over inside ``shard_map``.
+
+    Returns:
+      :class:`LossParts`; an empty batch gives 0 / 0, whose value is 0.
+    """
+    per_seq_total = _reduce.seq_sum(per_token_loss, final_mask, axes)
+    count = _reduce.seq_count(denominator_mask, axes)
+    if aggregation == "token_mean":
+        return LossParts(_reduce.batch_sum(per_seq_total, axes), _reduce.batch_sum(count, axes))
+    if aggregation == "sequence_mean":
+        per_seq = _reduce.safe_divide(per_seq_total, count)
+    elif aggregation == "sequence_sum":
+        per_seq = per_seq_total
+    else:
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+    nonempty = count > 0
+    return LossParts(
+        _reduce.batch_sum(jnp.where(nonempty, per_seq, 0.0), axes),
+        _reduce.batch_sum(jnp.where(nonempty, 1.0, 0.0), axes),
+    )
+
+
+def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
+    algorithm = config.algorithm
+    theta = as_float_logp("logp", logp)
+    if old_logp is None and algorithm in ("ppo", "decoupled_ppo"):
+        raise ValueError(
+            f"old_logp is required for algorithm {algorithm!r} (it is the ratio denominator); "
+            "only 'bypass_ppo' and 'reinforce_is' accept old_logp=None"
+        )
+    needs_rollout = algorithm != "ppo" or config.correction is not None or config.get_mismatch_metrics
+    if rollout_logp is None and needs_rollout:
+        raise ValueError(
+            f"rollout_logp is required for algorithm {algorithm!r} with this correction/metrics "
+            "setting: without the inference engine's log-probs there is nothing to correct"
+        )
+    old = None if old_logp is None else as_float_logp("old_logp", old_logp)
+    rollout = None if rollout_logp is None else as_float_logp("rollout_logp", rollout_logp)
+    weights_mask = as_float_mask("mask", mask)
+    check_same_shape("logp", theta, old_logp=old, rollout_logp=rollout, mask=weights_mask)
+    if advantages is None:
+        raise ValueError("advantages is required but got None")
+    adv = jnp.asarray(advantages)
+    if not (jnp.issubdtype(adv.dtype, jnp.floating) or jnp.issubdtype(adv.dtype, jnp.integer)):
+        raise TypeError(f"advantages must be a numeric array, got dtype {adv.dtype}")
+    if adv.shape == theta.shape[:-1]:
+        adv = adv[..., None]
+    elif adv.shape != theta.shape:
+        raise ValueError(
+            f"advantages has shape {adv.shape}; expected {theta.shape} (per token) or "
+            f"{theta.shape[:-1]} (per sequence) to match logp {theta.shape}"
+        )
+    return theta, old, rollout, adv.astype(jnp.float32), weights_mask
+
+
+def _correct(config, old, rollout, mask, reduction, axes, precomputed):
+    """IS weights (unmasked), final mask and metric parts of the configured correction."""
+    correction = config.correction
+    if precomputed is not None:
+        final = jnp.asarray(precomputed.mask, jnp.float32)
+        # CorrectionResult weights are w·m'; the loss applies m' once, itself.
+        weights = _reduce.safe_divide(jnp.asarray(precomputed.weights, jnp.float32), final)
+        return weights, final, dict(precomputed.metrics)
+    if isinstance(correction, CorrectionConfig):
+        return correction_parts(old, rollout, mask, correction, reduction=reduction, axes=axes)
+    if isinstance(correction, VanillaTIS):
+        finite = rejection.finite_sequences(mask, old, rollout, axes=axes)
+        weights, parts = vanilla_tis(
+            old, rollout, mask, clip_low=correction.clip_low, clip=correction.clip,
+            reduction=reduction, axes=axes,
+        )
+        return weights, jnp.where(finite, mask, 0.0), parts
+    result = correction(old, rollout, mask, reduction=reduction, axis_names=axes)
+    final = jnp.asarray(result.mask, jnp.float32)
+    weights = _reduce.safe_divide(jnp.asarray(result.weights, jnp.float32), final)
+    return jax.lax.stop_gradient(weights), final, dict(result.metrics)
+
+
+def policy_loss_parts(
+    logp: jax.typing.ArrayLike,
+    old_logp: jax.typing.ArrayLike | None,
+    rollout_logp: jax.typing.ArrayLike | None,
+    advantages: jax.typing.ArrayLike,
+    mask: jax.typing.ArrayLike,
+    config: LossConfig,
+    *,
+    axis_names: AxisNames = None,
+    correction_result: CorrectionResult | None = None,
+) -> tuple[LossParts, dict[str, MeanParts | jax.Array]]:
+    """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
+
+    Sum both over micro-batches (``jax.tree.map(jnp.add, ...)``), then call
+    ``.value()`` on the loss and :func:`offpolicy_jax.finalize_metrics` on the
+    metrics: the result equals the full-batch call. With batch normalisation
+    or sequence-level statistics that need the whole batch, compute the
+    correction once on the full batch and pass it as ``correction_result``
+    (normalising per micro-batch would bias the pooled loss).
+
+    Args: as :func:`policy_loss`, plus
+      correction_result: a :class:`CorrectionResult` computed beforehand for
+        exactly these tokens (decoupled_ppo); replaces the configured correction.
+    """
+    theta, old, rollout, adv, mask = _check_inputs(
+        config, logp, old_logp, rollout_logp, advantages, mask
+    )
+    axes = _reduce.as_mesh_axes(axis_names)
+    reduction = config.metric_reduction
+    algorithm = config.algorithm
+    mask = jnp.where(mask > 0, mask, 0.0)
+    valid = mask > 0
+    # Garbage advantages at padded positions would turn 0-cotangents into NaN.
+    adv = jnp.where(valid, adv, 0.0)
+    theta_sg = jax.lax.stop_gradient(theta)
+    # π_old for the IS ratio and the mismatch metrics: sg(θ) where it is absent.
+    proxy_old = old if old is not None else theta_sg
+
+    parts: dict[str, MeanParts | jax.Array] = {}
+    if config.reweights or correction_result is not None:
+        is_numerator = theta_sg if algorithm == "reinforce_is" else old
+        weights, final_mask, correction_metrics = _correct(
+            config, is_numerator, rollout, mask, reduction, axes, correction_result
+        )
+        parts.update(correction_metrics)
+    else:
+        weights, final_mask = None, mask
+    if config.wants_mismatch_metrics and not config.reweights:
+        # Metrics only (§4): a use_tis=false correction leaves the loss untouched.
+        delta_population = jnp.where(
+            rejection.finite_sequences(mask, proxy_old, rollout, axes=axes), mask, 0.0
+        )
+        delta = jnp.where(delta_population > 0, proxy_old - rollout, 0.0)
+        parts.update(
+            metrics.mismatch_metrics(proxy_old, rollout, delta, delta_population, reduction, axes)
+        )
+
+    kept = final_mask > 0
+    if algorithm == "reinforce_is":
+        per_token = reinforce_term(jnp.where(kept, theta, 0.0), adv, weights)
+    else:
+        denominator = rollout if algorithm == "bypass_ppo" else old
+        terms = ppo_surrogate(
+            theta, denominator, adv, valid,
+            clip_eps=config.clip_eps, clip_eps_high=config.upper_clip_eps,
+            dual_clip_c=config.dual_clip_c,
+        )
+        per_token = terms.loss if weights is None else jnp.where(kept, weights, 0.0) * terms.loss
+
+        def mean(x, population=final_mask):
+            return _reduce.mean_parts(jax.lax.stop_gradient(x), population, reduction, axes)
+
+        parts["pg_clipfrac"] = mean(jnp.where(terms.clipped, 1.0, 0.0))
+        parts["ppo_kl"] = mean(terms.log_ratio)
+        if rollout is not None:
+            # D8b: in bypass mode π_old is sg(θ); the reference reports 0 here.
+            source = theta_sg if algorithm == "bypass_ppo" else old
+            diff = jnp.abs(source - rollout)
+            parts["train_rollout_logprob_abs_diff"] = mean(jnp.where(jnp.isfinite(diff), diff, 0.0))
+        if config.correction is not None or config.get_mismatch_metrics:
+            parts["ois"] = mean(terms.ratio, mask)
+
+    denominator_mask = mask if config.rejected_in_denominator else final_mask
+    loss = aggregate(per_token, final_mask, denominator_mask, config.aggregation, axes)
+    parts["pg_loss"] = MeanParts(*loss)
+    return loss, parts
+
+
+def policy_loss(
+    logp: jax.typing.ArrayLike,
+    old_logp: jax.typing.ArrayLike | None,
+    rollout_logp: jax.typing.ArrayLike | None,
+    advantages: jax.typing.ArrayLike,
+    mask: jax.typing.ArrayLike,
+    config: LossConfig,
+    *,
+    axis_names: AxisNames = None,
+    correction_result: CorrectionResult | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Policy-gradient loss with rollout correction (semantics.md §5).
+
+    ``ppo``: ``ℓ(θ; π_old)``; ``bypass_ppo``: ``ℓ(θ; π_rollout)``;
+    ``decoupled_ppo``: ``w(π_old/π_rollout) · ℓ(θ; π_old)`` on the corrected mask;
+    ``reinforce_is``: ``−sg(w(π_θ/π_rollout)) · A · log π_θ``. ``ℓ`` is the
+    clipped PPO surrogate (:func:`~offpolicy_jax.surrogates.ppo_surrogate`), the
+    weights come from ``config.correction``; aggregation per
+    ``config.aggregation``. IS weights never carry gradient.
+
+    Args:
+      logp: ``[..., T]`` log π_θ of the sampled tokens: the differentiated input.
+      old_logp: ``[..., T]`` log π_old from the training engine, or None for
+        ``bypass_ppo`` / ``reinforce_is``.
+      rollout_logp: ``[..., T]`` log π_rollout from the inference engine (may be
+        None only for plain ``ppo`` without correction or mismatch metrics).
+      advantages: ``[..., T]`` per token or ``[...]`` per sequence.
+      mask: ``[..., T]`` bool or 0/1 float; 1 = token is trained on.
+      config: a :class:`LossConfig` (static: hashable).
+      axis_names: mesh axes to ``psum`` over inside ``shard_map`` (see
+        :func:`~offpolicy_jax.compute_correction`).
+      correction_result: optional precomputed correction for these tokens.
+
+    Returns:
+      ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing
+      is left to train on) and a dict of float32 scalar metrics.
+    """
+    loss, parts = policy_loss_parts(
+        logp, old_logp, rollout_logp, advantages, mask, config,
+        axis_names=axis_names, correction_result=correction_result,
+    )
+    return loss.value().astype(jnp.float32), metrics.finalize(parts)
