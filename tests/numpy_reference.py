@@ -613,8 +613,8 @@ def policy_loss(logp, old_logp, rollout_logp, advantages, mask, *, algorithm,
         raise ValueError(f"rollout_logp is required for {algorithm!r}")
     if algorithm == "decoupled_ppo" and correction is None:
         raise ValueError("decoupled_ppo requires a correction")
-    if algorithm == "reinforce_is" and not isinstance(correction, dict):
-        raise ValueError("reinforce_is requires a correction dict")
+    if algorithm == "reinforce_is" and correction is None:
+        raise ValueError("reinforce_is requires a correction")
 
     valid = m > 0
     metrics: dict[str, Any] = {}
@@ -636,6 +636,10 @@ def policy_loss(logp, old_logp, rollout_logp, advantages, mask, *, algorithm,
             w, m_final, corr_metrics = _correction_core(
                 o, b, m, reduction=metric_reduction, **_correction_kwargs(correction))
             metrics.update(corr_metrics)
+    elif algorithm == "reinforce_is" and is_vanilla:
+        w, tis_metrics = vanilla_tis(theta, b, m, clip_low=clip_low, clip=clip_high,
+                                     reduction=metric_reduction)
+        metrics.update(tis_metrics)
     elif algorithm == "reinforce_is":
         w, m_final, corr_metrics = _correction_core(
             theta, b, m, reduction=metric_reduction, **_correction_kwargs(correction))

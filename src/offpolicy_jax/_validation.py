@@ -12,7 +12,7 @@ import numpy as np
 
 
 def as_float_logp(name: str, x) -> jax.Array:
-    """Checks a log-prob array and upcasts it to float32 (bf16/fp16 inputs are fine)."""
+    """Checks a log-prob array and casts it to float32, the library's compute dtype (bf16/fp16 upcast exactly)."""
     if x is None:
         raise ValueError(f"{name} is required but got None")
     dtype = jnp.result_type(x)
@@ -21,8 +21,6 @@ def as_float_logp(name: str, x) -> jax.Array:
     x = jnp.asarray(x)
     if x.ndim < 1:
         raise ValueError(f"{name} must have shape [..., T] (rank >= 1), got a scalar")
-    if dtype == jnp.float64:
-        return x  # keep float64 when the user enabled x64
     return x.astype(jnp.float32)
 
 

@@ -64,6 +64,9 @@ def correction_parts(
     """:func:`compute_correction` on validated float32 inputs, metrics as ``MeanParts``.
 
     ``old_logp`` here is whatever plays π_old (``sg(logp)`` in REINFORCE-IS).
+    Returns ``(w, m', parts)`` where ``w`` is the IS weight on kept tokens and 0
+    elsewhere, *not* yet multiplied by the mask value (the loss applies ``m'``
+    once itself; :func:`compute_correction` returns ``w · m'``).
     """
     # Non-finite log-probs at a valid position reject the whole sequence (§0);
     # everything downstream sees the cleaned population only.
@@ -75,7 +78,7 @@ def correction_parts(
     )
     if not config.use_tis:
         # Metrics only: nothing is reweighted or rejected.
-        return mask, mask, parts
+        return jnp.where(mask > 0, 1.0, 0.0), mask, parts
 
     def frac(condition, population=valid):
         return metrics.fraction(condition, population, reduction, axes)
@@ -116,12 +119,13 @@ def correction_parts(
         weights, norm_factor = normalize.batch_normalize(weights, final_mask, config.tis_level, axes)
     else:
         norm_factor = jnp.ones((), jnp.float32)
-    parts["mis_batch_norm_factor"] = norm_factor
+    # As (μ, 1): pooled over micro-batches it reports their mean normaliser.
+    parts["mis_batch_norm_factor"] = MeanParts(norm_factor, jnp.ones((), jnp.float32))
     parts.update(metrics.weight_stats(weights, final_mask, reduction, axes))
     parts["mis_nonfinite_seq_fraction"] = frac(~finite, mask)
-    # w · m' with `where`: rejected positions may hold e^20-sized mask-mode ratios.
-    weights = jnp.where(final_mask > 0, weights, 0.0) * final_mask
-    return weights, final_mask, parts
+    # `where`, not a product: rejected positions may hold e^20-sized mask-mode ratios.
+    weights = jnp.where(final_mask > 0, weights, 0.0)
+    return jax.lax.stop_gradient(weights), final_mask, parts
 
 
 def compute_correction(
@@ -176,7 +180,7 @@ def compute_correction(
         old, rollout, weights_mask, config, reduction=reduction, axes=axes
     )
     return CorrectionResult(
-        weights=jax.lax.stop_gradient(jnp.broadcast_to(weights, old.shape).astype(jnp.float32)),
+        weights=jnp.broadcast_to(weights * final_mask, old.shape).astype(jnp.float32),
         mask=jnp.broadcast_to(final_mask, old.shape).astype(jnp.float32),
         metrics=metrics.finalize(parts),
     )

@@ -105,8 +105,13 @@ def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
             f"rollout_logp is required for algorithm {algorithm!r} with this correction/metrics "
             "setting: without the inference engine's log-probs there is nothing to correct"
         )
-    old = None if old_logp is None else as_float_logp("old_logp", old_logp)
-    rollout = None if rollout_logp is None else as_float_logp("rollout_logp", rollout_logp)
+    # π_old and π_rollout are data, never differentiated: the IS weights and the
+    # ratio denominator must carry no gradient into them.
+    old = None if old_logp is None else jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))
+    rollout = (
+        None if rollout_logp is None
+        else jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
+    )
     weights_mask = as_float_mask("mask", mask)
     check_same_shape("logp", theta, old_logp=old, rollout_logp=rollout, mask=weights_mask)
     if advantages is None:
@@ -131,7 +136,9 @@ def _correct(config, old, rollout, mask, reduction, axes, precomputed):
         final = jnp.asarray(precomputed.mask, jnp.float32)
         # CorrectionResult weights are w·m'; the loss applies m' once, itself.
         weights = _reduce.safe_divide(jnp.asarray(precomputed.weights, jnp.float32), final)
-        return weights, final, dict(precomputed.metrics)
+        # Its metrics describe the whole batch and live in precomputed.metrics;
+        # repeating them here would count them once per micro-batch when pooled.
+        return jax.lax.stop_gradient(weights), final, {}
     if isinstance(correction, CorrectionConfig):
         return correction_parts(old, rollout, mask, correction, reduction=reduction, axes=axes)
     if isinstance(correction, VanillaTIS):
@@ -169,11 +176,17 @@ def policy_loss_parts(
 
     Args: as :func:`policy_loss`, plus
       correction_result: a :class:`CorrectionResult` computed beforehand for
-        exactly these tokens (decoupled_ppo); replaces the configured correction.
+        exactly these tokens (decoupled_ppo); replaces the configured correction,
+        whose metrics are then only in ``correction_result.metrics``.
     """
     theta, old, rollout, adv, mask = _check_inputs(
         config, logp, old_logp, rollout_logp, advantages, mask
     )
+    if correction_result is not None and not config.reweights:
+        raise ValueError(
+            f"correction_result is only used by algorithms that apply IS weights "
+            f"(decoupled_ppo, reinforce_is), not {config.algorithm!r}"
+        )
     axes = _reduce.as_mesh_axes(axis_names)
     reduction = config.metric_reduction
     algorithm = config.algorithm
@@ -186,7 +199,7 @@ def policy_loss_parts(
     proxy_old = old if old is not None else theta_sg
 
     parts: dict[str, MeanParts | jax.Array] = {}
-    if config.reweights or correction_result is not None:
+    if config.reweights:
         is_numerator = theta_sg if algorithm == "reinforce_is" else old
         weights, final_mask, correction_metrics = _correct(
             config, is_numerator, rollout, mask, reduction, axes, correction_result
@@ -194,8 +207,12 @@ def policy_loss_parts(
         parts.update(correction_metrics)
     else:
         weights, final_mask = None, mask
-    if config.wants_mismatch_metrics and not config.reweights:
-        # Metrics only (§4): a use_tis=false correction leaves the loss untouched.
+    correction_has_them = algorithm == "decoupled_ppo" and isinstance(
+        config.correction, CorrectionConfig
+    )
+    if config.wants_mismatch_metrics and not correction_has_them:
+        # §4 metrics of π_old (sg(θ) where absent) against π_rollout; the loss is
+        # unchanged. In reinforce_is they replace those of the correction's sg(θ).
         delta_population = jnp.where(
             rejection.finite_sequences(mask, proxy_old, rollout, axes=axes), mask, 0.0
         )
