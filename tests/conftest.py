@@ -1,17 +1,30 @@
-import jax
-import pytest
-from hypothesis import HealthCheck, settings
+import os
+
+# The sharding tests (test_sharding.py, test_hlo_communication.py) need 8 CPU
+# devices, and JAX fixes the count when its CPU backend starts; this file is loaded
+# before any test module, in the main process and in every xdist worker, so the
+# setting lands first. Unsharded programs still run on device 0 only.
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Property tests trace and compile JAX programs: the first example of each test
 # is slow, so deadlines would only measure compilation.
+# The default profile is derandomised so that every run (CI included) checks the
+# same examples; HYPOTHESIS_PROFILE=explore searches new ones with more examples.
 settings.register_profile(
     "default",
     deadline=None,
     max_examples=25,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.register_profile("ci", parent=settings.get_profile("default"), max_examples=25, derandomize=True)
-settings.load_profile("default")
+settings.register_profile(
+    "explore", parent=settings.get_profile("default"), derandomize=False, max_examples=200
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture
