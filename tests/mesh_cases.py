@@ -1,0 +1,298 @@
+"""Shared data, configurations and helpers of the sharding / mesh tests.
+
+The sharded tests compare a call on a *padded, sharded* batch against the plain
+unsharded call on the *unpadded* batch: padding rows and token columns are filled
+with masked garbage (NaN, ±inf, 1e30), so equality also proves that padding to a
+shard multiple never changes a result.
+
+Every configuration is evaluated by one jitted program per layout
+(:func:`evaluate_all`), so a layout costs one compilation, not one per config.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import offpolicy_jax as opj
+
+RTOL = 1e-5
+# Values that are differences of O(1) float32 numbers (chi², k3-KL, ppo_kl near 0)
+# carry an absolute rounding error of a few 1e-8; the conformance pack uses the same.
+ATOL = 1e-6
+
+# Real (unpadded) batch: 7 ragged sequences of at most 13 tokens. Neither 7 nor 13
+# divides the shard counts, so the sharded calls always see padding.
+REAL_B, REAL_T = 7, 13
+PAD_B, PAD_T = 8, 16
+LENGTHS = (13, 0, 5, 1, 9, 13, 7)
+
+_GARBAGE = (np.nan, np.inf, -np.inf, 1e30, -1e30)
+
+
+def make_batch(seed: int = 0, batch: int = REAL_B, length: int = REAL_T,
+               lengths: tuple[int, ...] = LENGTHS) -> dict[str, np.ndarray]:
+    """A ragged batch that exercises every rule: holes in the mask, an empty and a
+    one-token sequence, a NaN at a valid position (whole-sequence rejection), a
+    catastrophic token (veto), ratios beyond every bound, garbage where masked."""
+    rng = np.random.default_rng(seed)
+    shape = (batch, length)
+    mask = np.arange(length)[None, :] < np.asarray(lengths)[:, None]
+    mask &= rng.random(shape) > 0.15  # holes (e.g. tool-output tokens)
+    mask[0, 0] = True
+    old = rng.normal(-1.3, 0.6, shape).astype(np.float32)
+    rollout = (old + rng.normal(0.0, 0.35, shape)).astype(np.float32)
+    logp = (old + rng.normal(0.0, 0.25, shape)).astype(np.float32)
+    adv = rng.normal(0.0, 1.0, shape).astype(np.float32)
+    adv_seq = rng.normal(0.0, 1.0, (batch,)).astype(np.float32)
+    # A catastrophic token (o - b = -9 < log 1e-3) in a long sequence, on its last
+    # valid token: under context parallelism it lives on a different shard than
+    # the start of its sequence.
+    last = np.flatnonzero(mask[5])[-1]
+    rollout[5, last] = old[5, last] + 9.0
+    # A non-finite log-prob at a valid token rejects its whole sequence.
+    mask[4, 6] = True
+    rollout[4, 6] = np.nan
+    # Garbage wherever the mask is 0.
+    for arr in (old, rollout, logp, adv):
+        hole = ~mask
+        arr[hole] = rng.choice(_GARBAGE, size=int(hole.sum()))
+    return dict(logp=logp, old=old, rollout=rollout, adv=adv, adv_seq=adv_seq,
+                mask=mask.astype(np.float32))
+
+
+def pad_batch(data: Mapping[str, np.ndarray], batch: int = PAD_B, length: int = PAD_T,
+              seed: int = 1) -> dict[str, np.ndarray]:
+    """Pads to ``[batch, length]`` with masked garbage (empty rows, masked columns)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key, value in data.items():
+        if key == "mask":
+            padded = np.zeros((batch, length), np.float32)
+        elif value.ndim == 1:
+            padded = rng.normal(size=(batch,)).astype(np.float32) * 1e6
+        else:
+            padded = rng.choice(_GARBAGE, size=(batch, length)).astype(np.float32)
+        padded[tuple(slice(0, n) for n in value.shape)] = value
+        out[key] = padded
+    return out
+
+
+# --- configurations: every algorithm, every level, every mode --------------------
+
+CORRECTIONS: dict[str, opj.CorrectionConfig] = {
+    "token_truncate_norm_veto": opj.CorrectionConfig(
+        use_tis=True, tis_level="token", tis_mode="truncate", tis_upper_bound=1.8,
+        tis_batch_normalize=True, rs_veto_threshold=1e-3),
+    "sequence_mask_rs_geometric": opj.CorrectionConfig(
+        use_tis=True, tis_level="sequence", tis_mode="mask", tis_lower_bound=0.02,
+        tis_upper_bound=20.0, tis_batch_normalize=True, use_rs=True, rs_level="geometric",
+        rs_lower_bound=0.7, rs_upper_bound=1.4, rs_veto_threshold=1e-3),
+    "geometric_clip_rs_token": opj.CorrectionConfig(
+        use_tis=True, tis_level="geometric", tis_mode="clip", tis_lower_bound=0.9,
+        tis_upper_bound=1.1, tis_batch_normalize=True, use_rs=True, rs_level="token",
+        rs_lower_bound=0.3, rs_upper_bound=3.0),
+    "geometric_mask_rs_sequence": opj.CorrectionConfig(
+        use_tis=True, tis_level="geometric", tis_mode="mask", tis_lower_bound=0.8,
+        tis_upper_bound=1.25, use_rs=True, rs_level="sequence", rs_lower_bound=0.01,
+        rs_upper_bound=100.0, rs_veto_threshold=1e-3),
+    "metrics_only": opj.CorrectionConfig(use_tis=False, rs_veto_threshold=1e-3),
+}
+
+# name -> (config, advantages per "token" or per "sequence")
+LOSSES: dict[str, tuple[opj.LossConfig, str]] = {
+    "ppo_dual_clip_token_mean": (opj.LossConfig(
+        algorithm="ppo", clip_eps=0.2, clip_eps_high=0.28, dual_clip_c=3.0,
+        aggregation="token_mean", get_mismatch_metrics=True), "token"),
+    "ppo_metrics_only_correction": (opj.LossConfig(
+        algorithm="ppo", correction=CORRECTIONS["metrics_only"],
+        metric_reduction="token"), "sequence"),
+    "bypass_ppo_sequence_sum": (opj.LossConfig(
+        algorithm="bypass_ppo", aggregation="sequence_sum"), "token"),
+    "decoupled_token": (opj.LossConfig(
+        algorithm="decoupled_ppo", correction=CORRECTIONS["token_truncate_norm_veto"],
+        metric_reduction="token"), "token"),
+    "decoupled_sequence_rejected_in_den": (opj.LossConfig(
+        algorithm="decoupled_ppo", correction=CORRECTIONS["sequence_mask_rs_geometric"],
+        rejected_in_denominator=True), "sequence"),
+    "decoupled_geometric_token_mean": (opj.LossConfig(
+        algorithm="decoupled_ppo", correction=CORRECTIONS["geometric_clip_rs_token"],
+        aggregation="token_mean"), "token"),
+    "decoupled_vanilla_tis": (opj.LossConfig(
+        algorithm="decoupled_ppo", correction=opj.VanillaTIS(clip_low=0.5, clip=1.5),
+        get_mismatch_metrics=True), "token"),
+    "reinforce_is_sequence": (opj.LossConfig(
+        algorithm="reinforce_is", correction=CORRECTIONS["sequence_mask_rs_geometric"],
+        aggregation="sequence_sum"), "sequence"),
+    "reinforce_is_geometric": (opj.LossConfig(
+        algorithm="reinforce_is", correction=CORRECTIONS["geometric_mask_rs_sequence"],
+        metric_reduction="token"), "token"),
+}
+
+
+# A compact set that still covers every algorithm and every TIS/RS level, for the
+# layouts that only shard the batch (cheaper to compile than everything).
+CORE_LOSSES = ("ppo_dual_clip_token_mean", "decoupled_token",
+               "decoupled_sequence_rejected_in_den", "reinforce_is_geometric")
+CORE_CORRECTIONS = ("geometric_clip_rs_token",)
+
+
+def config_set(name: str) -> dict:
+    """``evaluate_all`` keyword arguments for the ``"full"`` or the ``"core"`` set."""
+    if name == "full":
+        return dict(losses=LOSSES, corrections=CORRECTIONS)
+    if name == "core":
+        return dict(losses={k: LOSSES[k] for k in CORE_LOSSES},
+                    corrections={k: CORRECTIONS[k] for k in CORE_CORRECTIONS})
+    raise ValueError(name)
+
+
+def evaluate_all(arrays: Mapping[str, jax.Array], axis_names: Any = None,
+                 losses: Mapping[str, tuple[opj.LossConfig, str]] | None = None,
+                 corrections: Mapping[str, opj.CorrectionConfig] | None = None) -> dict:
+    """Every configured loss (value, metrics, gradient) and correction (both reductions).
+
+    Pure and traceable: call it under ``jax.jit`` or inside ``jax.shard_map``.
+    """
+    losses = LOSSES if losses is None else losses
+    corrections = CORRECTIONS if corrections is None else corrections
+    a = arrays
+    out: dict[str, Any] = {}
+    for name, (config, adv_kind) in losses.items():
+        adv = a["adv"] if adv_kind == "token" else a["adv_seq"]
+        old = None if config.algorithm in ("bypass_ppo", "reinforce_is") else a["old"]
+
+        def loss_fn(logp, config=config, adv=adv, old=old):
+            return opj.policy_loss(logp, old, a["rollout"], adv, a["mask"], config,
+                                   axis_names=axis_names)
+
+        (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(a["logp"])
+        out[f"loss/{name}"] = dict(loss=loss, metrics=metrics, grad=grad)
+    for name, config in corrections.items():
+        for reduction in ("sequence", "token"):
+            res = opj.compute_correction(a["old"], a["rollout"], a["mask"], config,
+                                         reduction=reduction, axis_names=axis_names)
+            out[f"correction/{name}/{reduction}"] = dict(
+                weights=res.weights, mask=res.mask, metrics=res.metrics)
+    return out
+
+
+def input_specs(token_spec, arrays: Mapping[str, Any]) -> dict:
+    """PartitionSpecs of the inputs: ``token_spec`` for ``[B, T]``, its batch part for ``[B]``."""
+    from jax.sharding import PartitionSpec as P
+
+    batch_part = token_spec[0] if len(token_spec) else None
+    return {k: (token_spec if np.ndim(v) == 2 else P(batch_part)) for k, v in arrays.items()}
+
+
+def output_specs(outputs_shape, token_spec):
+    """Scalars replicated, ``[B, T]`` arrays sharded like the inputs."""
+    from jax.sharding import PartitionSpec as P
+
+    return jax.tree.map(lambda s: P() if s.ndim == 0 else token_spec, outputs_shape)
+
+
+def to_numpy(tree):
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def compare(got: dict, want: dict, *, real_shape=(REAL_B, REAL_T)) -> list[str]:
+    """Differences between a sharded, padded result and the unsharded reference.
+
+    ``[B, T]`` outputs are compared on the real block; outside it they must be
+    exactly 0 (padding never receives weight, mask or gradient). Returns a list
+    of failure messages (empty when everything matches).
+    """
+    failures = []
+    rb, rt = real_shape
+    if not set(got) <= set(want):
+        return [f"unexpected outputs: {sorted(set(got) - set(want))}"]
+    want = {k: want[k] for k in got}
+    for name in want:
+        g, w = got[name], want[name]
+        if set(g.get("metrics", {})) != set(w.get("metrics", {})):
+            failures.append(f"{name}: metric keys differ: "
+                            f"{sorted(set(g['metrics']) ^ set(w['metrics']))}")
+            continue
+        flat_w = {k: v for k, v in w.items() if k != "metrics"}
+        flat_w.update({f"metrics[{k}]": v for k, v in w.get("metrics", {}).items()})
+        flat_g = {k: v for k, v in g.items() if k != "metrics"}
+        flat_g.update({f"metrics[{k}]": v for k, v in g.get("metrics", {}).items()})
+        for key, want_value in flat_w.items():
+            got_value = np.asarray(flat_g[key])
+            if got_value.dtype != np.float32:
+                failures.append(f"{name} {key}: dtype {got_value.dtype}")
+            if np.ndim(want_value) == 2:
+                outside = got_value.copy()
+                outside[:rb, :rt] = 0
+                if np.any(outside != 0):
+                    failures.append(f"{name} {key}: non-zero values in the padding")
+                got_value = got_value[:rb, :rt]
+            if got_value.shape != np.shape(want_value):
+                failures.append(f"{name} {key}: shape {got_value.shape} != {np.shape(want_value)}")
+                continue
+            if not np.allclose(got_value, want_value, rtol=RTOL, atol=ATOL, equal_nan=False):
+                err = np.max(np.abs(got_value - want_value))
+                failures.append(f"{name} {key}: max abs err {err:.3g}; "
+                                f"got {np.ravel(got_value)[:4]}, want {np.ravel(want_value)[:4]}")
+    return failures
+
+
+_REFERENCE_CACHE: dict[Any, dict] = {}
+
+
+def unsharded_reference(seed: int = 0) -> dict:
+    """The plain, unsharded call on the unpadded batch, on one CPU device (cached)."""
+    if seed not in _REFERENCE_CACHE:
+        cpu = jax.devices("cpu")[0]
+        data = {k: jax.device_put(v, cpu) for k, v in make_batch(seed).items()}
+        _REFERENCE_CACHE[seed] = to_numpy(jax.jit(evaluate_all)(data))
+    return _REFERENCE_CACHE[seed]
+
+
+# --- compiled-HLO collectives ---------------------------------------------------
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+               "all-to-all", "collective-broadcast", "ragged-all-to-all")
+_COLLECTIVE_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
+    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_SHAPE_RE = re.compile(r"\b(?P<dtype>pred|[subf]\d+|bf16|f8\w*|c64|c128)\[(?P<dims>[\d,]*)\]")
+
+
+def hlo_collectives(hlo_text: str) -> list[dict]:
+    """Every collective of a compiled HLO module: op name and the shapes it moves.
+
+    An async pair (``all-reduce-start`` / ``-done``) is counted once, at its start.
+    Combined (tuple-shaped) collectives list each of their operands.
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE_RE.match(line)
+        if not m:
+            continue
+        shapes = [tuple(int(d) for d in s.group("dims").split(",") if d)
+                  for s in _SHAPE_RE.finditer(m.group("shape"))]
+        found.append(dict(op=m.group("op"), shapes=shapes,
+                          elements=sum(int(np.prod(s)) for s in shapes), line=line.strip()))
+    return found
+
+
+def summarize_collectives(collectives: list[dict]) -> str:
+    lines = []
+    for c in collectives:
+        kinds: dict[tuple, int] = {}
+        for s in c["shapes"]:
+            kinds[s] = kinds.get(s, 0) + 1
+        desc = ", ".join(f"{n}x f32[{','.join(map(str, s))}]" for s, n in kinds.items())
+        lines.append(f"{c['op']}: {desc} ({c['elements']} elements)")
+    return "\n".join(lines)
+
+
+def compiled_text(fn: Callable, *args) -> str:
+    return fn.lower(*args).compile().as_text()
