@@ -1,0 +1,318 @@
+"""Benchmark suite: ``python -m benchmarks.run`` writes ``results.md`` and ``results.json``.
+
+For every ``[B, T]`` size and for both computations of ``workloads`` (the
+``policy_loss`` training step and ``compute_correction``) it measures, in one
+run and on whatever JAX backend is present:
+
+* the time of the read-once floor, the jitted library, the same code op by op
+  (no jit) and the NumPy oracle: medians of ``--repeats`` calls after warm-up,
+  the variants interleaved call by call so that a busy machine slows all of
+  them alike; every time is reported as a ratio to the floor;
+* the cold compile time of the jitted library (trace + lower + compile after
+  ``jax.clear_caches()``, median of ``--compile-repeats``);
+* the compiled temporary memory (``compiled.memory_analysis()``) as a ratio to
+  the bytes of the inputs;
+* the time per token, and its ratio to the smallest size's (linear scaling
+  keeps it at 1).
+
+Timings are noisy on a shared machine: compare ratios within one run, and see
+the load average and busy processes recorded in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks import workloads
+
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_SIZES = "64x2048,256x4096,256x8192"
+TINY_SIZES = "4x64,8x128"
+VARIANTS = ("floor", "jit", "op_by_op", "numpy")
+TITLES = {
+    "loss": "`policy_loss` forward + backward (decoupled_ppo, mis.yaml, all metrics)",
+    "correction": "`compute_correction` forward (mis.yaml)",
+}
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for item in text.split(","):
+        batch, length = item.lower().split("x")
+        sizes.append((int(batch), int(length)))
+    return sizes
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def cold_compile_seconds(comp: workloads.Computation, repeats: int) -> float:
+    """Trace + lower + compile with every JAX cache cleared first (median)."""
+    times = []
+    for _ in range(repeats):
+        jax.clear_caches()
+        start = time.perf_counter()
+        comp.compile(comp.step)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def temp_bytes(compiled: jax.stages.Compiled) -> int | None:
+    try:
+        analysis = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 (some backends do not implement it)
+        return None
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def measure(comp: workloads.Computation, args: argparse.Namespace, progress: tqdm) -> dict:
+    """Every number of one computation on one batch."""
+    compile_s = cold_compile_seconds(comp, args.compile_repeats)
+    floor = comp.compile(workloads.read_once)
+    jitted = comp.compile(comp.step)
+    call = {"floor": lambda: floor(*comp.args), "jit": lambda: jitted(*comp.args)}
+    if not args.no_op_by_op:
+        call["op_by_op"] = comp.op_by_op
+    if comp.numpy_step is not None and not args.no_numpy:
+        call["numpy"] = comp.numpy_step
+    for fn in call.values():
+        for _ in range(args.warmup):
+            timed(fn)
+    samples = {name: [] for name in call}
+    for _ in range(args.repeats):
+        for name, fn in call.items():  # interleaved: load hits every variant alike
+            samples[name].append(timed(fn))
+        progress.update(1)
+    median = {name: statistics.median(times) for name, times in samples.items()}
+    tokens = int(np.prod(comp.host_inputs["mask"].shape))
+    temp = temp_bytes(jitted)
+    return {
+        "seconds": median,
+        "samples": samples,
+        "ratio_to_floor": {name: median[name] / median["floor"] for name in median},
+        "compile_seconds": compile_s,
+        "temp_bytes": temp,
+        "input_bytes": comp.input_bytes,
+        "temp_to_input": None if temp is None else temp / comp.input_bytes,
+        "ns_per_token": median["jit"] / tokens * 1e9,
+        "tokens": tokens,
+    }
+
+
+def busy_processes(limit: int = 6) -> list[str]:
+    """Other processes using CPU right now (Linux ``ps``; empty elsewhere)."""
+    try:
+        out = subprocess.run(
+            ["ps", "-eo", "pid,pcpu,args", "--sort=-pcpu"], capture_output=True, text=True,
+            timeout=5, check=True,
+        ).stdout.splitlines()[1:]
+    except (OSError, subprocess.SubprocessError):
+        return []
+    busy = []
+    for line in out:
+        pid, pcpu, command = line.strip().split(None, 2)
+        if int(pid) != os.getpid() and float(pcpu) >= 10.0:
+            busy.append(f"{float(pcpu):.0f}% {command[:90]}")
+    return busy[:limit]
+
+
+def environment() -> dict:
+    device = jax.devices()[0]
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return {
+        "backend": jax.default_backend(),
+        "device": f"{device.device_kind} ({device.platform}, {len(jax.devices())} device(s))",
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def fmt(value, spec=".2f", suffix="") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [
+        "# offpolicy-jax benchmark results",
+        "",
+        f"Produced by `{report['command']}` on {env['date']}.",
+        "",
+        f"- backend **{env['backend']}**, device {env['device']}; jax {env['jax']}, "
+        f"Python {env['python']}",
+        f"- CPU: {env['cpu']}, {env['cpu_count']} cores",
+        f"- load average (1 min) before / after: {report['load_before']:.2f} / "
+        f"{report['load_after']:.2f}",
+        "- other busy processes at the start: "
+        + ("; ".join(f"`{p}`" for p in report["busy_before"]) or "none"),
+        "- other busy processes at the end: "
+        + ("; ".join(f"`{p}`" for p in report["busy_after"]) or "none"),
+    ]
+    if report.get("note"):
+        lines.append(f"- note: {report['note']}")
+    lines += [
+        "",
+        f"Times are medians of {report['repeats']} interleaved calls after warm-up, as ratios "
+        "to the read-once floor (a jitted function that sums each input array once) "
+        "measured in the same run. *compile* is cold trace + lower + compile of the jitted "
+        "library; *temp / input* is the compiled temporary memory over the input bytes; "
+        "*vs smallest* is the time per token over the smallest size's (1 = linear in B·T).",
+    ]
+    for name in ("loss", "correction"):
+        rows = [r for r in report["results"] if r["computation"] == name]
+        if not rows:
+            continue
+        lines += [
+            "",
+            f"## {TITLES[name]}",
+            "",
+            "| [B, T] | floor ms | jit ms | **jit / floor** | op-by-op / floor | NumPy / floor "
+            "| op-by-op / jit | NumPy / jit | compile s | temp / input | jit ns/token "
+            "| vs smallest |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        smallest = rows[0]["ns_per_token"]
+        for r in rows:
+            sec, ratio = r["seconds"], r["ratio_to_floor"]
+            slow = {v: sec[v] / sec["jit"] if v in sec else None for v in ("op_by_op", "numpy")}
+            lines.append(
+                f"| {r['batch']} x {r['length']} | {sec['floor'] * 1e3:.2f} "
+                f"| {sec['jit'] * 1e3:.2f} | **{ratio['jit']:.2f}** "
+                f"| {fmt(ratio.get('op_by_op'), '.1f')} | {fmt(ratio.get('numpy'), '.1f')} "
+                f"| {fmt(slow['op_by_op'], '.1f')} | {fmt(slow['numpy'], '.1f')} "
+                f"| {r['compile_seconds']:.2f} | {fmt(r['temp_to_input'])} "
+                f"| {r['ns_per_token']:.2f} | {r['ns_per_token'] / smallest:.2f} |"
+            )
+    lines += ["", "## Targets (on the largest size, `policy_loss` forward + backward)", ""]
+    lines += [f"- {t}" for t in targets(report)]
+    return "\n".join(lines) + "\n"
+
+
+def targets(report: dict) -> list[str]:
+    """The issue's targets, evaluated on this run (information, not a test)."""
+    rows = [r for r in report["results"] if r["computation"] == "loss"]
+    if not rows:
+        return []
+    big = rows[-1]
+    per_token = [r["ns_per_token"] / rows[0]["ns_per_token"] for r in rows]
+    slowest_other = [
+        (r["seconds"][v] / r["seconds"]["jit"], v, r["batch"], r["length"])
+        for r in report["results"] for v in ("op_by_op", "numpy") if v in r["seconds"]
+    ]
+
+    def mark(ok):
+        return "met" if ok else "**not met**"
+
+    out = [
+        f"jit / floor = {big['ratio_to_floor']['jit']:.2f} (target <= 8): "
+        f"{mark(big['ratio_to_floor']['jit'] <= 8)}",
+        f"compile = {big['compile_seconds']:.2f} s (target < 2 s): "
+        f"{mark(big['compile_seconds'] < 2)}",
+    ]
+    if big["temp_to_input"] is not None:
+        out.append(
+            f"temp / input = {big['temp_to_input']:.2f} (target <= 2): "
+            f"{mark(big['temp_to_input'] <= 2)}"
+        )
+    spread = max(abs(p - 1) for p in per_token)
+    out.append(
+        "time per token vs the smallest size: "
+        + ", ".join(f"{p:.2f}" for p in per_token)
+        + f" (target within ±25%): {mark(spread <= 0.25)}"
+    )
+    if slowest_other:
+        speedup, variant, b, t = min(slowest_other)
+        out.append(
+            f"slowest alternative is {speedup:.1f}x the jit time ({variant} at {b} x {t}; "
+            f"target: jit never slower, > 1): {mark(speedup > 1)}"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+                        help=f"comma-separated BxT batch sizes (default {DEFAULT_SIZES})")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per variant first")
+    parser.add_argument("--compile-repeats", type=int, default=3,
+                        help="cold compiles per computation and size")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE,
+                        help="directory for results.md and results.json (default: benchmarks/)")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"smoke test: sizes {TINY_SIZES}, 2 repeats, 1 warm-up and compile")
+    parser.add_argument("--no-op-by-op", action="store_true", help="skip the op-by-op JAX variant")
+    parser.add_argument("--no-numpy", action="store_true", help="skip the NumPy oracle")
+    parser.add_argument("--note", default="", help="free text added to results.md")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.sizes, args.repeats, args.warmup, args.compile_repeats = TINY_SIZES, 2, 1, 1
+    sizes = parse_sizes(args.sizes)
+
+    env = environment()
+    print(f"backend: {env['backend']}; device: {env['device']}; jax {env['jax']}", flush=True)
+    numpy_reference = None if args.no_numpy else workloads.load_numpy_reference()
+    if numpy_reference is None and not args.no_numpy:
+        print("tests/numpy_reference.py not found: the NumPy column is skipped", flush=True)
+    extra = sys.argv[1:] if argv is None else argv
+    report = {
+        "command": "python -m benchmarks.run" + (" " + shlex.join(extra) if extra else ""),
+        "environment": env,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "note": args.note,
+        "load_before": os.getloadavg()[0],
+        "busy_before": busy_processes(),
+        "results": [],
+    }
+    with tqdm(total=len(sizes) * 2 * args.repeats, desc="benchmark", unit="round") as progress:
+        for batch, length in sizes:
+            for comp in workloads.computations(batch, length, numpy_reference):
+                progress.set_postfix_str(f"{comp.name} {batch}x{length}")
+                result = measure(comp, args, progress)
+                report["results"].append(
+                    {"computation": comp.name, "batch": batch, "length": length, **result}
+                )
+    report["load_after"] = os.getloadavg()[0]
+    report["busy_after"] = busy_processes()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = markdown(report)
+    (args.out / "results.md").write_text(text)
+    (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(text)
+    print(f"wrote {args.out / 'results.md'} and {args.out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

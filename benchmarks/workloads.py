@@ -1,0 +1,174 @@
+"""What the benchmark measures: inputs, the reference configuration, and every variant.
+
+One workload is a padded ``[B, T]`` float32 batch with ragged lengths and two
+computations on it:
+
+* ``loss``: forward + backward of :func:`offpolicy_jax.policy_loss` for
+  ``decoupled_ppo`` with the reference ``mis.yaml`` correction (token-level
+  truncated IS, token-level rejection sampling, veto at 1e-4, batch
+  normalisation) and every metric;
+* ``correction``: forward of :func:`offpolicy_jax.compute_correction` with the
+  same configuration.
+
+Each computation comes in four variants, all measured in the same run:
+
+* ``floor``: a jitted function that reads each input array once (``sum`` of
+  each): the memory-bound lower bound every other time is divided by;
+* ``jit``: the library under ``jax.jit`` (what a training step runs);
+* ``op_by_op``: the same JAX code without ``jit`` (every primitive dispatched
+  on its own, under ``jax.disable_jit()``);
+* ``numpy``: the test suite's independent NumPy oracle
+  (``tests/numpy_reference.py``; float64, analytic gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+from collections.abc import Callable
+from importlib import resources
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import offpolicy_jax as opj
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def reference_correction() -> opj.CorrectionConfig:
+    """The reference ``mis.yaml`` shipped with the package."""
+    return opj.CorrectionConfig.from_yaml(resources.files("offpolicy_jax") / "configs" / "mis.yaml")
+
+
+def reference_loss_config() -> opj.LossConfig:
+    """decoupled PPO with the reference correction and every metric turned on."""
+    return opj.LossConfig(
+        algorithm="decoupled_ppo", correction=reference_correction(), get_mismatch_metrics=True
+    )
+
+
+def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A ragged padded batch: lengths uniform in ``[T/8, T]``, garbage-free padding.
+
+    ``rollout_logp`` differs from ``old_logp`` by small noise plus a few large
+    spikes (so rejection, truncation and the veto all fire); ``logp`` is a few
+    optimiser steps away from ``old_logp``; advantages are per token.
+    """
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(max(length // 8, 1), length + 1, batch)
+    mask = np.arange(length)[None, :] < lengths[:, None]
+    old = -rng.exponential(1.0, (batch, length))
+    spikes = np.where(rng.random((batch, length)) < 1e-3, rng.normal(0.0, 6.0, (batch, length)), 0.0)
+    rollout = old + rng.normal(0.0, 0.05, (batch, length)) + spikes
+    logp = old + rng.normal(0.0, 0.02, (batch, length))
+    advantages = rng.normal(0.0, 1.0, (batch, length))
+    f32 = np.float32
+    return {
+        "logp": logp.astype(f32),
+        "old_logp": old.astype(f32),
+        "rollout_logp": rollout.astype(f32),
+        "advantages": advantages.astype(f32),
+        "mask": mask,
+    }
+
+
+LOSS_INPUTS = ("logp", "old_logp", "rollout_logp", "advantages", "mask")
+CORRECTION_INPUTS = ("old_logp", "rollout_logp", "mask")
+
+
+def load_numpy_reference() -> ModuleType | None:
+    """The test suite's NumPy oracle, or None when the tests are not beside the package."""
+    path = REPO / "tests" / "numpy_reference.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("numpy_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_once(*arrays):
+    """The read-once floor: the sum of each input, each array read exactly once."""
+    return tuple(jnp.sum(x) for x in arrays)
+
+
+def loss_step(config: opj.LossConfig) -> Callable:
+    """``(loss, metrics), grad`` of ``policy_loss`` w.r.t. ``logp``: one training step's share."""
+
+    def step(logp, old_logp, rollout_logp, advantages, mask):
+        def loss(lp):
+            return opj.policy_loss(lp, old_logp, rollout_logp, advantages, mask, config)
+
+        return jax.value_and_grad(loss, has_aux=True)(logp)
+
+    return step
+
+
+def correction_step(config: opj.CorrectionConfig) -> Callable:
+    def step(old_logp, rollout_logp, mask):
+        return opj.compute_correction(old_logp, rollout_logp, mask, config)
+
+    return step
+
+
+@dataclasses.dataclass
+class Computation:
+    """One computation (loss or correction) on one batch, in all its variants."""
+
+    name: str
+    inputs: dict[str, jax.Array]  # device arrays, in call order
+    host_inputs: dict[str, np.ndarray]
+    step: Callable  # the JAX function of the inputs
+    numpy_step: Callable | None  # the NumPy oracle's equivalent, None if unavailable
+
+    @property
+    def args(self) -> tuple[jax.Array, ...]:
+        return tuple(self.inputs.values())
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(int(x.nbytes) for x in self.inputs.values())
+
+    def compile(self, fn: Callable) -> jax.stages.Compiled:
+        return jax.jit(fn).lower(*self.args).compile()
+
+    def op_by_op(self):
+        with jax.disable_jit():
+            return self.step(*self.args)
+
+
+def computations(batch: int, length: int, numpy_reference: ModuleType | None) -> list[Computation]:
+    """The loss and the correction workloads on one ``[batch, length]`` batch."""
+    host = make_inputs(batch, length)
+    device = {k: jnp.asarray(v) for k, v in host.items()}
+    loss_config = reference_loss_config()
+    correction_config = loss_config.correction
+    loss_numpy = correction_numpy = None
+    if numpy_reference is not None:
+        ref = numpy_reference
+        corr = correction_config.to_dict()
+
+        def loss_numpy():
+            return ref.policy_loss(
+                *(host[k] for k in LOSS_INPUTS),
+                algorithm="decoupled_ppo", correction=corr, get_mismatch_metrics=True,
+            )
+
+        def correction_numpy():
+            return ref.correction(*(host[k] for k in CORRECTION_INPUTS), **corr)
+
+    return [
+        Computation(
+            "loss", {k: device[k] for k in LOSS_INPUTS}, {k: host[k] for k in LOSS_INPUTS},
+            loss_step(loss_config), loss_numpy,
+        ),
+        Computation(
+            "correction", {k: device[k] for k in CORRECTION_INPUTS},
+            {k: host[k] for k in CORRECTION_INPUTS}, correction_step(correction_config),
+            correction_numpy,
+        ),
+    ]

@@ -1,0 +1,29 @@
+"""The benchmark command runs end to end on a tiny size (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_command_writes_its_report(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--tiny", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "backend:" in proc.stdout
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["environment"]["backend"]
+    assert {(r["computation"], r["batch"], r["length"]) for r in report["results"]} == {
+        (name, b, t) for name in ("loss", "correction") for b, t in ((4, 64), (8, 128))
+    }
+    for row in report["results"]:
+        assert set(row["seconds"]) == {"floor", "jit", "op_by_op", "numpy"}
+        assert row["compile_seconds"] > 0 and row["input_bytes"] > 0
+    text = (tmp_path / "results.md").read_text()
+    assert "jit / floor" in text and "## Targets" in text
