@@ -17,7 +17,6 @@ distribution, exactly what an inference server returns.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,37 +37,41 @@ class Numerics:
     top_p: float = 1.0
 
 
-def _nucleus_log_probs(logits: Array, temperature: float, top_p: float) -> Array:
+def _sampling_log_probs(logits: Array, temperature: Array, top_p: Array) -> Array:
     """Log-probs of the distribution actually sampled: softmax(logits / T) restricted to
-    the smallest set of tokens whose probability reaches ``top_p``, renormalised."""
+    the smallest set of tokens whose probability reaches ``top_p``, renormalised.
+    ``temperature = top_p = 1`` returns ``log_softmax(logits)`` bit for bit."""
     logq = jax.nn.log_softmax(logits / temperature, axis=-1)
-    if top_p >= 1.0:
-        return logq
     probs = jnp.exp(logq)
     order = jnp.argsort(-probs, axis=-1)
     sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above this token
-    keep_sorted = before < top_p
-    keep = jnp.zeros_like(keep_sorted).at[
-        tuple(jnp.indices(order.shape)[:-1]) + (order,)
-    ].set(keep_sorted)
-    return jax.nn.log_softmax(jnp.where(keep, logq, -jnp.inf), axis=-1)
+    above = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass of the more likely tokens
+    keep = jnp.put_along_axis(jnp.zeros(order.shape, bool), order, above < top_p, axis=-1,
+                              inplace=False)
+    nucleus = jax.nn.log_softmax(jnp.where(keep, logq, -jnp.inf), axis=-1)
+    return jnp.where(top_p < 1.0, nucleus, logq)
 
 
 def generate(graphdef: nnx.GraphDef, params: nnx.State, prompts: Array, key: Array,
-             numerics: Numerics) -> tuple[Array, Array]:
-    """Sample one response per prompt. Returns ``(responses [B, n], rollout_logp [B, n])``."""
-    rnd = functools.partial(round_mantissa, bits=numerics.mantissa_bits)
+             numerics: Numerics, active: Array | bool = True) -> tuple[Array, Array]:
+    """Sample one response per prompt with the engine's numerics (plain float32
+    sampling where ``active`` is false). Returns ``(responses [B, n], rollout_logp [B, n])``."""
     if numerics.mantissa_bits < 23:
+        def rnd(x):
+            return jnp.where(active, round_mantissa(x, numerics.mantissa_bits), x)
         params = jax.tree.map(rnd, params)
+    else:
+        rnd = None
+    temperature = jnp.where(active, numerics.temperature, 1.0)
+    top_p = jnp.where(active, numerics.top_p, 1.0)
     model = nnx.merge(graphdef, params)
     n = prompts.shape[-1]
     tokens = task.join(prompts, jnp.zeros_like(prompts))
 
     def step(tokens, xs):
         i, k = xs
-        logits = model(tokens, rnd=rnd)[:, n + i].astype(jnp.float32)
-        logq = _nucleus_log_probs(logits, numerics.temperature, numerics.top_p)
+        logits = model(tokens, rnd=rnd)[:, n + i]
+        logq = _sampling_log_probs(logits.astype(jnp.float32), temperature, top_p)
         tok = jax.random.categorical(k, logq, axis=-1).astype(jnp.int32)
         tokens = tokens.at[:, n + 1 + i].set(tok)
         return tokens, jnp.take_along_axis(logq, tok[:, None], axis=-1)[:, 0]

@@ -63,7 +63,9 @@ class Policy(nnx.Module):
         self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab, rngs=rngs)
 
-    def __call__(self, tokens: Array, rnd: Rounder = _identity) -> Array:
+    def __call__(self, tokens: Array, rnd: Rounder | None = None) -> Array:
+        """``rnd``, if given, rounds the weights' products and every stored activation."""
+        rnd = rnd or _identity
         length = tokens.shape[-1]
         x = rnd(self.tok(tokens) + self.pos(jnp.arange(length)))
         mask = nnx.make_causal_mask(tokens)

@@ -1,20 +1,22 @@
 """The trainer: GRPO-style RL on the digit task, with a separate rollout engine.
 
-One jitted ``train_step`` per algorithm (``LossConfig`` is static): the engine samples a
-batch and reports its log-probs, the trainer recomputes float32 log-probs of the same
-tokens, and the policy is updated with ``opj.policy_loss`` on a few minibatches.
-Seeds are vmapped, steps are ``lax.scan``-ned in chunks (so a progress bar can advance).
+Every (algorithm, seed) run is one row of a batched state, trained by ONE jitted step:
+the engine samples a batch and reports its log-probs, the trainer recomputes float32
+log-probs of the same tokens, and the policy is updated with ``opj.policy_loss`` on a few
+minibatches. The algorithms differ only in their (static) ``LossConfig``; a
+``lax.switch`` on each row's algorithm index picks its loss, so all runs share one
+compiled program and advance together. Steps are ``lax.scan``-ned in chunks so that a
+progress bar can follow.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
+import importlib.resources
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -26,11 +28,9 @@ Array = jax.Array
 
 MISMATCH_SOURCES = ("precision", "stale", "sampling")
 
-# The reference mis.yaml of the miles/slime frameworks.
-MIS = opj.CorrectionConfig(
-    use_tis=True, tis_level="token", tis_mode="truncate", tis_lower_bound=0.5,
-    tis_upper_bound=2.0, tis_batch_normalize=True, use_rs=True, rs_level="token",
-    rs_veto_threshold=1e-4,
+#: The reference rollout-correction settings, as shipped with the package (mis.yaml).
+MIS = opj.CorrectionConfig.from_yaml(
+    importlib.resources.files("offpolicy_jax").joinpath("configs", "mis.yaml").read_text()
 )
 
 
@@ -64,12 +64,14 @@ ALGORITHMS: dict[str, Algorithm] = {
 class Mismatch:
     """Where the engine's numerics differ from the trainer's, and how much.
 
-    ``severity`` 0 is no mismatch; 1 is the realistic setting; larger is worse:
+    ``severity`` 0 is no mismatch, 1 the realistic setting, larger is worse:
 
     - ``precision``: weights and activations keep ``8 - severity`` mantissa bits
-      (1 = bfloat16, 5 = the 3 bits of fp8-e4m3);
-    - ``stale``: the engine's weights are ``severity`` optimizer updates behind;
-    - ``sampling``: temperature ``1 + 0.25 * severity`` and top-p ``1 - 0.05 * severity``.
+      (1 = bfloat16's 7 bits, 5 = the 3 bits of fp8-e4m3, at most 7);
+    - ``stale``: the engine samples with weights ``severity`` optimizer updates old,
+      as an asynchronous RL system does;
+    - ``sampling``: the engine samples at temperature ``1 + 0.25 * severity`` with
+      top-p ``1 - 0.05 * severity`` (at least 0.05), which the trainer does not apply.
     """
 
     source: str = "precision"
@@ -78,18 +80,18 @@ class Mismatch:
     def numerics(self) -> engine.Numerics:
         s = self.severity
         if self.source == "precision" and s > 0:
-            return engine.Numerics(mantissa_bits=max(1, 8 - int(round(s))))
+            return engine.Numerics(mantissa_bits=max(1, 8 - round(s)))
         if self.source == "sampling" and s > 0:
             return engine.Numerics(temperature=1.0 + 0.25 * s, top_p=max(0.05, 1.0 - 0.05 * s))
         return engine.Numerics()
 
     def staleness(self) -> int:
-        return int(round(self.severity)) if self.source == "stale" else 0
+        return round(self.severity) if self.source == "stale" else 0
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Model, batch and optimiser sizes (hashable: closed over by the jitted step)."""
+    """Model, batch and optimiser sizes."""
 
     prompt_len: int = 4
     d_model: int = 32
@@ -101,14 +103,10 @@ class TrainConfig:
     learning_rate: float = 1e-3
     max_grad_norm: float = 1.0
 
-    @property
-    def batch(self) -> int:
-        return self.prompts_per_step * self.group_size
 
-
-def make_model(cfg: TrainConfig, seed: int) -> Policy:
+def make_model(cfg: TrainConfig, seed: int | Array) -> Policy:
     return Policy(task.VOCAB, 2 * cfg.prompt_len + 1, cfg.d_model, cfg.n_heads, cfg.n_layers,
-                  rngs=nnx.Rngs(seed))
+                  rngs=nnx.Rngs(jax.random.key(seed)))
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -130,105 +128,126 @@ def group_advantages(rewards: Array, group_size: int) -> Array:
     return adv.reshape(-1)
 
 
-def init_state(cfg: TrainConfig, mismatch: Mismatch, seeds: list[int]):
-    """Per-seed trainer state stacked on a leading axis, plus the graphdef."""
+def init_state(cfg: TrainConfig, mismatch: Mismatch, seeds: Sequence[int]):
+    """``(graphdef, state)``: one state row per seed, stacked on a leading axis."""
     tx = make_optimizer(cfg)
-    states = []
-    for seed in seeds:
-        graphdef, params = nnx.split(make_model(cfg, seed), nnx.Param)
-        k = mismatch.staleness()
-        # The engine's weight queue: the weights it samples with are queue[0].
-        queue = jax.tree.map(lambda p: jnp.stack([p] * k), params) if k else None
-        states.append({"params": params, "opt": tx.init(params), "queue": queue})
-    return graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    k = mismatch.staleness()
+    graphdef = nnx.graphdef(make_model(cfg, 0))
+
+    def init(seed):
+        params = nnx.state(make_model(cfg, seed), nnx.Param)
+        # The engine's copies of the weights, a ring buffer: slot step % k holds the
+        # weights of k updates ago, which the engine samples with.
+        ring = jax.tree.map(lambda p: jnp.stack([p] * k), params) if k else None
+        return {"params": params, "opt": tx.init(params), "ring": ring,
+                "step": jnp.zeros((), jnp.int32)}
+
+    return graphdef, jax.jit(jax.vmap(init))(jnp.asarray(seeds))
 
 
-def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig, algo: Algorithm,
-                    mismatch: Mismatch) -> Callable:
-    """``train_step(state, key) -> (state, metrics)`` for one seed (vmap it for many)."""
+def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
+                    algorithms: Sequence[Algorithm], mismatch: Mismatch) -> Callable:
+    """``train_step(state, key, algo_index, mismatched) -> (state, metrics)`` for one run
+    (vmap it over runs). ``algo_index`` picks ``algorithms[algo_index].loss``;
+    ``mismatched`` turns the engine's mismatch on."""
     tx = make_optimizer(cfg)
-    lcfg = algo.loss
-    numerics = mismatch.numerics() if algo.mismatch else engine.Numerics()
-    stale = mismatch.staleness() if algo.mismatch else 0
+    numerics, stale = mismatch.numerics(), mismatch.staleness()
     n, g, mbs = cfg.prompt_len, cfg.group_size, cfg.minibatches
-    needs_old = lcfg.algorithm in ("ppo", "decoupled_ppo")
-    monitor = lcfg.correction if isinstance(lcfg.correction, opj.CorrectionConfig) \
-        else opj.CorrectionConfig()
+    # Runs that share a loss share a switch branch (e.g. reference and ppo).
+    loss_configs = list(dict.fromkeys(a.loss for a in algorithms))
+    loss_index = jnp.array([loss_configs.index(a.loss) for a in algorithms], jnp.int32)
+    # The correction each algorithm applies, run once per batch to monitor the mismatch
+    # and count rejected tokens (use_tis=False: metrics only, nothing rejected).
+    applied = [a.loss.correction if isinstance(a.loss.correction, opj.CorrectionConfig)
+               else opj.CorrectionConfig() for a in algorithms]
+    monitors = list(dict.fromkeys(applied))
+    monitor_index = jnp.array([monitors.index(c) for c in applied], jnp.int32)
 
-    def loss_fn(params, tokens, old_logp, rollout_logp, adv, mask):
+    def policy_loss(lcfg: opj.LossConfig):
+        needs_old = lcfg.algorithm in ("ppo", "decoupled_ppo")
+
+        def loss(logp, old_logp, rollout_logp, adv, mask):
+            loss, met = opj.policy_loss(logp, old_logp if needs_old else None, rollout_logp,
+                                        adv, mask, lcfg)
+            return loss, met.get("pg_clipfrac", jnp.float32(jnp.nan))
+        return loss
+
+    losses = [policy_loss(c) for c in loss_configs]
+
+    def loss_fn(params, algo_index, tokens, old_logp, rollout_logp, adv, mask):
         logp = token_logp(graphdef, params, tokens, n)
-        return opj.policy_loss(logp, old_logp if needs_old else None, rollout_logp, adv, mask,
-                               lcfg)
+        return jax.lax.switch(loss_index[algo_index], losses, logp, old_logp, rollout_logp,
+                              adv, mask)
 
-    def minibatch_update(carry, mb):
-        params, opt = carry
-        (loss, met), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *mb)
-        updates, opt = tx.update(grads, opt, params)
-        met = {k: met[k] for k in ("pg_clipfrac",) if k in met}
-        met["grad_norm"] = optax.global_norm(grads)
-        return (optax.apply_updates(params, updates), opt), met
+    def monitor(algo_index, old_logp, rollout_logp, mask):
+        def run(c):
+            res = opj.compute_correction(old_logp, rollout_logp, mask, c, reduction="token")
+            return res.metrics["mis_k3_kl"], (mask.sum() - res.mask.sum()) / mask.sum()
+        return jax.lax.switch(monitor_index[algo_index], [lambda c=c: run(c) for c in monitors])
 
-    def train_step(state, key):
-        params, opt, queue = state["params"], state["opt"], state["queue"]
+    def train_step(state, key, algo_index, mismatched):
+        params = state["params"]
         k_prompt, k_sample = jax.random.split(key)
         prompts = jnp.repeat(task.sample_prompts(k_prompt, cfg.prompts_per_step, n), g, axis=0)
-        engine_params = jax.tree.map(lambda q: q[0], queue) if stale else params
+        if stale:
+            slot = state["step"] % stale
+            old = jax.tree.map(lambda r: r[slot], state["ring"])
+            engine_params = jax.tree.map(lambda o, p: jnp.where(mismatched, o, p), old, params)
+        else:
+            engine_params = params
         responses, rollout_logp = engine.generate(graphdef, engine_params, prompts, k_sample,
-                                                  numerics)
+                                                  numerics, active=mismatched)
         rewards = task.reward(prompts, responses)
-        adv = group_advantages(rewards, g)
         tokens = task.join(prompts, responses)
         old_logp = jax.lax.stop_gradient(token_logp(graphdef, params, tokens, n))
         mask = jnp.ones_like(old_logp)
+        k3, rejected = monitor(algo_index, old_logp, rollout_logp, mask)
 
-        # What the correction sees when the batch arrives: mismatch metrics and rejections.
-        res = opj.compute_correction(old_logp, rollout_logp, mask, monitor, reduction="token")
+        def update(carry, mb):
+            params, opt = carry
+            (_, clipfrac), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, algo_index, *mb)
+            updates, opt = tx.update(grads, opt, params)
+            return (optax.apply_updates(params, updates), opt), (clipfrac,
+                                                                 optax.tree.norm(grads))
 
-        # Minibatches are whole groups, in order.
-        batch = (tokens, old_logp, rollout_logp, adv, mask)
+        # Minibatches are whole groups, in order: one PPO epoch over the batch.
+        batch = (tokens, old_logp, rollout_logp, group_advantages(rewards, g), mask)
         batch = jax.tree.map(lambda x: x.reshape((mbs, -1) + x.shape[1:]), batch)
-        (params, opt), met = jax.lax.scan(minibatch_update, (params, opt), batch)
+        (params, opt), (clipfrac, grad_norm) = jax.lax.scan(
+            update, (params, state["opt"]), batch)
+        ring = state["ring"]
         if stale:
-            queue = jax.tree.map(lambda q, p: jnp.concatenate([q[1:], p[None]]), queue, params)
-        metrics = {k: v.mean() for k, v in met.items()}
-        metrics.update(
-            reward=rewards.mean(),
-            exact_match=(rewards == 1.0).mean(),
-            mis_k3_kl=res.metrics["mis_k3_kl"],
-            mis_kl=res.metrics["mis_kl"],
-            rejected_fraction=1.0 - res.mask.sum() / mask.sum(),
-        )
-        return {"params": params, "opt": opt, "queue": queue}, metrics
+            ring = jax.tree.map(lambda r, p: r.at[slot].set(p), ring, params)
+        metrics = {
+            "reward": rewards.mean(),
+            "exact_match": (rewards == 1.0).mean(),
+            "mis_k3_kl": k3,
+            "rejected_fraction": rejected,
+            "pg_clipfrac": clipfrac.mean(),
+            "grad_norm": grad_norm.mean(),
+        }
+        return {"params": params, "opt": opt, "ring": ring, "step": state["step"] + 1}, metrics
 
     return train_step
 
 
 def make_chunk_runner(train_step: Callable, chunk: int) -> Callable:
-    """Jitted ``(state, keys [chunk, seeds], n_active) -> (state, metrics [chunk, seeds])``:
-    ``chunk`` steps for all seeds at once; steps at index >= n_active are skipped, so a
-    last, shorter chunk reuses the same compiled program."""
+    """Jitted ``run(state, keys [chunk, R], algo_index [R], mismatched [R], n_active)
+    -> (state, metrics [chunk, R])``: ``chunk`` steps of all R runs at once. Steps at index
+    >= ``n_active`` are skipped (metrics NaN), so a last, shorter chunk reuses the program."""
     vstep = jax.vmap(train_step)
 
-    def skip(state, keys):
-        _, met = jax.eval_shape(vstep, state, keys)
+    def skip(state, keys, algo_index, mismatched):
+        _, met = jax.eval_shape(vstep, state, keys, algo_index, mismatched)
         return state, jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), met)
 
     @jax.jit
-    def run(state, keys, n_active):
+    def run(state, keys, algo_index, mismatched, n_active):
         def body(state, xs):
             i, k = xs
-            return jax.lax.cond(i < n_active, vstep, skip, state, k)
+            return jax.lax.cond(i < n_active, vstep, skip, state, k, algo_index, mismatched)
 
         return jax.lax.scan(body, state, (jnp.arange(chunk), keys))
 
     return run
-
-
-def step_keys(seeds: list[int], steps: int) -> np.ndarray:
-    """Keys ``[steps, seeds]``: the same for every algorithm (common random numbers)."""
-    keys = jnp.stack([jax.random.split(jax.random.key(s), steps) for s in seeds], axis=1)
-    return keys
-
-
-def n_chunks(steps: int, chunk: int) -> int:
-    return math.ceil(steps / chunk)

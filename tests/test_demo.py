@@ -1,0 +1,186 @@
+"""The end-to-end demo (``offpolicy-jax demo``): a tiny run writes well-formed outputs,
+the rollout engine's numerics behave as documented, and bad CLI input fails in one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("matplotlib")
+
+from offpolicy_jax.demo import cli, engine, task, train
+from offpolicy_jax.demo.model import round_mantissa
+
+TINY_ALGOS = ("reference", "ppo", "decoupled_mis")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"
+    argv = ["demo", "--tiny", "--no-progress", "--steps", "4", "--seeds", "2",
+            "--algorithms", ",".join(TINY_ALGOS), "--out", str(out)]
+    assert cli.main(argv) == 0
+    return out
+
+
+def test_tiny_demo_writes_table_plot_and_logs(tiny_run, capsys):
+    out = tiny_run
+    for name in ("results.md", "demo.png", "metrics.csv", "summary.json"):
+        assert (out / name).is_file(), name
+
+    png = (out / "demo.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(TINY_ALGOS) * 2 * 4
+    assert list(rows[0]) == ["algorithm", "seed", "step", *train_metrics()]
+    assert {r["algorithm"] for r in rows} == set(TINY_ALGOS)
+    for r in rows:
+        assert 0.0 <= float(r["reward"]) <= 1.0
+        assert np.isfinite(float(r["mis_k3_kl"])) and float(r["mis_k3_kl"]) >= 0.0
+        assert 0.0 <= float(r["rejected_fraction"]) <= 1.0
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["steps"] == 4 and summary["config"]["seeds"] == 2
+    assert [r["algorithm"] for r in summary["results"]] == list(TINY_ALGOS)
+    for r in summary["results"]:
+        assert len(r["final_reward_per_seed"]) == 2
+        assert r["final_reward_std"] >= 0.0
+
+    table = (out / "results.md").read_text()
+    assert summary["command"].startswith("offpolicy-jax demo --tiny")
+    assert table.count("\n| ") == 1 + len(TINY_ALGOS)  # header + one row per algorithm
+
+
+def train_metrics():
+    from offpolicy_jax.demo.report import METRICS
+
+    return list(METRICS)
+
+
+def test_tiny_demo_uses_common_seeds_and_a_clean_reference(tiny_run):
+    with open(tiny_run / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    by = {(r["algorithm"], r["seed"], r["step"]): r for r in rows}
+    # The default mismatch is a stale engine: at step 1 nobody has been updated yet, so
+    # every algorithm samples the same batch from the same weights.
+    for seed in ("0", "1"):
+        rewards = {by[(a, seed, "1")]["reward"] for a in TINY_ALGOS}
+        assert len(rewards) == 1
+    # The reference engine has no mismatch: log-probs equal up to float32 rounding.
+    assert all(float(r["mis_k3_kl"]) < 1e-6 for r in rows if r["algorithm"] == "reference")
+    assert any(float(r["mis_k3_kl"]) > 1e-4 for r in rows if r["algorithm"] == "ppo")
+
+
+def test_round_mantissa_7_bits_is_bfloat16():
+    x = jax.random.normal(jax.random.key(0), (4096,)) * 30.0
+    np.testing.assert_array_equal(round_mantissa(x, 7),
+                                  x.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(round_mantissa(x, 23), x)
+
+
+def test_sampling_log_probs():
+    logits = jnp.array([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    plain = engine._sampling_log_probs(logits, jnp.float32(1.0), jnp.float32(1.0))
+    np.testing.assert_array_equal(plain, jax.nn.log_softmax(logits))
+    # Nucleus 0.9: the smallest set of most likely tokens whose mass reaches 0.8.
+    p = jax.nn.softmax(logits)[0]
+    nucleus = engine._sampling_log_probs(logits, jnp.float32(1.0), jnp.float32(0.9))[0]
+    keep = np.array([True, True, True, False, False])
+    assert np.cumsum(p)[1] < 0.9 <= np.cumsum(p)[2]
+    np.testing.assert_allclose(np.exp(nucleus[keep]), p[keep] / p[keep].sum(), rtol=1e-6)
+    assert np.all(np.isneginf(nucleus[~keep]))
+    hot = engine._sampling_log_probs(logits, jnp.float32(2.0), jnp.float32(1.0))
+    np.testing.assert_allclose(hot, jax.nn.log_softmax(logits / 2.0), rtol=1e-6)
+
+
+def test_mismatch_severity():
+    assert train.Mismatch("precision", 1).numerics().mantissa_bits == 7  # bfloat16
+    assert train.Mismatch("precision", 5).numerics().mantissa_bits == 3  # fp8-e4m3
+    assert train.Mismatch("precision", 0).numerics() == engine.Numerics()
+    assert train.Mismatch("stale", 4).staleness() == 4
+    assert train.Mismatch("stale", 4).numerics() == engine.Numerics()
+    s = train.Mismatch("sampling", 2).numerics()
+    assert (s.temperature, s.top_p) == (1.5, 0.9)
+
+
+def test_engine_without_mismatch_reports_the_trainers_log_probs():
+    cfg = train.TrainConfig(d_model=16, prompt_len=3)
+    graphdef, state = train.init_state(cfg, train.Mismatch("precision", 1), [0])
+    params = jax.tree.map(lambda x: x[0], state["params"])
+    prompts = task.sample_prompts(jax.random.key(1), 8, cfg.prompt_len)
+    numerics = train.Mismatch("precision", 1).numerics()
+    for active in (False, True):
+        resp, rollout_logp = engine.generate(graphdef, params, prompts, jax.random.key(2),
+                                             numerics, active=active)
+        trainer = train.token_logp(graphdef, params, task.join(prompts, resp), cfg.prompt_len)
+        if active:  # bf16 engine: close, not equal
+            assert not np.array_equal(rollout_logp, trainer)
+            np.testing.assert_allclose(rollout_logp, trainer, atol=0.1)
+        else:  # same numerics: equal up to float32 rounding (reductions of other shapes)
+            np.testing.assert_allclose(rollout_logp, trainer, rtol=0, atol=2e-6)
+
+
+def test_task_reward():
+    prompts = jnp.array([[1, 2, 3], [4, 5, 6]])
+    responses = jnp.array([[3, 2, 1], [6, 0, 0]])
+    np.testing.assert_allclose(task.reward(prompts, responses), [1.0, 1 / 3])
+
+
+# --------------------------------------------------------------------------- bad input
+
+BAD = {
+    "unknown algorithm": ["demo", "--algorithms", "ppo,nope"],
+    "negative steps": ["demo", "--steps", "-5"],
+    "zero steps": ["demo", "--steps", "0"],
+    "non-integer seeds": ["demo", "--seeds", "two"],
+    "unknown mismatch": ["demo", "--mismatch", "cosmic-rays"],
+    "negative severity": ["demo", "--severity", "-1"],
+    "threshold above 1": ["demo", "--threshold", "1.5"],
+    "negative learning rate": ["demo", "--lr", "-0.1"],
+    "unknown option": ["demo", "--stpes", "10"],
+    "unknown command": ["train"],
+    "no command": [],
+}
+
+
+@pytest.mark.parametrize("argv", list(BAD.values()), ids=list(BAD))
+def test_bad_input_is_one_line_and_exit_2(argv, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + (["--out", str(tmp_path / "o")] if argv[:1] == ["demo"] else []))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("offpolicy-jax: error: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()  # nothing was trained or written
+
+
+def test_unwritable_output_dir(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--tiny", "--out", str(blocker / "out")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("offpolicy-jax: error: cannot write to output directory")
+    assert err.count("\n") == 1
+
+
+def test_console_entry_point_bad_input_has_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from offpolicy_jax.demo.cli import main; sys.exit(main())",
+         "demo", "--algorithms", "nope"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("offpolicy-jax")]
+    assert lines == [("offpolicy-jax: error: unknown algorithm 'nope' (choose from reference, "
+                      "ppo, bypass_ppo, decoupled_tis, decoupled_mis, reinforce_is)")]
