@@ -152,6 +152,16 @@ def config_set(name: str) -> dict:
     raise ValueError(name)
 
 
+# The 2-process test: a global [8, 12] batch, 4 rows per process, and a small set
+# configuration (decoupled PPO, sequence-level IS with geometric RS, veto and batch
+# normalisation, all metrics): small, to compile in a second or two.
+MULTIPROCESS_BATCH = dict(seed=5, batch=8, length=12, lengths=(12, 0, 5, 1, 9, 12, 7, 3))
+MULTIPROCESS_CONFIGS = dict(
+    losses={k: LOSSES[k] for k in ("decoupled_sequence_rejected_in_den",)},
+    corrections={},
+)
+
+
 def evaluate_all(arrays: Mapping[str, jax.Array], axis_names: Any = None,
                  losses: Mapping[str, tuple[opj.LossConfig, str]] | None = None,
                  corrections: Mapping[str, opj.CorrectionConfig] | None = None) -> dict:
