@@ -76,21 +76,17 @@ def run(config: DemoConfig, progress: Callable[[int], None] | None = None) -> Hi
     algo_index = jnp.repeat(jnp.arange(len(algos), dtype=jnp.int32), len(seeds))
     mismatched = jnp.repeat(jnp.array([a.mismatch for a in algos]), len(seeds))
     step = train.make_train_step(graphdef, config.train, algos, config.mismatch)
-    runner = train.make_chunk_runner(step, config.chunk)
+    runner = train.make_chunk_runner(step)
 
     keys = jax.vmap(lambda s: jax.random.split(jax.random.key(s), config.steps))(
         jnp.array(seeds))  # [S, steps]
     keys = jnp.tile(keys.T, (1, len(algos)))  # [steps, R]
-    pad = -config.steps % config.chunk
-    keys = jnp.concatenate([keys, keys[:pad]]) if pad else keys
-
     chunks = []
     for lo in range(0, config.steps, config.chunk):
-        n_active = min(config.chunk, config.steps - lo)
-        state, met = runner(state, keys[lo:lo + config.chunk], algo_index, mismatched, n_active)
+        state, met = runner(state, keys[lo:lo + config.chunk], algo_index, mismatched)
         chunks.append(jax.device_get(met))
         if progress:
-            progress(n_active)
+            progress(len(chunks[-1]["reward"]))
     merged = {k: np.concatenate([c[k] for c in chunks])[:config.steps] for k in chunks[0]}
     metrics = {
         a.name: {k: v[:, i * len(seeds):(i + 1) * len(seeds)].astype(np.float64)

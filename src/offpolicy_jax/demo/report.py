@@ -14,8 +14,8 @@ from offpolicy_jax.demo.experiment import History
 from offpolicy_jax.demo.train import ALGORITHMS
 
 #: Per-step metrics written to metrics.csv, in column order.
-METRICS = ("reward", "exact_match", "mis_k3_kl", "rejected_fraction", "pg_clipfrac",
-           "grad_norm")
+METRICS = ("policy_reward", "policy_exact_match", "reward", "mis_k3_kl", "rejected_fraction",
+           "pg_clipfrac", "grad_norm")
 
 
 def smooth(x: np.ndarray, window: int) -> np.ndarray:
@@ -39,23 +39,31 @@ def summarize(history: History) -> list[dict]:
     tail = max(1, cfg.steps // 10)
     rows = []
     for name, m in history.metrics.items():
-        final = m["reward"][-tail:].mean(axis=0)  # per seed
-        reached = smooth(m["reward"], w) >= cfg.threshold  # [steps, seeds]
+        final = m["policy_reward"][-tail:].mean(axis=0)  # per seed
+        reached = smooth(m["policy_reward"], w) >= cfg.threshold  # [steps, seeds]
         first = [int(np.argmax(col)) + 1 if col.any() else None for col in reached.T]
         hit = [s for s in first if s is not None]
+        rollout = m["reward"][-tail:].mean(axis=0)
         rows.append({
             "algorithm": name,
             "label": ALGORITHMS[name].label,
             "final_reward_mean": float(final.mean()),
-            "final_reward_std": float(final.std(ddof=1)) if len(final) > 1 else 0.0,
+            "final_reward_std": _std(final),
             "final_reward_per_seed": [float(f) for f in final],
             "steps_to_threshold_per_seed": first,
             "steps_to_threshold_mean": float(np.mean(hit)) if hit else None,
             "seeds_reaching_threshold": len(hit),
+            "final_rollout_reward_mean": float(rollout.mean()),
+            "final_rollout_reward_std": _std(rollout),
             "peak_mis_k3_kl": float(np.nanmax(m["mis_k3_kl"].mean(axis=1))),
             "rejected_fraction": float(np.nanmean(m["rejected_fraction"])),
         })
     return rows
+
+
+def _std(x: np.ndarray) -> float:
+    """Sample standard deviation over seeds (0 for one seed)."""
+    return float(x.std(ddof=1)) if len(x) > 1 else 0.0
 
 
 def _steps_cell(row: dict, seeds: int) -> str:
@@ -67,29 +75,32 @@ def _steps_cell(row: dict, seeds: int) -> str:
 
 
 def format_table(history: History, rows: list[dict]) -> str:
-    """The results as a Markdown table."""
+    """The results as a Markdown table, with a note on how each column is computed."""
     cfg = history.config
     tail = max(1, cfg.steps // 10)
-    head = (f"| algorithm | final reward (mean ± std, {cfg.seeds} seeds) "
-            f"| steps to reward ≥ {cfg.threshold:g} | peak mis_k3_kl | rejected tokens |")
-    lines = [head, "|---|---|---|---|---|"]
+    header = (f"| algorithm | final reward (mean ± std, {cfg.seeds} seeds) "
+              f"| steps to reward ≥ {cfg.threshold:g} | final rollout reward | peak mis_k3_kl "
+              "| rejected tokens |")
+    lines = [header, "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['final_reward_mean']:.3f} ± {r['final_reward_std']:.3f} "
-            f"| {_steps_cell(r, cfg.seeds)} | {r['peak_mis_k3_kl']:.2e} "
-            f"| {100 * r['rejected_fraction']:.1f}% |")
-    lines.append("")
-    lines.append(
-        f"Final reward: mean over the last {tail} steps. Steps to threshold: first step whose "
-        f"{window(cfg.steps)}-step moving-average reward reaches {cfg.threshold:g} (mean over "
-        "the seeds that reach it). Peak mis_k3_kl: largest per-step seed-mean K3 KL between "
-        "the rollout engine's and the trainer's log-probs. Rejected tokens: share of tokens "
-        "the algorithm's correction drops, averaged over training.")
+            f"| {_steps_cell(r, cfg.seeds)} "
+            f"| {r['final_rollout_reward_mean']:.3f} ± {r['final_rollout_reward_std']:.3f} "
+            f"| {r['peak_mis_k3_kl']:.3g} | {100 * r['rejected_fraction']:.1f}% |")
+    lines += ["", (
+        f"Reward: fraction of digits right, of the trained policy itself (float32, temperature "
+        f"1, fresh prompts); final = mean over the last {tail} steps. Steps to threshold: first "
+        f"step whose {window(cfg.steps)}-step moving average reaches {cfg.threshold:g} (mean "
+        "over the seeds that reach it). Rollout reward: the same, of the responses the rollout "
+        "engine sampled for training. Peak mis_k3_kl: largest per-step seed-mean K3 KL between "
+        "the engine's and the trainer's log-probs. Rejected tokens: share of tokens the "
+        "algorithm's correction drops, averaged over training.")]
     return "\n".join(lines)
 
 
 def plot(history: History, path: Path) -> None:
-    """Reward curves and mismatch KL, one line per algorithm (mean over seeds)."""
+    """Rewards and mismatch KL over training, one line per algorithm (mean over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,33 +109,43 @@ def plot(history: History, path: Path) -> None:
     cfg = history.config
     w = window(cfg.steps)
     steps = np.arange(1, cfg.steps + 1)
-    fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2), layout="constrained")
+    panels = [
+        ("policy_reward", "reward of the trained policy",
+         "Trained policy (float32 sampling)"),
+        ("reward", "reward of the engine's rollouts", "Rollouts used for training"),
+        ("mis_k3_kl", "mis_k3_kl (engine vs trainer, symlog)", "Training–inference mismatch"),
+    ]
     for i, (name, m) in enumerate(history.metrics.items()):
-        color = f"C{i}"
-        style = "--" if name == "reference" else "-"
-        label = ALGORITHMS[name].label
-        r = smooth(m["reward"], w)
-        mean = r.mean(axis=1)
-        ax_r.plot(steps, mean, style, color=color, label=label, lw=1.8)
-        if r.shape[1] > 1:
-            ax_r.fill_between(steps, r.min(axis=1), r.max(axis=1), color=color, alpha=0.12,
-                              lw=0)
-        ax_k.plot(steps, smooth(m["mis_k3_kl"].mean(axis=1), w), style, color=color,
-                  label=label, lw=1.8)
-    ax_r.axhline(cfg.threshold, color="0.5", lw=0.8, ls=":")
-    ax_r.set(xlabel="training step", ylabel=f"rollout reward ({w}-step moving average)",
-             title="Reward (line: mean over seeds, band: min–max)", ylim=(0, 1.02))
-    ax_k.set_yscale("symlog", linthresh=1e-5)
-    ax_k.set(xlabel="training step", ylabel="mis_k3_kl (rollout vs trainer, symlog)",
-             title="Training–inference mismatch")
-    ax_k.set_ylim(bottom=0)
-    for ax in (ax_r, ax_k):
+        style = {"color": f"C{i}", "lw": 1.8, "ls": "--" if name == "reference" else "-",
+                 "label": ALGORITHMS[name].label}
+        for ax, (key, _, _) in zip(axes, panels):
+            if key == "mis_k3_kl":
+                ax.plot(steps, smooth(m[key].mean(axis=1), w), **style)
+                continue
+            r = smooth(m[key], w)
+            ax.plot(steps, r.mean(axis=1), **style)
+            if r.shape[1] > 1:
+                ax.fill_between(steps, r.min(axis=1), r.max(axis=1), color=style["color"],
+                                alpha=0.12, lw=0)
+    for ax, (key, ylabel, title) in zip(axes, panels):
+        ax.set(xlabel="training step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
-    ax_r.legend(loc="lower right", fontsize=9)
+        if key == "mis_k3_kl":
+            ax.set_yscale("symlog", linthresh=1e-5)
+            ax.set_ylim(bottom=0)
+        else:
+            ax.axhline(cfg.threshold, color="0.5", lw=0.8, ls=":")
+            ax.set_ylim(0, 1.02)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels) if len(labels) <= 3
+               else (len(labels) + 1) // 2, fontsize=10, frameon=False)
     mm = cfg.mismatch
-    fig.suptitle(f"offpolicy-jax demo: reverse-digits RL, mismatch = {mm.source} "
-                 f"(severity {mm.severity:g}), {cfg.seeds} seeds × {cfg.steps} steps")
-    fig.savefig(path, dpi=110)
+    fig.suptitle(f"offpolicy-jax demo: reverse-digits GRPO, mismatch = {mm.source} (severity "
+                 f"{mm.severity:g}), {cfg.seeds} seeds × {cfg.steps} steps\n"
+                 f"lines: mean over seeds ({w}-step moving average); bands: min–max over seeds",
+                 fontsize=11)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

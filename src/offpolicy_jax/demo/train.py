@@ -12,6 +12,7 @@ progress bar can follow.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.resources
 from collections.abc import Callable, Sequence
 
@@ -102,6 +103,7 @@ class TrainConfig:
     minibatches: int = 2
     learning_rate: float = 1e-3
     max_grad_norm: float = 1.0
+    eval_prompts: int = 64
 
 
 def make_model(cfg: TrainConfig, seed: int | Array) -> Policy:
@@ -187,7 +189,7 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
 
     def train_step(state, key, algo_index, mismatched):
         params = state["params"]
-        k_prompt, k_sample = jax.random.split(key)
+        k_prompt, k_sample, k_eval_prompt, k_eval = jax.random.split(key, 4)
         prompts = jnp.repeat(task.sample_prompts(k_prompt, cfg.prompts_per_step, n), g, axis=0)
         if stale:
             slot = state["step"] % stale
@@ -216,12 +218,19 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
         batch = jax.tree.map(lambda x: x.reshape((mbs, -1) + x.shape[1:]), batch)
         (params, opt), (clipfrac, grad_norm) = jax.lax.scan(
             update, (params, state["opt"]), batch)
+        # The trained policy itself, sampled with exact float32 numerics on fresh prompts:
+        # the model you would ship, free of the engine's distortion and lag.
+        eval_prompts = task.sample_prompts(k_eval_prompt, cfg.eval_prompts, n)
+        eval_responses, _ = engine.generate(graphdef, params, eval_prompts, k_eval,
+                                            engine.Numerics(), active=False)
+        eval_rewards = task.reward(eval_prompts, eval_responses)
         ring = state["ring"]
         if stale:
             ring = jax.tree.map(lambda r, p: r.at[slot].set(p), ring, params)
         metrics = {
             "reward": rewards.mean(),
-            "exact_match": (rewards == 1.0).mean(),
+            "policy_reward": eval_rewards.mean(),
+            "policy_exact_match": (eval_rewards == 1.0).mean(),
             "mis_k3_kl": k3,
             "rejected_fraction": rejected,
             "pg_clipfrac": clipfrac.mean(),
@@ -232,22 +241,13 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
     return train_step
 
 
-def make_chunk_runner(train_step: Callable, chunk: int) -> Callable:
-    """Jitted ``run(state, keys [chunk, R], algo_index [R], mismatched [R], n_active)
-    -> (state, metrics [chunk, R])``: ``chunk`` steps of all R runs at once. Steps at index
-    >= ``n_active`` are skipped (metrics NaN), so a last, shorter chunk reuses the program."""
+def make_chunk_runner(train_step: Callable) -> Callable:
+    """Jitted ``run(state, keys [n, R], algo_index [R], mismatched [R]) -> (state,
+    metrics [n, R])``: ``n`` steps of all R runs at once (one compile per chunk length)."""
     vstep = jax.vmap(train_step)
 
-    def skip(state, keys, algo_index, mismatched):
-        _, met = jax.eval_shape(vstep, state, keys, algo_index, mismatched)
-        return state, jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), met)
-
-    @jax.jit
-    def run(state, keys, algo_index, mismatched, n_active):
-        def body(state, xs):
-            i, k = xs
-            return jax.lax.cond(i < n_active, vstep, skip, state, k, algo_index, mismatched)
-
-        return jax.lax.scan(body, state, (jnp.arange(chunk), keys))
+    @functools.partial(jax.jit, donate_argnums=0)
+    def run(state, keys, algo_index, mismatched):
+        return jax.lax.scan(lambda s, k: vstep(s, k, algo_index, mismatched), state, keys)
 
     return run
