@@ -46,7 +46,7 @@ def test_tiny_demo_writes_table_plot_and_logs(tiny_run, capsys):
     assert {r["algorithm"] for r in rows} == set(TINY_ALGOS)
     for r in rows:
         assert 0.0 <= float(r["reward"]) <= 1.0
-        assert np.isfinite(float(r["mis_k3_kl"])) and float(r["mis_k3_kl"]) >= 0.0
+        assert np.isfinite(float(r["mis_k3_kl"])) and float(r["mis_k3_kl"]) > -1e-6  # K3 >= 0, up to rounding
         assert 0.0 <= float(r["rejected_fraction"]) <= 1.0
 
     summary = json.loads((out / "summary.json").read_text())

@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 PROG = "offpolicy-jax"
-SOURCES = ("precision", "stale", "sampling")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,7 +55,7 @@ def _fraction(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from offpolicy_jax.demo.train import ALGORITHMS
+    from offpolicy_jax.demo.train import ALGORITHMS, DEFAULT_SEVERITY, MISMATCH_SOURCES
 
     parser = _Parser(prog=PROG, description="offpolicy-jax command line.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
@@ -76,13 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--algorithms", default=None, metavar="LIST",
                       help="comma-separated subset of: " + ", ".join(ALGORITHMS)
                            + " (default: all)")
-    demo.add_argument("--mismatch", default="stale", choices=SOURCES,
+    demo.add_argument("--mismatch", default="stale", choices=MISMATCH_SOURCES,
                       help="source of the mismatch (default: stale)")
     demo.add_argument("--severity", type=_non_negative_float, default=None,
-                      help="how strong the mismatch is: precision = 8 − mantissa bits kept "
-                           "(1 = bfloat16), stale = updates behind, sampling = temperature "
-                           "1 + 0.25·s and top-p 1 − 0.05·s; 0 = none "
-                           "(default: 32 for stale, 1 otherwise)")
+                      help="how strong the mismatch is, 0 = none: precision = 8 − mantissa "
+                           "bits kept (1 = bfloat16), stale = optimizer updates behind, "
+                           "sampling = temperature 1 + 0.25·s and top-p 1 − 0.05·s (default: "
+                           + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_SEVERITY.items()) + ")")
     demo.add_argument("--threshold", type=_fraction, default=0.9,
                       help="reward threshold for the steps-to-threshold column (default 0.9)")
     demo.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 1e-3)")
@@ -106,34 +105,25 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
     import dataclasses
 
     from offpolicy_jax.demo import experiment, report
-    from offpolicy_jax.demo.train import ALGORITHMS, Mismatch, TrainConfig
+    from offpolicy_jax.demo.train import DEFAULT_SEVERITY, Mismatch
 
-    algorithms = tuple(experiment.DEFAULT_ALGORITHMS)
+    algorithms = experiment.DEFAULT_ALGORITHMS
     if args.algorithms is not None:
         algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
-        for a in algorithms:
-            if a not in ALGORITHMS:
-                _fail(f"unknown algorithm {a!r} (choose from {', '.join(ALGORITHMS)})")
-    if args.lr is not None and not 0 < args.lr < float("inf"):
-        _fail(f"--lr must be a positive number, got {args.lr}")
-    severity = args.severity
-    if severity is None:
-        severity = 32.0 if args.mismatch == "stale" else 1.0
-    train = TrainConfig()
-    cfg = {"steps": 300, "seeds": 3, "chunk": 10}
+    severity = DEFAULT_SEVERITY[args.mismatch] if args.severity is None else args.severity
+    config = experiment.DemoConfig()
     if args.tiny:
-        train = dataclasses.replace(train, d_model=16, prompts_per_step=4, group_size=4,
-                                    prompt_len=3)
-        cfg = {"steps": 4, "seeds": 2, "chunk": 2}
-    if args.lr is not None:
-        train = dataclasses.replace(train, learning_rate=args.lr)
-    if args.steps is not None:
-        cfg["steps"] = args.steps
-    if args.seeds is not None:
-        cfg["seeds"] = args.seeds
+        config = dataclasses.replace(config, steps=4, seeds=2, chunk=2, train=dataclasses.replace(
+            config.train, d_model=16, prompts_per_step=4, group_size=4, prompt_len=3,
+            eval_prompts=8))
+    overrides = {"steps": args.steps, "seeds": args.seeds}
     try:
-        config = experiment.DemoConfig(algorithms=algorithms, train=train, threshold=args.threshold,
-                                mismatch=Mismatch(args.mismatch, severity), **cfg)
+        config = dataclasses.replace(
+            config, algorithms=algorithms, threshold=args.threshold,
+            mismatch=Mismatch(args.mismatch, severity),
+            train=config.train if args.lr is None else dataclasses.replace(
+                config.train, learning_rate=args.lr),
+            **{k: v for k, v in overrides.items() if v is not None})
     except ValueError as e:
         _fail(str(e))
     out = Path(args.out)

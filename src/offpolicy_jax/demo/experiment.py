@@ -48,6 +48,8 @@ class DemoConfig:
             raise ValueError(f"severity must be >= 0, got {self.mismatch.severity}")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+        if not 0 < self.train.learning_rate < float("inf"):
+            raise ValueError(f"learning rate must be positive, got {self.train.learning_rate}")
         if self.train.prompts_per_step % self.train.minibatches:
             raise ValueError("prompts_per_step must be a multiple of minibatches")
 

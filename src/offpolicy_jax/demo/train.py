@@ -28,6 +28,9 @@ from offpolicy_jax.demo.model import Policy
 Array = jax.Array
 
 MISMATCH_SOURCES = ("precision", "stale", "sampling")
+#: Default severity per source. The stale default is deliberately severe: in this tiny
+#: problem milder mismatches give smaller gaps (README.md has the numbers).
+DEFAULT_SEVERITY = {"stale": 64.0, "precision": 1.0, "sampling": 1.0}
 
 #: The reference rollout-correction settings, as shipped with the package (mis.yaml).
 MIS = opj.CorrectionConfig.from_yaml(
@@ -65,7 +68,7 @@ ALGORITHMS: dict[str, Algorithm] = {
 class Mismatch:
     """Where the engine's numerics differ from the trainer's, and how much.
 
-    ``severity`` 0 is no mismatch, 1 the realistic setting, larger is worse:
+    ``severity`` 0 is no mismatch, larger is worse:
 
     - ``precision``: weights and activations keep ``8 - severity`` mantissa bits
       (1 = bfloat16's 7 bits, 5 = the 3 bits of fp8-e4m3, at most 7);
@@ -75,8 +78,8 @@ class Mismatch:
       top-p ``1 - 0.05 * severity`` (at least 0.05), which the trainer does not apply.
     """
 
-    source: str = "precision"
-    severity: float = 1.0
+    source: str = "stale"
+    severity: float = DEFAULT_SEVERITY["stale"]
 
     def numerics(self) -> engine.Numerics:
         s = self.severity
