@@ -11,6 +11,7 @@ Every configuration is evaluated by one jitted program per layout
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,7 +28,7 @@ RTOL = 1e-5
 ATOL = 1e-6
 
 # Real (unpadded) batch: 7 ragged sequences of at most 13 tokens. Neither 7 nor 13
-# divides the shard counts, so the sharded calls always see padding.
+# divides the shard counts, so the sharded calls always see padding (padded_for).
 REAL_B, REAL_T = 7, 13
 PAD_B, PAD_T = 8, 16
 LENGTHS = (13, 0, 5, 1, 9, 13, 7)
@@ -64,6 +65,26 @@ def make_batch(seed: int = 0, batch: int = REAL_B, length: int = REAL_T,
         arr[hole] = rng.choice(_GARBAGE, size=int(hole.sum()))
     return dict(logp=logp, old=old, rollout=rollout, adv=adv, adv_seq=adv_seq,
                 mask=mask.astype(np.float32))
+
+
+def shard_counts(mesh, token_spec) -> tuple[int, int]:
+    """How many shards the batch and the token axes are split into by ``token_spec``."""
+    counts = []
+    for dim in range(2):
+        entry = token_spec[dim] if dim < len(token_spec) else None
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        counts.append(int(np.prod([mesh.shape[n] for n in names])))
+    return counts[0], counts[1]
+
+
+def padded_for(mesh, token_spec, data: Mapping[str, np.ndarray] | None = None) -> dict:
+    """The real batch padded up to the next multiple of the shard counts (7 x 13 ->
+    8 x 14 on 2 token shards, 8 x 16 on 4 or 8; a token axis that is not split
+    keeps its 13)."""
+    data = make_batch() if data is None else data
+    batch, length = data["mask"].shape
+    n_batch, n_token = shard_counts(mesh, token_spec)
+    return pad_batch(data, -(-batch // n_batch) * n_batch, -(-length // n_token) * n_token)
 
 
 def pad_batch(data: Mapping[str, np.ndarray], batch: int = PAD_B, length: int = PAD_T,
@@ -142,10 +163,15 @@ CORE_LOSSES = ("ppo_dual_clip_token_mean", "decoupled_token",
 CORE_CORRECTIONS = ("geometric_clip_rs_token",)
 
 
+# compute_correction itself (weights and mask as outputs, both metric reductions):
+# every level and mode is also inside the losses above, so three configs suffice.
+FULL_CORRECTIONS = ("token_truncate_norm_veto", "sequence_mask_rs_geometric", "metrics_only")
+
+
 def config_set(name: str) -> dict:
     """``evaluate_all`` keyword arguments for the ``"full"`` or the ``"core"`` set."""
     if name == "full":
-        return dict(losses=LOSSES, corrections=CORRECTIONS)
+        return dict(losses=LOSSES, corrections={k: CORRECTIONS[k] for k in FULL_CORRECTIONS})
     if name == "core":
         return dict(losses={k: LOSSES[k] for k in CORE_LOSSES},
                     corrections={k: CORRECTIONS[k] for k in CORE_CORRECTIONS})
@@ -261,7 +287,9 @@ def unsharded_reference(seed: int = 0) -> dict:
     if seed not in _REFERENCE_CACHE:
         cpu = jax.devices("cpu")[0]
         data = {k: jax.device_put(v, cpu) for k, v in make_batch(seed).items()}
-        _REFERENCE_CACHE[seed] = to_numpy(jax.jit(evaluate_all)(data))
+        corrections = {k: CORRECTIONS[k] for k in FULL_CORRECTIONS + CORE_CORRECTIONS}
+        evaluate = functools.partial(evaluate_all, corrections=corrections)
+        _REFERENCE_CACHE[seed] = to_numpy(jax.jit(evaluate)(data))
     return _REFERENCE_CACHE[seed]
 
 

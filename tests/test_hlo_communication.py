@@ -1,7 +1,8 @@
 """Communication budget under context parallelism, read from the compiled HLO.
 
 With the batch sharded over ``data`` (2) and the tokens over ``seq`` (4), a local
-shard is ``[4, 16]`` of a global ``[8, 64]`` batch. The sequence and geometric
+shard is ``[4, 16]`` of a global ``[8, 64]`` batch (``[4, 10]`` of ``[8, 40]`` in
+one case). The sequence and geometric
 levels need whole-sequence sums, the veto a whole-sequence ``any``, batch
 normalisation and every metric a batch mean: all of them must cross devices as
 per-sequence ``[4]`` partial sums or scalars, never as a ``[B, T]`` array (no
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("clear_jax_caches")
 
 B, T = 8, 64
 DATA, SEQ = 2, 4
-B_LOCAL, T_LOCAL = B // DATA, T // SEQ
+B_LOCAL = B // DATA
 # The chain of dependent reductions (non-finite check -> level sums and veto ->
 # kept counts -> batch-norm mean -> per-sequence statistics -> min / max -> batch
 # sums) needs a handful of rounds; XLA combines the independent reductions of a
@@ -62,19 +63,20 @@ def _step(a, config, axis_names=None):
     return loss, metrics, grad, res.weights, res.mask, res.metrics
 
 
-def _inputs(mesh, spec):
-    data = mc.make_batch(seed=3, batch=B, length=T, lengths=(64, 0, 17, 1, 40, 64, 33, 50))
+def _inputs(mesh, spec, length):
+    lengths = tuple(min(n, length) for n in (64, 0, 17, 1, 40, 64, 33, 50))
+    data = mc.make_batch(seed=3, batch=B, length=length, lengths=lengths)
     del data["adv_seq"]
     return {k: jax.device_put(v, NamedSharding(mesh, spec)) for k, v in data.items()}
 
 
-def _compiled(path, level):
-    mesh = jax.make_mesh((DATA, SEQ), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2,
+def _compiled(path, level, length, axis_type):
+    mesh = jax.make_mesh((DATA, SEQ), ("data", "seq"), axis_types=(axis_type,) * 2,
                          devices=jax.devices("cpu")[: DATA * SEQ])
     spec = P("data", "seq")
     config = _config(level)
     with jax.set_mesh(mesh):
-        arrays = _inputs(mesh, spec)
+        arrays = _inputs(mesh, spec, length)
         if path == "shard_map":
             shapes = jax.eval_shape(functools.partial(_step, config=config), arrays)
             out_specs = mc.output_specs(shapes, spec)
@@ -86,12 +88,23 @@ def _compiled(path, level):
         return mc.compiled_text(fn, arrays)
 
 
-@pytest.mark.parametrize("path", ["shard_map", "jit"])
+# (path, global T, mesh axis type): shard_map with axis_names; the XLA partitioner
+# on an Explicit mesh; and on an Auto mesh with 10 tokens per shard (a local length
+# that no small chunking of the token axis divides).
+CASES = {
+    "shard_map": ("shard_map", 64, AxisType.Explicit),
+    "jit_explicit": ("jit", 64, AxisType.Explicit),
+    "jit_auto_10_per_shard": ("jit", 40, AxisType.Auto),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("level", ["sequence", "geometric"])
-def test_only_per_sequence_values_cross_devices(level, path):
-    collectives = mc.hlo_collectives(_compiled(path, level))
+def test_only_per_sequence_values_cross_devices(level, case):
+    path, length, axis_type = CASES[case]
+    collectives = mc.hlo_collectives(_compiled(path, level, length, axis_type))
     summary = mc.summarize_collectives(collectives)
-    print(f"\n[{level} / {path}] {len(collectives)} collective ops, "
+    print(f"\n[{level} / {case}] {len(collectives)} collective ops, "
           f"{sum(c['elements'] for c in collectives)} elements per step:\n{summary}")
     assert collectives, "expected the cross-shard reductions to appear as collectives"
     assert {c["op"] for c in collectives} == {"all-reduce"}, summary
@@ -99,7 +112,7 @@ def test_only_per_sequence_values_cross_devices(level, path):
         for shape in c["shapes"]:
             # () scalars and [B_local] (or [B_local, 1]) per-sequence values only.
             assert int(np.prod(shape)) <= B_LOCAL, c["line"][:300]
-            assert T_LOCAL not in shape and T not in shape, c["line"][:300]
+            assert length // SEQ not in shape and length not in shape, c["line"][:300]
     assert len(collectives) <= MAX_COLLECTIVE_OPS[path], summary
 
 
