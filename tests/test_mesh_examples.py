@@ -31,17 +31,19 @@ def test_readme_shows_the_example_verbatim(path):
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_sharded_train_step_runs(axis_type, capsys):
-    assert jax.device_count("cpu") >= 8
     example = runpy.run_path(str(ROOT / EXAMPLES[0]))
     loss, metrics = example["main"](steps=2, axis_type=axis_type)
     assert np.isfinite(float(loss)) and "mis_batch_norm_factor" in metrics
     out = capsys.readouterr().out
     assert out.count("step ") == 2
-    if axis_type == AxisType.Explicit:
+    if axis_type == AxisType.Explicit and jax.device_count() > 1:
         assert "@data" in out  # the batch is sharded, and the type says so
 
 
 def test_shard_map_example_matches_unsharded(capsys):
     # Its __main__ block asserts the sharded loss and metrics equal the unsharded call's.
-    runpy.run_path(str(ROOT / EXAMPLES[1]), run_name="__main__")
-    assert "@data,30@seq" in capsys.readouterr().out
+    namespace = runpy.run_path(str(ROOT / EXAMPLES[1]), run_name="__main__")
+    out = capsys.readouterr().out
+    assert out.count("step ") == 3
+    if namespace["seq"] == 2 and jax.default_backend() == "cpu":  # 8 CPU devices: 4 x 2
+        assert "float32[8@data,30@seq]" in out  # 29 tokens padded to 30, split in two
