@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import offpolicy_jax as opj
@@ -314,9 +313,10 @@ def hlo_collectives(hlo_text: str) -> list[dict]:
         m = _COLLECTIVE_RE.match(line)
         if not m:
             continue
-        shapes = [tuple(int(d) for d in s.group("dims").split(",") if d)
-                  for s in _SHAPE_RE.finditer(m.group("shape"))]
+        operands = list(_SHAPE_RE.finditer(m.group("shape")))
+        shapes = [tuple(int(d) for d in s.group("dims").split(",") if d) for s in operands]
         found.append(dict(op=m.group("op"), shapes=shapes,
+                          types=[f"{s.group('dtype')}[{s.group('dims')}]" for s in operands],
                           elements=sum(int(np.prod(s)) for s in shapes), line=line.strip()))
     return found
 
@@ -324,10 +324,10 @@ def hlo_collectives(hlo_text: str) -> list[dict]:
 def summarize_collectives(collectives: list[dict]) -> str:
     lines = []
     for c in collectives:
-        kinds: dict[tuple, int] = {}
-        for s in c["shapes"]:
-            kinds[s] = kinds.get(s, 0) + 1
-        desc = ", ".join(f"{n}x f32[{','.join(map(str, s))}]" for s, n in kinds.items())
+        kinds: dict[str, int] = {}
+        for t in c["types"]:
+            kinds[t] = kinds.get(t, 0) + 1
+        desc = ", ".join(f"{n}x {t}" for t, n in kinds.items())
         lines.append(f"{c['op']}: {desc} ({c['elements']} elements)")
     return "\n".join(lines)
 
