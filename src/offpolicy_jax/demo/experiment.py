@@ -89,7 +89,7 @@ def run(config: DemoConfig, progress: Callable[[int], None] | None = None) -> Hi
         chunks.append(jax.device_get(met))
         if progress:
             progress(len(chunks[-1]["reward"]))
-    merged = {k: np.concatenate([c[k] for c in chunks])[:config.steps] for k in chunks[0]}
+    merged = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
     metrics = {
         a.name: {k: v[:, i * len(seeds):(i + 1) * len(seeds)].astype(np.float64)
                  for k, v in merged.items()}
