@@ -1,12 +1,13 @@
 """Communication budget under context parallelism, read from the compiled HLO.
 
 With the batch sharded over ``data`` (2) and the tokens over ``seq`` (4), a local
-shard is ``[4, 16]`` of a global ``[8, 64]`` batch (``[4, 10]`` of ``[8, 40]`` in
-one case). The sequence and geometric
-levels need whole-sequence sums, the veto a whole-sequence ``any``, batch
-normalisation and every metric a batch mean: all of them must cross devices as
-per-sequence ``[4]`` partial sums or scalars, never as a ``[B, T]`` array (no
-all-gather of the log-probs). The test compiles ``policy_loss`` (value and
+shard is ``[4, 128]`` of a global ``[8, 512]`` batch (``[4, 130]`` of ``[8, 520]`` in
+one case). The sequence and geometric levels need whole-sequence sums, the veto a
+whole-sequence ``any``, batch normalisation and every metric a batch mean: all of
+them must cross devices as per-sequence ``[4]`` partial sums or scalars (possibly
+bundled into one vector), never as token data: every collective operand must hold
+fewer values than one shard's *single row* of tokens (128), so not even a slice of
+a ``[B, T]`` array can pass. The test compiles ``policy_loss`` (value and
 gradient) and ``compute_correction`` both inside ``jax.shard_map`` with
 ``axis_names`` and as a plain ``jax.jit`` over ``NamedSharding`` inputs (the XLA
 partitioner's choice), parses every collective of the optimised HLO and checks
@@ -30,16 +31,17 @@ import offpolicy_jax as opj
 
 pytestmark = pytest.mark.usefixtures("clear_jax_caches")
 
-B, T = 8, 64
+B, T = 8, 512
 DATA, SEQ = 2, 4
 B_LOCAL = B // DATA
 # The chain of dependent reductions (non-finite check -> level sums and veto ->
 # kept counts -> batch-norm mean -> per-sequence statistics -> min / max -> batch
 # sums) needs a handful of rounds; XLA combines the independent reductions of a
-# round into one tuple all-reduce. Measured on jax 0.10.2 (CPU): 8 ops moving 113
-# values under shard_map, 13 ops moving 374-382 values under jit (the partitioner
-# does not deduplicate the correction computed by both calls). The budgets leave
-# a little headroom and catch a reduction that escapes the combining.
+# round into one tuple all-reduce. Measured on jax 0.10.2 (CPU) with the library
+# of commit e1dd2d1: 8 ops moving 113 values under shard_map, 13 ops moving 374-382
+# values under jit, Explicit or Auto (the partitioner does not deduplicate the
+# correction computed by both calls). The budgets leave a little headroom and
+# catch reductions that escape the combining.
 MAX_COLLECTIVE_OPS = {"shard_map": 10, "jit": 16}
 
 
@@ -64,7 +66,7 @@ def _step(a, config, axis_names=None):
 
 
 def _inputs(mesh, spec, length):
-    lengths = tuple(min(n, length) for n in (64, 0, 17, 1, 40, 64, 33, 50))
+    lengths = (length, 0, 17, 1, length // 2 + 3, length, length // 3, length - 5)
     data = mc.make_batch(seed=3, batch=B, length=length, lengths=lengths)
     del data["adv_seq"]
     return {k: jax.device_put(v, NamedSharding(mesh, spec)) for k, v in data.items()}
@@ -89,12 +91,12 @@ def _compiled(path, level, length, axis_type):
 
 
 # (path, global T, mesh axis type): shard_map with axis_names; the XLA partitioner
-# on an Explicit mesh; and on an Auto mesh with 10 tokens per shard (a local length
-# that no small chunking of the token axis divides).
+# on an Explicit mesh; and on an Auto mesh with 130 tokens per shard (a local length
+# that chunks of 4 or 8 tokens do not divide).
 CASES = {
-    "shard_map": ("shard_map", 64, AxisType.Explicit),
-    "jit_explicit": ("jit", 64, AxisType.Explicit),
-    "jit_auto_10_per_shard": ("jit", 40, AxisType.Auto),
+    "shard_map": ("shard_map", T, AxisType.Explicit),
+    "jit_explicit": ("jit", T, AxisType.Explicit),
+    "jit_auto_130_per_shard": ("jit", 520, AxisType.Auto),
 }
 
 
@@ -107,12 +109,13 @@ def test_only_per_sequence_values_cross_devices(level, case):
     print(f"\n[{level} / {case}] {len(collectives)} collective ops, "
           f"{sum(c['elements'] for c in collectives)} elements per step:\n{summary}")
     assert collectives, "expected the cross-shard reductions to appear as collectives"
-    assert {c["op"] for c in collectives} == {"all-reduce"}, summary
+    local_length = length // SEQ
     for c in collectives:
         for shape in c["shapes"]:
-            # () scalars and [B_local] (or [B_local, 1]) per-sequence values only.
-            assert int(np.prod(shape)) <= B_LOCAL, c["line"][:300]
-            assert length // SEQ not in shape and length not in shape, c["line"][:300]
+            # Scalars, [B_local] per-sequence values, or bundles of them: always
+            # fewer values than one row of one shard's tokens.
+            assert int(np.prod(shape)) < local_length, c["line"][:300]
+            assert local_length not in shape and length not in shape, c["line"][:300]
     assert len(collectives) <= MAX_COLLECTIVE_OPS[path], summary
 
 
