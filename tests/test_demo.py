@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -203,3 +204,29 @@ def test_console_entry_point_bad_input_has_no_traceback():
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("offpolicy-jax")]
     assert lines == [("offpolicy-jax: error: unknown algorithm 'nope' (choose from reference, "
                       "ppo, bypass_ppo, decoupled_tis, decoupled_mis, reinforce_is)")]
+
+
+def test_readme_results_table_has_the_default_commands_shape():
+    """README.md shows the default command's table: same header (seeds, threshold) and one
+    row per default algorithm, in order (the numbers themselves are measured, not rerun)."""
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    if not readme.exists():
+        pytest.skip("no README.md beside the tests")
+    head = "## Does it fix my training? (the demo)"
+    text = readme.read_text()
+    assert head in text
+    section = text.split(head, 1)[1].split("\n## ", 1)[0]
+    assert "offpolicy-jax demo --out demo_out" in section
+
+    from offpolicy_jax.demo import report
+    from offpolicy_jax.demo.experiment import DemoConfig, History
+
+    cfg = DemoConfig()
+    zeros = np.zeros((cfg.steps, cfg.seeds))
+    fake = History(cfg, {a: dict.fromkeys(report.METRICS, zeros) for a in cfg.algorithms}, 0.0)
+    header = report.format_table(fake, report.summarize(fake)).splitlines()[0]
+    lines = section.splitlines()
+    i = lines.index(header)
+    labels = [ln.split("|")[1].strip() for ln in lines[i + 2:i + 2 + len(cfg.algorithms)]]
+    assert labels == [train.ALGORITHMS[a].label for a in cfg.algorithms]
+    assert (readme.parent / "docs" / "demo.png").is_file()
