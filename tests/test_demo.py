@@ -165,6 +165,7 @@ BAD = {
     "non-integer seeds": ["demo", "--seeds", "two"],
     "unknown mismatch": ["demo", "--mismatch", "cosmic-rays"],
     "negative severity": ["demo", "--severity", "-1"],
+    "staleness beyond the engine's weight copies": ["demo", "--severity", "1e6"],
     "threshold above 1": ["demo", "--threshold", "1.5"],
     "negative learning rate": ["demo", "--lr", "-0.1"],
     "unknown option": ["demo", "--stpes", "10"],

@@ -44,8 +44,11 @@ class DemoConfig:
         if self.mismatch.source not in train.MISMATCH_SOURCES:
             raise ValueError(f"unknown mismatch source {self.mismatch.source!r} "
                              f"(choose from {', '.join(train.MISMATCH_SOURCES)})")
-        if self.mismatch.severity < 0:
+        if not 0 <= self.mismatch.severity < float("inf"):
             raise ValueError(f"severity must be >= 0, got {self.mismatch.severity}")
+        if self.mismatch.staleness() > train.MAX_STALENESS:
+            raise ValueError(f"a stale engine can be at most {train.MAX_STALENESS} updates "
+                             f"behind, got severity {self.mismatch.severity:g}")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if not 0 < self.train.learning_rate < float("inf"):

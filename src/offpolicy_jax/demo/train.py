@@ -31,6 +31,7 @@ MISMATCH_SOURCES = ("precision", "stale", "sampling")
 #: Default severity per source. The stale default is deliberately severe: in this tiny
 #: problem milder mismatches give smaller gaps (README.md has the numbers).
 DEFAULT_SEVERITY = {"stale": 64.0, "precision": 1.0, "sampling": 1.0}
+MAX_STALENESS = 256
 
 #: The reference rollout-correction settings, as shipped with the package (mis.yaml).
 MIS = opj.CorrectionConfig.from_yaml(
@@ -71,9 +72,10 @@ class Mismatch:
     ``severity`` 0 is no mismatch, larger is worse:
 
     - ``precision``: weights and activations keep ``8 - severity`` mantissa bits
-      (1 = bfloat16's 7 bits, 5 = the 3 bits of fp8-e4m3, at most 7);
+      (1 = bfloat16's 7 bits, 5 = the 3 bits of fp8-e4m3; 7 and above keep 1 bit);
     - ``stale``: the engine samples with weights ``severity`` optimizer updates old,
-      as an asynchronous RL system does;
+      as an asynchronous RL system does (at most ``MAX_STALENESS``: the engine keeps
+      that many copies of the weights per run);
     - ``sampling``: the engine samples at temperature ``1 + 0.25 * severity`` with
       top-p ``1 - 0.05 * severity`` (at least 0.05), which the trainer does not apply.
     """
