@@ -24,34 +24,23 @@ def _fail(message: str, status: int = 2):
     raise SystemExit(status)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _typed(convert, ok, expected: str):
+    """An argparse ``type``: ``convert(text)``, rejected unless ``ok(value)``."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
-    return value
+_positive_int = _typed(int, lambda v: v >= 1, "a positive integer")
+_severity = _typed(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+_fraction = _typed(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_positive = _typed(float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,14 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
                            + " (default: all)")
     demo.add_argument("--mismatch", default="stale", choices=MISMATCH_SOURCES,
                       help="source of the mismatch (default: stale)")
-    demo.add_argument("--severity", type=_non_negative_float, default=None,
+    demo.add_argument("--severity", type=_severity, default=None,
                       help="how strong the mismatch is, 0 = none: precision = 8 − mantissa "
                            "bits kept (1 = bfloat16), stale = optimizer updates behind, "
                            "sampling = temperature 1 + 0.25·s and top-p 1 − 0.05·s (default: "
                            + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_SEVERITY.items()) + ")")
     demo.add_argument("--threshold", type=_fraction, default=0.9,
                       help="reward threshold for the steps-to-threshold column (default 0.9)")
-    demo.add_argument("--lr", type=float, default=None, help="Adam learning rate (default 1e-3)")
+    demo.add_argument("--lr", type=_positive, default=None,
+                      help="Adam learning rate (default 1e-3)")
     demo.add_argument("--tiny", action="store_true",
                       help="a seconds-long smoke run (small model and batch, few steps)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
