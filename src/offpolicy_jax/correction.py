@@ -67,64 +67,151 @@ def correction_parts(
     Returns ``(w, m', parts)`` where ``w`` is the IS weight on kept tokens and 0
     elsewhere, *not* yet multiplied by the mask value (the loss applies ``m'``
     once itself; :func:`compute_correction` returns ``w · m'``).
+
+    Two passes over the tokens (each one fused :func:`~offpolicy_jax._reduce.seq_reduce`)
+    compute every per-sequence sum: the first what each sequence *is* (its size, whether
+    its log-probs are finite, its summed log-ratio, whether it holds a catastrophic
+    token, and the mismatch metrics), the second how its tokens are *weighted* (bounds,
+    rejection, the final mask and its statistics), which needs the first's per-sequence
+    decisions. Everything after them works on ``[...]`` per-sequence values.
     """
-    # Non-finite log-probs at a valid position reject the whole sequence (§0);
-    # everything downstream sees the cleaned population only.
-    finite = rejection.finite_sequences(mask, old_logp, rollout_logp, axes=axes)
-    valid = jnp.where(finite, mask, 0.0)
-    delta = ratios.log_ratio(old_logp, rollout_logp, valid > 0)
-    parts: dict[str, MeanParts | jax.Array] = dict(
-        metrics.mismatch_metrics(old_logp, rollout_logp, delta, valid, reduction, axes)
+    valid_in = mask > 0
+    # δ over the mask; in a sequence with a non-finite log-prob it is garbage, and
+    # that sequence leaves every population below (§0).
+    delta = ratios.log_ratio(old_logp, rollout_logp, valid_in)
+    veto = config.use_tis and config.rs_veto_threshold is not None
+    columns = {
+        "count": _reduce.count(mask),
+        "nonfinite": _reduce.count_where(rejection.nonfinite_tokens(old_logp, rollout_logp), mask),
+        **metrics.mismatch_columns(old_logp, rollout_logp, delta, mask),
+    }
+    if veto:
+        catastrophic = rejection.catastrophic_tokens(delta, valid_in, config.rs_veto_threshold)
+        columns["catastrophic"] = _reduce.count_where(catastrophic, mask)
+    seq = _reduce.seq_reduce(columns, axes)
+    finite = seq["nonfinite"] == 0
+
+    def over_valid(per_seq):  # restricts a sum over the mask to the finite sequences
+        return jnp.where(finite, per_seq, 0.0)
+
+    n_valid = over_valid(seq["count"])
+    # Every metric is kept as per-sequence terms and summed over the batch once, at the end.
+    means = metrics.mismatch_metrics(
+        {key: over_valid(seq[key]) for key in metrics.MISMATCH_COLUMNS}, n_valid, reduction
     )
     if not config.use_tis:
         # Metrics only: nothing is reweighted or rejected.
-        return jnp.where(mask > 0, 1.0, 0.0), mask, parts
+        return jnp.where(valid_in, 1.0, 0.0), mask, dict(_reduce.batch_means(means, axes))
 
-    def frac(condition, population=valid):
-        return metrics.fraction(condition, population, reduction, axes)
+    valid = jnp.where(finite[..., None], mask, 0.0)
+
+    def ratio_at(level):  # ρ: [..., T] per token, or [..., 1] per sequence
+        if level == "token":
+            return ratios.clamped_exp(delta)
+        log_ratio = ratios.sequence_log_ratio(over_valid(seq["delta"]), n_valid, level)
+        return ratios.clamped_exp(log_ratio)[..., None]
+
+    # The second pass sums per-token values; a per-sequence value ([..., 1], at the
+    # sequence and geometric levels) needs no sum: it is its own masked mean.
+    columns: dict[str, _reduce.Column] = {}
+
+    def add(key, level, column):
+        if level == "token":
+            columns.setdefault(key, column)
+
+    def mean(key, level, value, counts, how=reduction):  # after the pass
+        if level == "token":
+            return _reduce.seq_mean(sums[key], counts, how)
+        return _reduce.seq_mean_of_values(value[..., 0], counts, how)
 
     lower, upper = config.lower_bound, config.upper_bound
-    raw = ratios.level_ratio(delta, valid, config.tis_level, axes)
-    parts["mis_tis_weight_before_bound"] = _reduce.mean_parts(raw, valid, reduction, axes)
-
+    raw = ratio_at(config.tis_level)
     weights, keep = bounds.apply_mode(raw, config.tis_mode, lower, upper)
-    if config.tis_mode == "truncate":
-        parts["mis_tis_truncate_fraction"] = frac(raw > upper)
-    else:
-        parts[f"mis_tis_{config.tis_mode}_fraction_low"] = frac(raw < lower)
-        parts[f"mis_tis_{config.tis_mode}_fraction_high"] = frac(raw > upper)
     kept = valid if keep is None else jnp.where(keep, valid, 0.0)
-    parts["mis_tis_weight_after_bound"] = _reduce.mean_parts(weights, kept, reduction, axes)
+    tis_level = config.tis_level
+    add("raw", tis_level, _reduce.total(raw, valid))
+    add("after_bound", tis_level, _reduce.total(weights, kept))
+    if keep is not None:
+        columns["kept"] = _reduce.count(kept)
 
+    # Mode and RS fractions: the share of valid tokens whose ratio is below / above a
+    # bound. A column is named by its test, so RS at the TIS level and bound (the
+    # reference mis.yaml: truncation and RS both above 2) shares one.
+    fractions = {}  # metric -> (column, level, per-token or per-sequence 0/1 value)
+
+    def fraction(metric, level, ratio, side, bound):
+        outside = jnp.where(ratio < bound if side == "<" else ratio > bound, 1.0, 0.0)
+        fractions[metric] = (f"{level} {side} {bound!r}", level, outside)
+        add(fractions[metric][0], level, _reduce.total(outside, valid))
+
+    if config.tis_mode == "truncate":
+        fraction("mis_tis_truncate_fraction", config.tis_level, raw, ">", upper)
+    else:
+        fraction(f"mis_tis_{config.tis_mode}_fraction_low", config.tis_level, raw, "<", lower)
+        fraction(f"mis_tis_{config.tis_mode}_fraction_high", config.tis_level, raw, ">", upper)
     if config.use_rs:
-        rs_ratio = (
-            raw
-            if config.rs_level == config.tis_level
-            else ratios.level_ratio(delta, valid, config.rs_level, axes)
-        )
+        rs_ratio = raw if config.rs_level == config.tis_level else ratio_at(config.rs_level)
         rs_lower, rs_upper = config.rs_lower, config.rs_upper
-        parts["mis_rs_mask_fraction_low"] = frac(rs_ratio < rs_lower)
-        parts["mis_rs_mask_fraction_high"] = frac(rs_ratio > rs_upper)
+        fraction("mis_rs_mask_fraction_low", config.rs_level, rs_ratio, "<", rs_lower)
+        fraction("mis_rs_mask_fraction_high", config.rs_level, rs_ratio, ">", rs_upper)
         kept = jnp.where(rejection.rejection_keep(rs_ratio, rs_lower, rs_upper), kept, 0.0)
 
-    if config.rs_veto_threshold is not None:
-        catastrophic, keep_seq = rejection.veto(delta, valid, config.rs_veto_threshold, axes)
-        parts["mis_rs_catastrophic_token_fraction"] = frac(catastrophic)
-        parts["mis_rs_catastrophic_seq_fraction"] = frac(~keep_seq)
-        kept = jnp.where(keep_seq, kept, 0.0)
+    if veto:
+        vetoed = over_valid(seq["catastrophic"]) > 0
+        kept = jnp.where(vetoed[..., None], 0.0, kept)
 
     final_mask = kept
-    parts["mis_is_ratio_mean_after_tis_rs"] = _reduce.mean_parts(weights, final_mask, reduction, axes)
+    columns["final"] = _reduce.count(final_mask)
+    add("final_sum", tis_level, _reduce.total(weights, final_mask))
+    add("final_min", tis_level, _reduce.minimum(weights, final_mask))
+    add("final_max", tis_level, _reduce.maximum(weights, final_mask))
+    sums = _reduce.seq_reduce(columns, axes)
+
+    n_final = sums["final"]
+    means["mis_tis_weight_before_bound"] = mean("raw", tis_level, raw, n_valid)
+    means["mis_tis_weight_after_bound"] = mean(
+        "after_bound", tis_level, weights, n_valid if keep is None else sums["kept"]
+    )
+    for metric, (column, level, outside) in fractions.items():
+        means[metric] = mean(column, level, outside, n_valid)
+    if veto:
+        means["mis_rs_catastrophic_token_fraction"] = _reduce.seq_mean(
+            over_valid(seq["catastrophic"]), n_valid, reduction
+        )
+        means["mis_rs_catastrophic_seq_fraction"] = _reduce.seq_mean_of_values(
+            jnp.where(vetoed, 1.0, 0.0), n_valid, reduction
+        )
+    means["mis_nonfinite_seq_fraction"] = _reduce.seq_mean_of_values(
+        jnp.where(finite, 0.0, 1.0), seq["count"], reduction
+    )
+
+    after_tis_rs = mean("final_sum", tis_level, weights, n_final)
+    means["mis_is_ratio_mean_after_tis_rs"] = after_tis_rs
     if config.tis_batch_normalize:
-        weights, norm_factor = normalize.batch_normalize(weights, final_mask, config.tis_level, axes)
+        how = normalize.normalizer_reduction(config.tis_level)
+        mu = after_tis_rs
+        if how != reduction:
+            mu = mean("final_sum", tis_level, weights, n_final, how)
+        norm_factor = normalize.normalizer(_reduce.batch_means({"mu": mu}, axes)["mu"].value())
     else:
         norm_factor = jnp.ones((), jnp.float32)
+    # Normalising is one division by μ > 0: it scales the mean, and min(w/μ) = min(w)/μ
+    # exactly, so the final statistics come from the same sums.
+    if tis_level == "token":
+        low, high = sums["final_min"], sums["final_max"]
+    else:  # one weight per sequence: its own minimum and maximum
+        low = high = weights[..., 0]
+    means.update(
+        metrics.weight_stats(
+            after_tis_rs._replace(numerator=after_tis_rs.numerator / norm_factor),
+            low / norm_factor, high / norm_factor, n_final, reduction,
+        )
+    )
+    parts: dict[str, MeanParts | jax.Array] = dict(_reduce.batch_means(means, axes))
     # As (μ, 1): pooled over micro-batches it reports their mean normaliser.
     parts["mis_batch_norm_factor"] = MeanParts(norm_factor, jnp.ones((), jnp.float32))
-    parts.update(metrics.weight_stats(weights, final_mask, reduction, axes))
-    parts["mis_nonfinite_seq_fraction"] = frac(~finite, mask)
     # `where`, not a product: rejected positions may hold e^20-sized mask-mode ratios.
-    weights = jnp.where(final_mask > 0, weights, 0.0)
+    weights = jnp.where(final_mask > 0, weights / norm_factor, 0.0)
     return jax.lax.stop_gradient(weights), final_mask, parts
 
 
@@ -174,8 +261,6 @@ def compute_correction(
     rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
     weights_mask = as_float_mask("mask", mask)
     check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
-    # A mask entry that is not > 0 (0, negative, NaN) is padding.
-    weights_mask = jnp.where(weights_mask > 0, weights_mask, 0.0)
     weights, final_mask, parts = correction_parts(
         old, rollout, weights_mask, config, reduction=reduction, axes=axes
     )

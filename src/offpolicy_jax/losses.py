@@ -32,6 +32,9 @@ from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, correction_parts
 from offpolicy_jax.surrogates import ppo_surrogate, reinforce_term, vanilla_tis
 
+METRICS_ONLY = CorrectionConfig()
+"""The default correction: §4 mismatch metrics only (non-finite sequences left out)."""
+
 
 class LossParts(NamedTuple):
     """The loss as ``numerator / denominator``; sum parts over micro-batches, then divide.
@@ -72,10 +75,21 @@ def aggregate(
     Returns:
       :class:`LossParts`; an empty batch gives 0 / 0, whose value is 0.
     """
-    per_seq_total = _reduce.seq_sum(per_token_loss, final_mask, axes)
-    count = _reduce.seq_count(denominator_mask, axes)
+    columns = {
+        "loss": _reduce.total(per_token_loss, final_mask),
+        "count": _reduce.count(denominator_mask),
+    }
+    sums = _reduce.seq_reduce(columns, axes)
+    terms = aggregation_terms(sums["loss"], sums["count"], aggregation)
+    return LossParts(*_reduce.batch_means({"loss": terms}, axes)["loss"])
+
+
+def aggregation_terms(
+    per_seq_total: jax.Array, count: jax.Array, aggregation: str
+) -> _reduce.SeqMean:
+    """:func:`aggregate`'s per-sequence terms, from ``Σ_t ℓ' m'`` and ``Σ_t m''`` (``[...]``)."""
     if aggregation == "token_mean":
-        return LossParts(_reduce.batch_sum(per_seq_total, axes), _reduce.batch_sum(count, axes))
+        return _reduce.SeqMean(per_seq_total, count)
     if aggregation == "sequence_mean":
         per_seq = _reduce.safe_divide(per_seq_total, count)
     elif aggregation == "sequence_sum":
@@ -83,10 +97,7 @@ def aggregate(
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
     nonempty = count > 0
-    return LossParts(
-        _reduce.batch_sum(jnp.where(nonempty, per_seq, 0.0), axes),
-        _reduce.batch_sum(jnp.where(nonempty, 1.0, 0.0), axes),
-    )
+    return _reduce.SeqMean(jnp.where(nonempty, per_seq, 0.0), jnp.where(nonempty, 1.0, 0.0))
 
 
 def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
@@ -190,7 +201,6 @@ def policy_loss_parts(
     axes = _reduce.as_mesh_axes(axis_names)
     reduction = config.metric_reduction
     algorithm = config.algorithm
-    mask = jnp.where(mask > 0, mask, 0.0)
     valid = mask > 0
     # Garbage advantages at padded positions would turn 0-cotangents into NaN.
     adv = jnp.where(valid, adv, 0.0)
@@ -213,15 +223,16 @@ def policy_loss_parts(
     if config.wants_mismatch_metrics and not correction_has_them:
         # §4 metrics of π_old (sg(θ) where absent) against π_rollout; the loss is
         # unchanged. In reinforce_is they replace those of the correction's sg(θ).
-        delta_population = jnp.where(
-            rejection.finite_sequences(mask, proxy_old, rollout, axes=axes), mask, 0.0
+        _, _, mismatch = correction_parts(
+            proxy_old, rollout, mask, METRICS_ONLY, reduction=reduction, axes=axes
         )
-        delta = jnp.where(delta_population > 0, proxy_old - rollout, 0.0)
-        parts.update(
-            metrics.mismatch_metrics(proxy_old, rollout, delta, delta_population, reduction, axes)
-        )
+        parts.update(mismatch)
 
+    # The loss and its metrics are per-sequence sums of per-token terms: one pass
+    # (seq_reduce) takes them all, and its backward is one elementwise pass.
     kept = final_mask > 0
+    sg = jax.lax.stop_gradient
+    columns = {"count": _reduce.count(final_mask), "mask_count": _reduce.count(mask)}
     if algorithm == "reinforce_is":
         per_token = reinforce_term(jnp.where(kept, theta, 0.0), adv, weights)
     else:
@@ -232,24 +243,29 @@ def policy_loss_parts(
             dual_clip_c=config.dual_clip_c,
         )
         per_token = terms.loss if weights is None else jnp.where(kept, weights, 0.0) * terms.loss
-
-        def mean(x, population=final_mask):
-            return _reduce.mean_parts(jax.lax.stop_gradient(x), population, reduction, axes)
-
-        parts["pg_clipfrac"] = mean(jnp.where(terms.clipped, 1.0, 0.0))
-        parts["ppo_kl"] = mean(terms.log_ratio)
+        columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, final_mask)
+        columns["ppo_kl"] = _reduce.total(sg(terms.log_ratio), final_mask)
         if rollout is not None:
             # D8b: in bypass mode π_old is sg(θ); the reference reports 0 here.
             source = theta_sg if algorithm == "bypass_ppo" else old
             diff = jnp.abs(source - rollout)
-            parts["train_rollout_logprob_abs_diff"] = mean(jnp.where(jnp.isfinite(diff), diff, 0.0))
+            columns["train_rollout_logprob_abs_diff"] = _reduce.total(
+                sg(jnp.where(jnp.isfinite(diff), diff, 0.0)), final_mask
+            )
         if config.correction is not None or config.get_mismatch_metrics:
-            parts["ois"] = mean(terms.ratio, mask)
+            columns["ois"] = _reduce.total(sg(terms.ratio), mask)
+    columns["loss"] = _reduce.total(per_token, final_mask)
+    sums = _reduce.seq_reduce(columns, axes)
 
-    denominator_mask = mask if config.rejected_in_denominator else final_mask
-    loss = aggregate(per_token, final_mask, denominator_mask, config.aggregation, axes)
-    parts["pg_loss"] = MeanParts(*loss)
-    return loss, parts
+    denominator = sums["mask_count"] if config.rejected_in_denominator else sums["count"]
+    means = {"pg_loss": aggregation_terms(sums["loss"], denominator, config.aggregation)}
+    for key in ("pg_clipfrac", "ppo_kl", "train_rollout_logprob_abs_diff"):
+        if key in sums:
+            means[key] = _reduce.seq_mean(sums[key], sums["count"], reduction)
+    if "ois" in sums:
+        means["ois"] = _reduce.seq_mean(sums["ois"], sums["mask_count"], reduction)
+    parts.update(_reduce.batch_means(means, axes))
+    return LossParts(*parts["pg_loss"]), parts
 
 
 def policy_loss(

@@ -6,6 +6,10 @@ tokens, reduced over a *population* (a float mask) with the caller's reduction:
 means, ``"token"`` = token-weighted mean. They are returned as
 :class:`~offpolicy_jax._reduce.MeanParts` so that micro-batches and devices pool
 exactly; :func:`finalize` divides them out.
+
+The metrics are computed from per-sequence sums (:func:`mismatch_columns` lists
+the ones they need), so that the caller can take those sums together with its
+own in a single pass over the tokens (:func:`~offpolicy_jax._reduce.seq_reduce`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import _reduce
-from offpolicy_jax._reduce import MeanParts, MeshAxes, Reduction
+from offpolicy_jax._reduce import MeanParts, Reduction, SeqMean
 from offpolicy_jax.ratios import LOG_RATIO_CLAMP
 
 MISMATCH_METRIC_KEYS: tuple[str, ...] = (
@@ -32,14 +36,31 @@ MISMATCH_METRIC_KEYS: tuple[str, ...] = (
 )
 
 
+def mismatch_columns(
+    old_logp: jax.Array, rollout_logp: jax.Array, delta: jax.Array, population: jax.Array
+) -> dict[str, _reduce.Column]:
+    """The per-sequence sums the mismatch metrics are made of (one fused pass).
+
+    ``Σ o m``, ``Σ b m``, ``Σ δ m``, ``Σ (e^δ − δ − 1) m`` and ``Σ e^{2·clip(δ)} m``;
+    :func:`mismatch_metrics` turns them into the metrics.
+    """
+    clamped = jnp.clip(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {
+        "old": _reduce.total(old_logp, population),
+        "rollout": _reduce.total(rollout_logp, population),
+        "delta": _reduce.total(delta, population),
+        "k3": _reduce.total(jnp.exp(delta) - delta - 1, population),
+        "chi2": _reduce.total(jnp.exp(2 * clamped), population),
+    }
+
+
+MISMATCH_COLUMNS: tuple[str, ...] = ("old", "rollout", "delta", "k3", "chi2")
+"""The keys of :func:`mismatch_columns`."""
+
+
 def mismatch_metrics(
-    old_logp: jax.Array,
-    rollout_logp: jax.Array,
-    delta: jax.Array,
-    population: jax.Array,
-    reduction: Reduction,
-    axes: MeshAxes = MeshAxes(),
-) -> dict[str, MeanParts]:
+    sums: dict[str, jax.Array], count: jax.Array, reduction: Reduction
+) -> dict[str, SeqMean]:
     """The eleven mismatch metrics between the training and the rollout engine.
 
     With ``mean_o = Σ o m / N̄`` and ``mean_b = Σ b m / N̄`` per sequence:
@@ -51,75 +72,65 @@ def mismatch_metrics(
     ``mis_chi2_seq = e^{2 Σ δ m} − 1`` (exponents clamped to ``±S``).
 
     Args:
-      old_logp: ``[..., T]`` float32 π_old log-probs.
-      rollout_logp: ``[..., T]`` float32 π_rollout log-probs.
-      delta: ``[..., T]`` ``o − b``, 0 outside the population.
-      population: ``[..., T]`` float weights of the valid tokens.
+      sums: ``[...]`` per-sequence sums of :func:`mismatch_columns` over the population.
+      count: ``[...]`` per-sequence population sizes ``N``.
       reduction: ``"sequence"`` or ``"token"``.
-      axes: mesh axes to combine over inside ``shard_map``.
 
     Returns:
-      A dict from the keys in :data:`MISMATCH_METRIC_KEYS` to :class:`MeanParts`.
+      A dict from the keys in :data:`MISMATCH_METRIC_KEYS` to per-sequence
+      :class:`~offpolicy_jax._reduce.SeqMean` terms (see ``_reduce.batch_means``).
     """
-    count = _reduce.seq_count(population, axes)
-
-    def seq_mean(x):
-        return _reduce.safe_divide(_reduce.seq_sum(x, population, axes), count)
 
     def per_seq(values):
-        return _reduce.per_seq_values_parts(values, count, reduction, axes)
+        return _reduce.seq_mean_of_values(values, count, reduction)
 
-    def per_token(values):
-        return _reduce.mean_parts(values, population, reduction, axes)
+    def per_token(per_seq_sums):
+        return _reduce.seq_mean(per_seq_sums, count, reduction)
 
-    mean_o = seq_mean(old_logp)
-    mean_b = seq_mean(rollout_logp)
+    mean_o = _reduce.safe_divide(sums["old"], count)
+    mean_b = _reduce.safe_divide(sums["rollout"], count)
     log_ppl_diff = mean_b - mean_o
-    clamped_delta = jnp.clip(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    seq_log_ratio = _reduce.seq_sum(delta, population, axes)
+    seq_log_ratio = sums["delta"]
     return {
         "mis_training_log_ppl": per_seq(-mean_o),
         "mis_training_ppl": per_seq(jnp.exp(-mean_o)),
         "mis_rollout_log_ppl": per_seq(-mean_b),
         "mis_rollout_ppl": per_seq(jnp.exp(-mean_b)),
-        "mis_kl": per_token(rollout_logp - old_logp),
-        "mis_k3_kl": per_token(jnp.exp(delta) - delta - 1),
+        # b − o = −δ exactly (negation commutes with rounding), so no extra sum.
+        "mis_kl": per_token(-seq_log_ratio),
+        "mis_k3_kl": per_token(sums["k3"]),
         "mis_log_ppl_diff": per_seq(log_ppl_diff),
         "mis_log_ppl_abs_diff": per_seq(jnp.abs(log_ppl_diff)),
         "mis_ppl_ratio": per_seq(jnp.exp(log_ppl_diff)),
-        "mis_chi2_token": per_seq(seq_mean(jnp.exp(2 * clamped_delta)) - 1),
+        "mis_chi2_token": per_seq(_reduce.safe_divide(sums["chi2"], count) - 1),
         "mis_chi2_seq": per_seq(
             jnp.exp(2 * jnp.clip(seq_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1
         ),
     }
 
 
-def fraction(
-    condition: jax.Array, population: jax.Array, reduction: Reduction, axes: MeshAxes = MeshAxes()
-) -> MeanParts:
-    """Share of the population where ``condition`` holds (per token or per sequence)."""
-    return _reduce.mean_parts(jnp.where(condition, 1.0, 0.0), population, reduction, axes)
-
-
 def weight_stats(
-    weights: jax.Array,
-    population: jax.Array,
+    mean: SeqMean,
+    low: jax.Array,
+    high: jax.Array,
+    count: jax.Array,
     reduction: Reduction,
-    axes: MeshAxes = MeshAxes(),
     *,
     prefix: str = "mis_is_ratio",
     suffix: str = "_final",
-) -> dict[str, MeanParts]:
-    """Mean, and per-sequence min and max (then reduced), of the weights over the population."""
-    count = _reduce.seq_count(population, axes)
+) -> dict[str, SeqMean]:
+    """Mean, and per-sequence min and max (then reduced), of the weights over a population.
+
+    Args:
+      mean: the mean weight's per-sequence terms.
+      low, high: ``[...]`` per-sequence minimum and maximum weight.
+      count: ``[...]`` per-sequence population sizes (empty sequences are left out).
+      reduction: ``"sequence"`` or ``"token"``.
+    """
     return {
-        f"{prefix}_mean{suffix}": _reduce.mean_parts(weights, population, reduction, axes),
-        f"{prefix}_min{suffix}": _reduce.per_seq_values_parts(
-            _reduce.seq_min(weights, population, axes), count, reduction, axes
-        ),
-        f"{prefix}_max{suffix}": _reduce.per_seq_values_parts(
-            _reduce.seq_max(weights, population, axes), count, reduction, axes
-        ),
+        f"{prefix}_mean{suffix}": mean,
+        f"{prefix}_min{suffix}": _reduce.seq_mean_of_values(low, count, reduction),
+        f"{prefix}_max{suffix}": _reduce.seq_mean_of_values(high, count, reduction),
     }
 
 

@@ -34,8 +34,15 @@ def batch_normalize(
     Returns:
       ``(normalised_weights, mu)``; ``mu`` is 1 when the batch keeps nothing.
     """
-    reduction = "token" if level == "token" else "sequence"
-    mu = _reduce.reduce_mean(weights, mask, reduction, axes)
-    usable = mu > MIN_NORMALIZER
-    mu = jnp.where(usable, mu, 1.0)
+    mu = normalizer(_reduce.reduce_mean(weights, mask, normalizer_reduction(level), axes))
     return weights / mu, mu
+
+
+def normalizer_reduction(level: str) -> str:
+    """How ``μ`` averages: per token at the token level, per sequence otherwise (D4)."""
+    return "token" if level == "token" else "sequence"
+
+
+def normalizer(mean_weight: jax.Array) -> jax.Array:
+    """``μ``: the mean kept weight, or 1 when it is not above :data:`MIN_NORMALIZER`."""
+    return jnp.where(mean_weight > MIN_NORMALIZER, mean_weight, 1.0)

@@ -54,24 +54,33 @@ def aggregate_level(
     """
     if level == "token":
         return delta
-    total = _reduce.seq_sum(delta, mask, axes)
+    _check_level(level)
+    sums = _reduce.seq_reduce(
+        {"delta": _reduce.total(delta, mask), "count": _reduce.count(mask)}, axes
+    )
+    return sequence_log_ratio(sums["delta"], sums["count"], level)[..., None]
+
+
+def sequence_log_ratio(delta_sum: jax.Array, count: jax.Array, level: str) -> jax.Array:
+    """``λ`` of each sequence, ``[...]``, from ``Σ_t δ_t m_t`` and ``N = Σ_t m_t``.
+
+    sequence: ``Σ δ m``; geometric: ``Σ δ m / N̄``. Here ``N̄ = N`` where ``N > 0``:
+    identical to ``max(N, 1)`` for 0/1 masks, but it does not under-scale a
+    sequence whose fractional mask sums to less than 1.
+    """
+    _check_level(level)
     if level == "sequence":
-        return total[..., None]
+        return delta_sum
     if level == "geometric":
-        count = _reduce.seq_count(mask, axes)
-        # N̄ = N where N > 0: identical to max(N, 1) for 0/1 masks, but does not
-        # under-scale a sequence whose fractional mask sums to less than 1.
-        return _reduce.safe_divide(total, count)[..., None]
-    raise ValueError(f"level must be one of 'token', 'sequence', 'geometric', got {level!r}")
+        return _reduce.safe_divide(delta_sum, count)
+    raise ValueError(f"the token level has no per-sequence log-ratio, got {level!r}")
+
+
+def _check_level(level: str) -> None:
+    if level not in ("token", "sequence", "geometric"):
+        raise ValueError(f"level must be one of 'token', 'sequence', 'geometric', got {level!r}")
 
 
 def clamped_exp(log_value: jax.Array) -> jax.Array:
     """``exp(clip(x, −S, S))``: a ratio that can neither overflow nor underflow to 0."""
     return jnp.exp(jnp.clip(log_value, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-
-
-def level_ratio(
-    delta: jax.Array, mask: jax.Array, level: str, axes: MeshAxes = MeshAxes()
-) -> jax.Array:
-    """``ρ = exp(clip(agg(δ, m, level), −S, S))``, the ratio at ``level``."""
-    return clamped_exp(aggregate_level(delta, mask, level, axes))

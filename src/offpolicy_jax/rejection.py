@@ -60,6 +60,14 @@ def veto(
     return catastrophic, ~vetoed[..., None]
 
 
+def nonfinite_tokens(*logps: jax.Array) -> jax.Array:
+    """``[..., T]`` bool: a NaN or ±inf in any of the log-prob arrays."""
+    bad = jnp.zeros(jnp.broadcast_shapes(*(jnp.shape(x) for x in logps)), bool)
+    for logp in logps:
+        bad = bad | ~jnp.isfinite(logp)
+    return bad
+
+
 def finite_sequences(
     mask: jax.Array, *logps: jax.Array, axes: MeshAxes = MeshAxes()
 ) -> jax.Array:
@@ -70,7 +78,4 @@ def finite_sequences(
       *logps: ``[..., T]`` log-prob arrays to check.
       axes: mesh axes for the per-sequence ``any`` inside ``shard_map``.
     """
-    bad = jnp.zeros(mask.shape, bool)
-    for logp in logps:
-        bad = bad | ~jnp.isfinite(logp)
-    return ~_reduce.seq_any(bad, mask, axes)[..., None]
+    return ~_reduce.seq_any(nonfinite_tokens(*logps), mask, axes)[..., None]
