@@ -9,6 +9,7 @@ a tie 50/50 and would give half the gradient there.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -63,19 +64,100 @@ def ppo_surrogate(
     Returns:
       :class:`PPOTerms`.
     """
+    clips = (clip_eps, clip_eps_high, dual_clip_c)
     denominator_logp = jax.lax.stop_gradient(denominator_logp)
-    raw = denominator_logp - logp
-    usable = valid & jnp.isfinite(raw)
-    log_ratio = jnp.where(usable, raw, 0.0)
-    ratio = jnp.exp(clamp(-log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    advantages = jax.lax.stop_gradient(advantages)
+    terms = _ppo_terms(logp, denominator_logp, advantages, valid, *clips)
+    loss = _ppo_loss(clips, logp, denominator_logp, advantages, valid)
+    return PPOTerms(loss, terms.clipped, jax.lax.stop_gradient(terms.log_ratio), terms.ratio)
+
+
+class _Branches(NamedTuple):
+    loss: jax.Array  # ℓ
+    clipped: jax.Array  # bool: L2 > L1
+    floored: jax.Array | None  # bool: the dual-clip floor −c·A replaced ℓ
+
+
+def _branches(ratio, advantages, clip_eps, clip_eps_high, dual_clip_c) -> _Branches:
+    """``ℓ = max(L1, L2)`` (and the dual-clip floor) for a given ratio ``r``."""
     unclipped = -ratio * advantages
     clipped = -clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * advantages
     is_clipped = clipped > unclipped
     loss = jnp.where(is_clipped, clipped, unclipped)
+    floored = None
     if dual_clip_c is not None:
         floor = -dual_clip_c * advantages
-        loss = jnp.where((advantages < 0) & (floor < loss), floor, loss)
-    return PPOTerms(loss, is_clipped, jax.lax.stop_gradient(log_ratio), ratio)
+        floored = (advantages < 0) & (floor < loss)
+        loss = jnp.where(floored, floor, loss)
+    return _Branches(loss, is_clipped, floored)
+
+
+class _Terms(NamedTuple):
+    loss: jax.Array
+    clipped: jax.Array
+    log_ratio: jax.Array
+    ratio: jax.Array
+
+
+def _ppo_terms(logp, denominator_logp, advantages, valid, clip_eps, clip_eps_high, dual_clip_c):
+    """``k``, ``r``, ℓ and the clipped-branch mask, per token."""
+    raw = denominator_logp - logp
+    log_ratio = jnp.where(valid & jnp.isfinite(raw), raw, 0.0)
+    ratio = jnp.exp(clamp(-log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    branches = _branches(ratio, advantages, clip_eps, clip_eps_high, dual_clip_c)
+    return _Terms(branches.loss, branches.clipped, log_ratio, ratio)
+
+
+def _ppo_slope(logp, denominator_logp, advantages, valid, clip_eps, clip_eps_high, dual_clip_c):
+    """``∂ℓ/∂θ`` per token, in closed form.
+
+    It is what JAX's autodiff gives for the ``where`` formulas of :func:`_ppo_terms`:
+    ``∂r/∂θ = r`` where ``θ`` is used (valid, finite ``d − θ``) and the exponent lies
+    in the clamp's closed interval ``[−S, S]``, else 0; then the selected branch's
+    derivative (``−A·∂r``, or ``0`` outside ``[1 − ε, 1 + ε_high]`` for the clipped
+    one, or ``0`` under the dual-clip floor).
+
+    Where the slope can be non-zero ``r = exp(θ − d)`` exactly, and that is how it is
+    computed here, not as the forward's ``exp(clip(θ − d))``: XLA would otherwise
+    merge the two exponentials and keep ``r`` as a ``[..., T]`` array from the forward
+    to the backward instead of recomputing it.
+    """
+    raw = denominator_logp - logp
+    usable = valid & jnp.isfinite(raw)
+    exponent = jnp.where(usable, logp - denominator_logp, 0.0)  # = −k
+    in_range = usable & (exponent >= -LOG_RATIO_CLAMP) & (exponent <= LOG_RATIO_CLAMP)
+    ratio = jnp.where(in_range, jnp.exp(exponent), 1.0)
+    branches = _branches(ratio, advantages, clip_eps, clip_eps_high, dual_clip_c)
+    d_unclipped = jnp.where(in_range, -advantages * ratio, 0.0)
+    inside_clip = (ratio >= 1 - clip_eps) & (ratio <= 1 + clip_eps_high)
+    slope = jnp.where(branches.clipped & ~inside_clip, 0.0, d_unclipped)
+    if branches.floored is not None:
+        slope = jnp.where(branches.floored, 0.0, slope)
+    return slope
+
+
+# A custom VJP for ℓ so that the backward is the single elementwise expression
+# `ḡ · ∂ℓ/∂θ`, recomputed from the inputs: JAX's own VJP would keep five [..., T]
+# intermediates of the forward (k, r, L1, L2, the branch mask) as residuals, each
+# written to memory by the forward and read back by the backward.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ppo_loss(clips, logp, denominator_logp, advantages, valid):
+    return _ppo_terms(logp, denominator_logp, advantages, valid, *clips).loss
+
+
+def _ppo_loss_fwd(clips, logp, denominator_logp, advantages, valid):
+    return _ppo_loss(clips, logp, denominator_logp, advantages, valid), (
+        logp, denominator_logp, advantages, valid
+    )
+
+
+def _ppo_loss_bwd(clips, residuals, cotangent):
+    slope = _ppo_slope(*residuals, *clips)
+    # π_old / π_rollout and the advantages are data: no gradient flows into them.
+    return cotangent * slope, None, None, None
+
+
+_ppo_loss.defvjp(_ppo_loss_fwd, _ppo_loss_bwd)
 
 
 def reinforce_term(logp: jax.Array, advantages: jax.Array, weights: jax.Array) -> jax.Array:
@@ -119,11 +201,17 @@ def vanilla_tis(
     ratio = jnp.where((population > 0) & jnp.isfinite(log_ratio), jnp.exp(log_ratio), 1.0)
     weights = jnp.clip(ratio, clip_low, clip)
 
-    def mean(x):
-        return _reduce.mean_parts(x, population, reduction, axes)
-
-    return weights, {
-        "tis": mean(ratio),
-        "tis_clipfrac": mean(jnp.where(weights != ratio, 1.0, 0.0)),
-        "tis_abs": mean(jnp.abs(ratio - 1)),
+    sums = _reduce.seq_reduce(
+        {
+            "tis": _reduce.total(ratio, population),
+            "tis_clipfrac": _reduce.count_where(weights != ratio, population),
+            "tis_abs": _reduce.total(jnp.abs(ratio - 1), population),
+            "count": _reduce.count(population),
+        },
+        axes,
+    )
+    means = {
+        key: _reduce.seq_mean(sums[key], sums["count"], reduction)
+        for key in ("tis", "tis_clipfrac", "tis_abs")
     }
+    return weights, _reduce.batch_means(means, axes)
