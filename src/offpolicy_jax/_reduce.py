@@ -183,36 +183,40 @@ _COLLECTIVE = {"sum": jax.lax.psum, "min": jax.lax.pmin, "max": jax.lax.pmax}
 # the loop reduces small chunks of _CHUNK tokens (writing [..., T / _CHUNK]
 # partial results, then finished by the library kernel) and takes at most _GROUP
 # columns; larger sets of columns run as several such loops. Both numbers were
-# measured with benchmarks/ on jax 0.10.2 (CPU): a chunk of 8 or a group of 12+
-# falls back to scalar code, 3-5x slower. Other backends fuse either form.
+# measured with benchmarks/ on jax 0.10.2 (CPU): with chunks of 8, two columns of the
+# PPO loss already fall back to scalar code (3-5x slower); with chunks of 4, eight
+# still vectorise. Other backends fuse either form.
 _CHUNK = 4
 _GROUP = 8
+# Below this many values in total (columns x elements, e.g. the per-sequence terms of
+# all the metrics), one scalar loop over every column is cheaper than a kernel each.
+_SMALL = 1 << 16
 
 
 def _plain_reduce(op: str, value: jax.Array) -> jax.Array:
     return _FINISH[op](value, axis=-1, initial=_INIT[op])  # `initial`: T = 0 is fine too
 
 
-def _chunking(value: jax.Array) -> tuple[bool, PartitionSpec | None]:
-    """Whether the token axis can be cut into chunks of ``_CHUNK`` tokens, and how.
+class _Split(NamedTuple):
+    """How the devices may share the last (token) axis of an array."""
 
-    No chunk may straddle two devices' shares of the token axis, or the reshape
-    would move token data between devices. Inside ``shard_map`` (Manual mesh axes)
-    the arrays are local. An explicitly sharded token axis has a known share per
-    device. Mesh axes left to the XLA partitioner (Auto axes, or every device when
-    no mesh is set) may split the axis over any number of devices dividing their
-    total, so the share must then be a multiple of ``_CHUNK`` times that total.
+    explicit: int  # devices its explicit sharding splits it over
+    free: int  # devices the XLA partitioner may still split it over, in any way
+    spec: PartitionSpec | None  # the chunked array's sharding, when the axis is explicit
 
-    Returns:
-      ``(ok, spec)``: ``spec`` is the chunked array's sharding when the token axis
-      is explicitly sharded (the reshape must be told), else None.
+
+def _split(value: jax.Array) -> _Split:
+    """How the devices may share the last axis of ``value``.
+
+    Inside ``shard_map`` (Manual mesh axes) arrays are local: nothing splits them.
+    An explicitly sharded axis is split over a known number of devices. Mesh axes
+    left to the XLA partitioner (Auto axes, or every device when no mesh is set)
+    may split it over any number of devices dividing their total.
     """
-    length = value.shape[-1]
     sharding = jax.typeof(value).sharding
     spec = tuple(sharding.spec) + (None,) * (value.ndim - len(sharding.spec))
     token = spec[-1]
     names = () if token is None else (token,) if isinstance(token, str) else tuple(token)
-    share = length // math.prod(sharding.mesh.shape[name] for name in names)
     context = jax.sharding.get_abstract_mesh()
     if context.empty:
         free = jax.device_count()
@@ -222,8 +226,11 @@ def _chunking(value: jax.Array) -> tuple[bool, PartitionSpec | None]:
             for size, kind in zip(context.axis_sizes, context.axis_types)
             if kind == AxisType.Auto
         )
-    ok = length > 0 and share % (_CHUNK * free) == 0
-    return ok, (PartitionSpec(*spec[:-1], token, None) if names else None)
+    return _Split(
+        explicit=math.prod(sharding.mesh.shape[name] for name in names),
+        free=free,
+        spec=PartitionSpec(*spec[:-1], token, None) if names else None,
+    )
 
 
 def _grouped_reduce(
@@ -233,21 +240,40 @@ def _grouped_reduce(
     shape = values[0].shape
     chunked_shape = (*shape[:-1], shape[-1] // _CHUNK, _CHUNK)
     chunked = tuple(jax.lax.reshape(v, chunked_shape, out_sharding=spec) for v in values)
+    return [_plain_reduce(op, p) for op, p in zip(ops, _variadic_reduce(ops, chunked))]
+
+
+def _variadic_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """One loop reducing every operand over its last axis (XLA's own, not a library kernel)."""
     inits = tuple(jnp.array(_INIT[op], v.dtype) for op, v in zip(ops, values))
-    partials = jax.lax.reduce(
-        chunked,
-        inits,
-        lambda acc, x: tuple(_COMBINE[op](a, b) for op, a, b in zip(ops, acc, x)),
-        (len(chunked_shape) - 1,),
+    return tuple(
+        jax.lax.reduce(
+            values,
+            inits,
+            lambda acc, x: tuple(_COMBINE[op](a, b) for op, a, b in zip(ops, acc, x)),
+            (values[0].ndim - 1,),
+        )
     )
-    return [_plain_reduce(op, p) for op, p in zip(ops, partials)]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _fused_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """Reduces each ``[..., T]`` operand over its last axis by its op, in few loops."""
-    ok, spec = _chunking(values[0])
-    if len(values) == 1 or not ok:
+    """Reduces each ``[..., T]`` operand over its last axis by its op, in few loops.
+
+    The variadic loops must not reduce across devices: the XLA partitioner would
+    all-gather every operand's partial results, one collective per column, where it
+    combines plain reductions into one all-reduce. So one loop over the whole axis
+    only when nothing can split it, and chunks only when no chunk straddles two
+    devices' shares (the reshape would move token data between devices).
+    """
+    split = _split(values[0])
+    length = values[0].shape[-1]
+    if len(values) == 1:
+        return (_plain_reduce(ops[0], values[0]),)
+    if values[0].size * len(values) <= _SMALL and split.explicit * split.free == 1:
+        return _variadic_reduce(ops, values)
+    share = length // split.explicit
+    if length == 0 or share % (_CHUNK * split.free):
         return tuple(_plain_reduce(op, v) for op, v in zip(ops, values))
     # Balanced groups: 17 columns run as 6 + 6 + 5, never as 8 + 8 + 1 (a single
     # column would go back to the write-then-reduce path).
@@ -255,7 +281,9 @@ def _fused_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[
     size = -(-len(values) // n_groups)
     out: list[jax.Array] = []
     for start in range(0, len(values), size):
-        out += _grouped_reduce(ops[start : start + size], values[start : start + size], spec)
+        out += _grouped_reduce(
+            ops[start : start + size], values[start : start + size], split.spec
+        )
     return tuple(out)
 
 
@@ -290,7 +318,10 @@ def _operand(column: Column, shape: tuple[int, ...]) -> jax.Array:
 
 
 def seq_reduce(columns: Mapping[str, Column], axes: MeshAxes) -> dict[str, jax.Array]:
-    """Every column's per-sequence reduction, ``[..., T] -> [...]``, in one pass.
+    """Every column's per-sequence reduction, ``[..., T] -> [...]``, computed together.
+
+    On one device the columns take one fused loop per group of ``_GROUP`` (see
+    ``_fused_reduce``) instead of a write-then-reduce kernel pair each.
 
     Each result is ``Σ_t x_t p_t``, ``min`` or ``max`` over the sequence's tokens
     in the column's population. Values are selected with ``where`` before they are
@@ -373,13 +404,16 @@ def seq_mean_of_values(values: jax.Array, counts: jax.Array, reduction: Reductio
 def batch_means(means: Mapping[str, SeqMean], axes: MeshAxes) -> dict[str, MeanParts]:
     """Sums every mean's terms over the batch (and the data-parallel devices) at once.
 
-    One stacked reduction and one ``psum`` of scalars, whatever the number of means.
+    One fused loop over the batch (whose code XLA fuses with every term's) and one
+    ``psum`` of scalars, whatever the number of means.
     """
     if not means:
         return {}
-    terms = [t for m in means.values() for t in (m.numerator, m.denominator)]
-    totals = jnp.sum(jnp.stack([jnp.ravel(t) for t in jnp.broadcast_arrays(*terms)]), axis=1)
-    totals = tuple(totals[i] for i in range(len(terms)))
+    totals = tuple(
+        jnp.broadcast_arrays(*(t for m in means.values() for t in (m.numerator, m.denominator)))
+    )
+    while totals[0].ndim:  # one leading axis at a time
+        totals = _fused_reduce(("sum",) * len(totals), totals)
     if axes.batch:
         totals = jax.lax.psum(totals, axes.batch)
     return {key: MeanParts(*totals[2 * i : 2 * i + 2]) for i, key in enumerate(means)}
