@@ -6,8 +6,8 @@ run and on whatever JAX backend is present:
 
 * the time of the read-once floor, the jitted library, the same code op by op
   (no jit) and the NumPy oracle: medians of ``--repeats`` calls after warm-up,
-  the variants interleaved call by call so that a busy machine slows all of
-  them alike; every time is reported as a ratio to the floor;
+  interleaved call by call (floor with jit, then op-by-op with NumPy) so that a
+  busy machine slows them alike; every time is reported as a ratio to the floor;
 * the cold compile time of the jitted library (trace + lower + compile after
   ``jax.clear_caches()``, median of ``--compile-repeats``);
 * the compiled temporary memory (``compiled.memory_analysis()``) as a ratio to
@@ -87,19 +87,25 @@ def measure(comp: workloads.Computation, args: argparse.Namespace, progress: tqd
     compile_s = cold_compile_seconds(comp, args.compile_repeats)
     floor = comp.compile(workloads.read_once)
     jitted = comp.compile(comp.step)
-    call = {"floor": lambda: floor(*comp.args), "jit": lambda: jitted(*comp.args)}
+    fast = {"floor": lambda: floor(*comp.args), "jit": lambda: jitted(*comp.args)}
+    slow = {}
     if not args.no_op_by_op:
-        call["op_by_op"] = comp.op_by_op
+        slow["op_by_op"] = comp.op_by_op
     if comp.numpy_step is not None and not args.no_numpy:
-        call["numpy"] = comp.numpy_step
-    for fn in call.values():
-        for _ in range(args.warmup):
-            timed(fn)
-    samples = {name: [] for name in call}
-    for _ in range(args.repeats):
-        for name, fn in call.items():  # interleaved: load hits every variant alike
-            samples[name].append(timed(fn))
-        progress.update(1)
+        slow["numpy"] = comp.numpy_step
+    samples = {}
+    # Two phases, each interleaved call by call so that load hits its variants alike.
+    # The slow variants run apart: between two of their calls (hundreds of MB of
+    # temporaries) the floor would start with cold caches and freshly mapped memory.
+    for phase in (fast, slow):
+        for fn in phase.values():
+            for _ in range(args.warmup):
+                timed(fn)
+        samples.update({name: [] for name in phase})
+        for _ in range(args.repeats):
+            for name, fn in phase.items():
+                samples[name].append(timed(fn))
+            progress.update(1)
     median = {name: statistics.median(times) for name, times in samples.items()}
     tokens = int(np.prod(comp.host_inputs["mask"].shape))
     temp = temp_bytes(jitted)
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "busy_before": busy_processes(),
         "results": [],
     }
-    with tqdm(total=len(sizes) * 2 * args.repeats, desc="benchmark", unit="round") as progress:
+    with tqdm(total=len(sizes) * 2 * 2 * args.repeats, desc="benchmark", unit="round") as progress:
         for batch, length in sizes:
             for comp in workloads.computations(batch, length, numpy_reference):
                 progress.set_postfix_str(f"{comp.name} {batch}x{length}")
