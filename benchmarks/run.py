@@ -158,7 +158,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 
@@ -173,11 +173,15 @@ def markdown(report: dict) -> str:
         "",
         f"Produced by `{report['command']}` on {env['date']}.",
         "",
-        f"- backend **{env['backend']}**, device {env['device']}; jax {env['jax']}, "
-        f"Python {env['python']}",
+        (
+            f"- backend **{env['backend']}**, device {env['device']}; jax {env['jax']}, "
+            f"Python {env['python']}"
+        ),
         f"- CPU: {env['cpu']}, {env['cpu_count']} cores",
-        f"- load average (1 min) before / after: {report['load_before']:.2f} / "
-        f"{report['load_after']:.2f}",
+        (
+            f"- load average (1 min) before / after: {report['load_before']:.2f} / "
+            f"{report['load_after']:.2f}"
+        ),
         "- other busy processes at the start: "
         + ("; ".join(f"`{p}`" for p in report["busy_before"]) or "none"),
         "- other busy processes at the end: "
@@ -187,12 +191,14 @@ def markdown(report: dict) -> str:
         lines.append(f"- note: {report['note']}")
     lines += [
         "",
-        f"Times are medians of {report['repeats']} interleaved calls after warm-up, as ratios "
-        "to the read-once floor (a jitted function that sums each input array once) "
-        "measured in the same run. *compile* is cold trace + lower + compile of the jitted "
-        "library; *temp / input* is the compiled temporary memory over the input bytes; "
-        "*vs smallest* is the time per token over the smallest size's (1 = linear in B·T); "
-        "*floor ns/token* shows how far the floor itself is from linear.",
+        (
+            f"Times are medians of {report['repeats']} interleaved calls after warm-up, as "
+            "ratios to the read-once floor (a jitted function that sums each input array "
+            "once) measured in the same run. *compile* is cold trace + lower + compile of the "
+            "jitted library; *temp / input* is the compiled temporary memory over the input "
+            "bytes; *vs smallest* is the time per token over the smallest size's (1 = linear "
+            "in B·T); *floor ns/token* shows how far the floor itself is from linear."
+        ),
     ]
     for name in ("loss", "correction"):
         rows = [r for r in report["results"] if r["computation"] == name]
@@ -202,9 +208,11 @@ def markdown(report: dict) -> str:
             "",
             f"## {TITLES[name]}",
             "",
-            "| [B, T] | floor ms | jit ms | **jit / floor** | op-by-op / floor | NumPy / floor "
-            "| op-by-op / jit | NumPy / jit | compile s | temp / input | jit ns/token "
-            "| vs smallest | floor ns/token |",
+            (
+                "| [B, T] | floor ms | jit ms | **jit / floor** | op-by-op / floor "
+                "| NumPy / floor | op-by-op / jit | NumPy / jit | compile s | temp / input "
+                "| jit ns/token | vs smallest | floor ns/token |"
+            ),
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         smallest = rows[0]["ns_per_token"]
@@ -241,10 +249,14 @@ def targets(report: dict) -> list[str]:
         return "met" if ok else "**not met**"
 
     out = [
-        f"jit / floor = {big['ratio_to_floor']['jit']:.2f} (target <= 8): "
-        f"{mark(big['ratio_to_floor']['jit'] <= 8)}",
-        f"compile = {big['compile_seconds']:.2f} s (target < 2 s): "
-        f"{mark(big['compile_seconds'] < 2)}",
+        (
+            f"jit / floor = {big['ratio_to_floor']['jit']:.2f} (target <= 8): "
+            f"{mark(big['ratio_to_floor']['jit'] <= 8)}"
+        ),
+        (
+            f"compile = {big['compile_seconds']:.2f} s (target < 2 s): "
+            f"{mark(big['compile_seconds'] < 2)}"
+        ),
     ]
     if big["temp_to_input"] is not None:
         out.append(

@@ -10,13 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_reference as ref
 import pytest
 
-import numpy_reference as ref
 import offpolicy_jax as opj
 from offpolicy_jax import _reduce
 from offpolicy_jax._reduce import MeshAxes
-
 
 OPS = ("sum", "min", "max")
 

@@ -80,15 +80,15 @@ def correction_parts(
     # that sequence leaves every population below (§0).
     delta = ratios.log_ratio(old_logp, rollout_logp, valid_in)
     veto = config.use_tis and config.rs_veto_threshold is not None
-    columns = {
+    facts = {
         "count": _reduce.count(mask),
         "nonfinite": _reduce.count_where(rejection.nonfinite_tokens(old_logp, rollout_logp), mask),
         **metrics.mismatch_columns(old_logp, rollout_logp, delta, mask),
     }
     if veto:
         catastrophic = rejection.catastrophic_tokens(delta, valid_in, config.rs_veto_threshold)
-        columns["catastrophic"] = _reduce.count_where(catastrophic, mask)
-    seq = _reduce.seq_reduce(columns, axes)
+        facts["catastrophic"] = _reduce.count_where(catastrophic, mask)
+    seq = _reduce.seq_reduce(facts, axes)
     finite = seq["nonfinite"] == 0
 
     def over_valid(per_seq):  # restricts a sum over the mask to the finite sequences
