@@ -163,3 +163,21 @@ def test_fast_path_policy_loss_matches_numpy_reference(level):
     assert set(want_metrics) <= set(metrics)
     for key, want in want_metrics.items():
         np.testing.assert_allclose(metrics[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_custom_derivatives_keep_forward_mode_and_second_order():
+    """seq_reduce and the PPO surrogate define their derivatives; jvp, grad and HVP agree."""
+    rng = np.random.default_rng(3)
+    logp, old, rollout, adv, mask = _ragged(rng, 8, 64)
+    config = opj.LossConfig(algorithm="decoupled_ppo", correction=opj.CorrectionConfig(
+        use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True))
+
+    def loss(lp):
+        return opj.policy_loss(lp, old, rollout, adv, mask, config)[0]
+
+    direction = jnp.asarray(rng.normal(size=logp.shape), jnp.float32)
+    grad = jax.grad(loss)(logp)
+    _, forward = jax.jvp(loss, (logp,), (direction,))
+    np.testing.assert_allclose(forward, jnp.vdot(grad, direction), rtol=1e-4, atol=1e-6)
+    hvp = jax.jvp(jax.grad(loss), (logp,), (direction,))[1]
+    assert hvp.shape == logp.shape and bool(jnp.all(jnp.isfinite(hvp)))

@@ -136,28 +136,21 @@ def _ppo_slope(logp, denominator_logp, advantages, valid, clip_eps, clip_eps_hig
     return slope
 
 
-# A custom VJP for ℓ so that the backward is the single elementwise expression
-# `ḡ · ∂ℓ/∂θ`, recomputed from the inputs: JAX's own VJP would keep five [..., T]
-# intermediates of the forward (k, r, L1, L2, the branch mask) as residuals, each
-# written to memory by the forward and read back by the backward.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+# ℓ gets its derivative in closed form (a custom JVP, so forward mode and higher
+# orders keep working): `∂ℓ = (∂ℓ/∂θ) · ∂θ`. Reverse mode then needs only that slope,
+# which XLA computes inside the backward's single elementwise pass from the inputs;
+# JAX's own derivative would keep five [..., T] intermediates of the forward (k, r,
+# L1, L2, the branch mask) as residuals, written by the forward and read back.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _ppo_loss(clips, logp, denominator_logp, advantages, valid):
     return _ppo_terms(logp, denominator_logp, advantages, valid, *clips).loss
 
 
-def _ppo_loss_fwd(clips, logp, denominator_logp, advantages, valid):
-    return _ppo_loss(clips, logp, denominator_logp, advantages, valid), (
-        logp, denominator_logp, advantages, valid
-    )
-
-
-def _ppo_loss_bwd(clips, residuals, cotangent):
-    slope = _ppo_slope(*residuals, *clips)
-    # π_old / π_rollout and the advantages are data: no gradient flows into them.
-    return cotangent * slope, None, None, None
-
-
-_ppo_loss.defvjp(_ppo_loss_fwd, _ppo_loss_bwd)
+@_ppo_loss.defjvp
+def _ppo_loss_jvp(clips, primals, tangents):
+    # π_old / π_rollout and the advantages are data (stop-gradient): only θ moves ℓ.
+    slope = _ppo_slope(*primals, *clips)
+    return _ppo_loss(clips, *primals), slope * tangents[0]
 
 
 def reinforce_term(logp: jax.Array, advantages: jax.Array, weights: jax.Array) -> jax.Array:
