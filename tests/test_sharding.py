@@ -242,3 +242,24 @@ def test_correction_result_reused_under_shard_map(reference):
         arrays, specs = _put(mesh, spec)
         loss = _shard_mapped(fn, mesh, (specs,), P())(arrays)
     np.testing.assert_allclose(loss, reference[f"loss/{name}"]["loss"], rtol=mc.RTOL, atol=mc.ATOL)
+
+
+def test_axis_names_naming_a_replicated_axis_raises():
+    # Inputs split over "data" only; naming "model" too would psum replicated
+    # copies and count every sequence twice, silently. The library refuses.
+    mesh = _mesh((4, 2), ("data", "model"), AxisType.Explicit)
+    x = np.zeros((8, 6), np.float32)
+    mask = np.ones((8, 6), np.float32)
+    config = opj.CorrectionConfig(use_tis=True)
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, x, mask)]
+
+        def call(axis_names):
+            fn = jax.shard_map(
+                lambda o, b, m: opj.compute_correction(o, b, m, config, axis_names=axis_names).weights,
+                in_specs=(P("data"),) * 3, out_specs=P("data"))
+            return jax.jit(fn)(*args)
+
+        np.testing.assert_array_equal(np.asarray(call("data")), 1.0)
+        with pytest.raises(ValueError, match=r"\['model'\].*not split over"):
+            call(("data", "model"))

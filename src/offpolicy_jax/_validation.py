@@ -58,3 +58,36 @@ def check_same_shape(reference_name: str, reference: jax.Array, **others: jax.Ar
                 f"{name} has shape {tuple(np.shape(value))} but {reference_name} has shape "
                 f"{tuple(np.shape(reference))}; all per-token inputs must be [..., T] alike"
             )
+
+
+def _varying_axes(x) -> frozenset[str]:
+    """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty if unknown)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return frozenset(varying or ())
+
+
+def check_split_over(axis_names: tuple[str, ...], **arrays) -> None:
+    """Raises if an input is replicated along a mesh axis that ``axis_names`` names.
+
+    Inside ``shard_map`` the library ``psum``-s its sums over the named axes; an
+    input that is the same on every device of such an axis would be counted once
+    per device, silently. JAX tracks which axes a value varies over (with
+    ``check_vma=True``, the default); an input whose tracking is empty (a constant,
+    or ``check_vma=False``) cannot be checked and is let through.
+    """
+    if not axis_names:
+        return
+    for name, value in arrays.items():
+        if value is None:
+            continue
+        varying = _varying_axes(value)
+        missing = [axis for axis in axis_names if axis not in varying]
+        if varying and missing:
+            raise ValueError(
+                f"axis_names names mesh axes {missing} but {name} is not split over them "
+                f"(it varies only over {sorted(varying)}): its sums would be counted once per "
+                "device of those axes. Name only the axes the batch (or its tokens) is "
+                "sharded over in shard_map's in_specs."
+            )

@@ -26,7 +26,12 @@ import jax.numpy as jnp
 
 from offpolicy_jax import _reduce, bounds, metrics, normalize, ratios, rejection
 from offpolicy_jax._reduce import REDUCTIONS, AxisNames, MeanParts, MeshAxes, Reduction
-from offpolicy_jax._validation import as_float_logp, as_float_mask, check_same_shape
+from offpolicy_jax._validation import (
+    as_float_logp,
+    as_float_mask,
+    check_same_shape,
+    check_split_over,
+)
 from offpolicy_jax.config import CorrectionConfig
 
 
@@ -261,6 +266,9 @@ def compute_correction(
     rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
     weights_mask = as_float_mask("mask", mask)
     check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
+    check_split_over(
+        axes.batch + axes.token, old_logp=old_logp, rollout_logp=rollout_logp, mask=mask
+    )
     weights, final_mask, parts = correction_parts(
         old, rollout, weights_mask, config, reduction=reduction, axes=axes
     )

@@ -27,7 +27,12 @@ import jax.numpy as jnp
 
 from offpolicy_jax import _reduce, metrics, rejection
 from offpolicy_jax._reduce import AxisNames, MeanParts, MeshAxes
-from offpolicy_jax._validation import as_float_logp, as_float_mask, check_same_shape
+from offpolicy_jax._validation import (
+    as_float_logp,
+    as_float_mask,
+    check_same_shape,
+    check_split_over,
+)
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, correction_parts
 from offpolicy_jax.surrogates import ppo_surrogate, reinforce_term, vanilla_tis
@@ -199,6 +204,10 @@ def policy_loss_parts(
             f"(decoupled_ppo, reinforce_is), not {config.algorithm!r}"
         )
     axes = _reduce.as_mesh_axes(axis_names)
+    # Per-sequence advantages are legitimately replicated across token shards.
+    check_split_over(
+        axes.batch + axes.token, logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, mask=mask
+    )
     reduction = config.metric_reduction
     algorithm = config.algorithm
     valid = mask > 0
