@@ -158,6 +158,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
+        "cpus_used": len(os.sched_getaffinity(0)),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
@@ -177,7 +178,8 @@ def markdown(report: dict) -> str:
             f"- backend **{env['backend']}**, device {env['device']}; jax {env['jax']}, "
             f"Python {env['python']}"
         ),
-        f"- CPU: {env['cpu']}, {env['cpu_count']} cores",
+        f"- CPU: {env['cpu']}, {env['cpu_count']} cores, "
+        f"{env.get('cpus_used', env['cpu_count'])} used by this run",
         (
             f"- load average (1 min) before / after: {report['load_before']:.2f} / "
             f"{report['load_after']:.2f}"
@@ -294,7 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-op-by-op", action="store_true", help="skip the op-by-op JAX variant")
     parser.add_argument("--no-numpy", action="store_true", help="skip the NumPy oracle")
     parser.add_argument("--note", default="", help="free text added to results.md")
+    parser.add_argument("--cpus", type=int, default=None,
+                        help="pin the run to the first N CPUs before JAX starts its thread "
+                             "pool (1: XLA:CPU runs every kernel on one thread)")
     args = parser.parse_args(argv)
+    if args.cpus is not None:
+        available = sorted(os.sched_getaffinity(0))
+        if not 1 <= args.cpus <= len(available):
+            parser.error(f"--cpus must be between 1 and {len(available)}, got {args.cpus}")
+        # Threads inherit the affinity of the thread that starts them, and JAX starts
+        # XLA's thread pool on first use, below: so pinning here pins all of it.
+        os.sched_setaffinity(0, set(available[: args.cpus]))
     if args.tiny:
         args.sizes, args.repeats, args.warmup, args.compile_repeats = TINY_SIZES, 2, 1, 1
     sizes = parse_sizes(args.sizes)
