@@ -12,13 +12,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def test_benchmark_command_writes_its_report(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--tiny", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.run", "--tiny", "--cpus", "1", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "backend:" in proc.stdout
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["environment"]["backend"]
+    assert report["environment"]["cpus_used"] == 1
     assert {(r["computation"], r["batch"], r["length"]) for r in report["results"]} == {
         (name, b, t) for name in ("loss", "correction") for b, t in ((4, 64), (8, 128))
     }
@@ -27,3 +28,12 @@ def test_benchmark_command_writes_its_report(tmp_path):
         assert row["compile_seconds"] > 0 and row["input_bytes"] > 0
     text = (tmp_path / "results.md").read_text()
     assert "jit / floor" in text and "## Targets" in text
+
+
+def test_benchmark_command_rejects_a_bad_cpu_count():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--tiny", "--cpus", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 2
+    assert "--cpus must be between 1 and" in proc.stderr
