@@ -37,3 +37,16 @@ def test_benchmark_command_rejects_a_bad_cpu_count():
     )
     assert proc.returncode == 2
     assert "--cpus must be between 1 and" in proc.stderr
+
+
+def test_thread_probe_runs_and_reports_every_size():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.threads", "--tiny"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 4 x 64", "| 8 x 128"))]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+        assert cells and all(float(c) == float(c) for c in cells)  # numbers, not NaN
