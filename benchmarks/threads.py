@@ -26,7 +26,8 @@ PASSES = 8  # kernels beyond the first in the long call: their mean is the per-p
 
 
 def pass_seconds(batch: int, length: int, repeats: int) -> tuple[float, float]:
-    """Seconds of a one-kernel call, and of each further elementwise pass, at ``[batch, length]``."""
+    """Seconds of a one-kernel call, and of each further elementwise pass, at
+    ``[batch, length]``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -75,7 +76,8 @@ def run_child(sizes: str, repeats: int, cpus: set[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.threads", description=__doc__)
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"BxT sizes (default {DEFAULT_SIZES})")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+                        help=f"BxT sizes (default {DEFAULT_SIZES})")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--tiny", action="store_true", help=f"smoke test: sizes {TINY_SIZES}")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -62,7 +62,8 @@ def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]
     lengths = rng.integers(max(length // 8, 1), length + 1, batch)
     mask = np.arange(length)[None, :] < lengths[:, None]
     old = -rng.exponential(1.0, (batch, length))
-    spikes = np.where(rng.random((batch, length)) < 1e-3, rng.normal(0.0, 6.0, (batch, length)), 0.0)
+    spikes = np.where(rng.random((batch, length)) < 1e-3,
+                      rng.normal(0.0, 6.0, (batch, length)), 0.0)
     rollout = old + rng.normal(0.0, 0.05, (batch, length)) + spikes
     logp = old + rng.normal(0.0, 0.02, (batch, length))
     advantages = rng.normal(0.0, 1.0, (batch, length))

@@ -87,7 +87,9 @@ if __name__ == "__main__":
         "old_logp", "rollout_logp", "advantages", "mask")}, config=LOSS)  # unsharded
 
     with jax.set_mesh(mesh):
-        put = lambda x: jax.device_put(x, NamedSharding(mesh, ROWS if x.ndim == 1 else TOKENS))
+        def put(x):
+            return jax.device_put(x, NamedSharding(mesh, ROWS if x.ndim == 1 else TOKENS))
+
         sharded = {k: put(v if v.ndim == 1 else pad_tokens(v, seq)) for k, v in batch.items()}
         params = {"logits": put(pad_tokens(logits, seq))}
         opt_state = optimizer.init(params)

@@ -42,11 +42,11 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
     _log("distributed runtime up")
     import functools
 
+    import mesh_cases as mc
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import mesh_cases as mc
     import offpolicy_jax as opj
 
     assert jax.process_count() == num_processes

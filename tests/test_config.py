@@ -167,7 +167,8 @@ def test_vanilla_tis_validation():
         (dict(algorithm="decoupled_ppo", correction=opj.CorrectionConfig()), "correction"),
         (dict(algorithm="reinforce_is"), "correction"),
         (dict(algorithm="ppo", correction=opj.VanillaTIS()), "decoupled_ppo"),
-        (dict(algorithm="bypass_ppo", correction=opj.CorrectionConfig(use_tis=True)), "reinforce_is"),
+        (dict(algorithm="bypass_ppo", correction=opj.CorrectionConfig(use_tis=True)),
+         "reinforce_is"),
         (dict(algorithm="decoupled_ppo", correction={"use_tis": True}), "correction"),
     ],
 )

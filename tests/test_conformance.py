@@ -7,9 +7,9 @@ import builtins
 import jax
 import numpy as np
 import pytest
+from conformance import SKIP_REASON, assert_close, conformance_dir, load_cases, load_inputs
 
 import offpolicy_jax as opj
-from conformance import SKIP_REASON, assert_close, conformance_dir, load_cases, load_inputs
 
 pytestmark = [
     pytest.mark.conformance,
@@ -74,7 +74,8 @@ def test_correction_case(case):
             np.testing.assert_array_equal(np.asarray(res.mask), data["mask_out"])
         for key in case["compare"]["metrics"]:
             assert res.metrics[key].dtype == np.float32 and res.metrics[key].shape == ()
-            assert_close(res.metrics[key], data[f"metric_{tag}__{key}"], case, f"metric_{tag}__{key}")
+            assert_close(res.metrics[key], data[f"metric_{tag}__{key}"], case,
+                         f"metric_{tag}__{key}")
 
 
 @_params("loss")

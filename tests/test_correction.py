@@ -5,13 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_reference as ref
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import numpy_reference as ref
-import offpolicy_jax as opj
 from strategies import ALL_CORRECTION_CONFIGS, correction_configs, ragged_batches
+
+import offpolicy_jax as opj
 
 correct = jax.jit(
     opj.compute_correction, static_argnames=("config", "reduction", "axis_names")
@@ -32,11 +32,13 @@ def assert_matches_reference(batch, config, reduction):
     np.testing.assert_allclose(np.asarray(res.weights), w, rtol=1e-5, atol=1e-6)
     assert set(metrics) <= set(res.metrics)
     for key, value in metrics.items():
-        np.testing.assert_allclose(float(res.metrics[key]), value, rtol=1e-5, atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(float(res.metrics[key]), value, rtol=1e-5, atol=1e-5,
+                                   err_msg=key)
 
 
 @settings(max_examples=40)
-@given(batch=ragged_batches(), config=correction_configs, reduction=st.sampled_from(["sequence", "token"]))
+@given(batch=ragged_batches(), config=correction_configs,
+       reduction=st.sampled_from(["sequence", "token"]))
 def test_matches_numpy_reference(batch, config, reduction):
     assert_matches_reference(batch, config, reduction)
 
@@ -52,7 +54,8 @@ def _example(seed=0, batch=4, length=9):
     rng = np.random.default_rng(seed)
     old = (-rng.exponential(size=(batch, length))).astype(np.float32)
     rollout = (old + 0.3 * rng.standard_normal((batch, length))).astype(np.float32)
-    mask = (np.arange(length)[None] < rng.integers(1, length + 1, size=(batch, 1))).astype(np.float32)
+    mask = (np.arange(length)[None] < rng.integers(1, length + 1, size=(batch, 1))).astype(
+        np.float32)
     return old, rollout, mask
 
 
@@ -117,7 +120,8 @@ def test_result_is_a_pytree():
     leaves, tree = jax.tree.flatten(res)
     assert len(leaves) == 2 + len(res.metrics)
     rebuilt = jax.tree.unflatten(tree, leaves)
-    assert isinstance(rebuilt, opj.CorrectionResult) and rebuilt.metrics.keys() == res.metrics.keys()
+    assert (isinstance(rebuilt, opj.CorrectionResult)
+            and rebuilt.metrics.keys() == res.metrics.keys())
     doubled = jax.tree.map(lambda x: 2 * x, res)
     np.testing.assert_allclose(doubled.weights, 2 * np.asarray(res.weights))
 
@@ -239,7 +243,8 @@ def test_d10_empty_sequences_left_out_of_metric_reductions(reduction):
     a = correct(old, rollout, mask, config=MIS_YAML, reduction=reduction)
     b = correct(*padded, config=MIS_YAML, reduction=reduction)
     for key in a.metrics:
-        np.testing.assert_allclose(float(b.metrics[key]), float(a.metrics[key]), rtol=1e-6, err_msg=key)
+        np.testing.assert_allclose(float(b.metrics[key]), float(a.metrics[key]), rtol=1e-6,
+                                   err_msg=key)
 
 
 def test_nonfinite_valid_token_rejects_its_sequence():
@@ -258,7 +263,8 @@ def test_fractional_mask_weights_tokens():
     old, rollout, mask = _example()
     half = mask * 0.5
     config = opj.CorrectionConfig(use_tis=True, tis_level="geometric")
-    full, frac = correct(old, rollout, mask, config=config), correct(old, rollout, half, config=config)
+    full = correct(old, rollout, mask, config=config)
+    frac = correct(old, rollout, half, config=config)
     # Geometric means divide by Σm: halving every mask value changes nothing there
     # (a max(N, 1) clamp would have halved short sequences' log-ratios).
     np.testing.assert_allclose(np.asarray(frac.weights), 0.5 * np.asarray(full.weights), rtol=1e-6)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 
 import jax
+import mesh_cases as mc
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import mesh_cases as mc
 import offpolicy_jax as opj
 
 pytestmark = pytest.mark.usefixtures("clear_jax_caches")

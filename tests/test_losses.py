@@ -8,14 +8,14 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_reference as ref
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
-
-import numpy_reference as ref
-import offpolicy_jax as opj
 from strategies import ragged_batches
+
+import offpolicy_jax as opj
 
 MIS = opj.CorrectionConfig(use_tis=True, use_rs=True, tis_lower_bound=0.5, tis_upper_bound=2.0,
                            rs_veto_threshold=1e-4, tis_batch_normalize=True)
@@ -69,7 +69,8 @@ def _args(batch, *, old=True):
 
 
 @settings(max_examples=40)
-@given(batch=ragged_batches(), config=loss_configs, reduction=st.sampled_from(["sequence", "token"]))
+@given(batch=ragged_batches(), config=loss_configs,
+       reduction=st.sampled_from(["sequence", "token"]))
 def test_matches_numpy_reference(batch, config, reduction):
     config = opj.LossConfig(**{**config.__dict__, "metric_reduction": reduction})
     (loss, metrics), grad = _value_and_grad(config)(*_args(batch))
@@ -99,7 +100,8 @@ def _smooth_batch(seed=0, batch=3, length=7):
     rollout = old + rng.uniform(-0.3, 0.3, size=old.shape)
     adv = rng.choice([-1.0, 1.0], size=old.shape) * rng.uniform(0.5, 2.0, size=old.shape)
     mask = np.arange(length)[None] < np.array([[7], [4], [5]])[:batch]
-    return [np.asarray(x, np.float64) for x in (logp, old, rollout, adv)] + [mask.astype(np.float64)]
+    return ([np.asarray(x, np.float64) for x in (logp, old, rollout, adv)]
+            + [mask.astype(np.float64)])
 
 
 @pytest.mark.parametrize("config", [
@@ -129,7 +131,8 @@ def test_reinforce_is_gradient_matches_finite_differences_with_frozen_weights():
 
 def _ppo_grad(theta, d, a, **kwargs):
     config = opj.LossConfig(algorithm="ppo", aggregation="token_mean", **kwargs)
-    f = lambda lp: opj.policy_loss(lp, jnp.asarray(d), None, jnp.asarray(a), jnp.ones(len(theta)), config)[0]  # noqa: E731
+    f = lambda lp: opj.policy_loss(lp, jnp.asarray(d), None, jnp.asarray(a),  # noqa: E731
+                                   jnp.ones(len(theta)), config)[0]
     return np.asarray(jax.grad(f)(jnp.asarray(theta, jnp.float32))) * len(theta)
 
 
@@ -175,11 +178,13 @@ def test_is_weights_carry_no_gradient(config):
 # ------------------------------------------------------------------------ empty batches
 
 
-@pytest.mark.parametrize("config", LOSS_CONFIGS[::7], ids=lambda c: f"{c.algorithm}-{c.aggregation}")
+@pytest.mark.parametrize("config", LOSS_CONFIGS[::7],
+                         ids=lambda c: f"{c.algorithm}-{c.aggregation}")
 def test_all_masked_batch_gives_zero_loss_and_zero_gradient(config):
     shape = (3, 5)
     garbage = jnp.full(shape, jnp.nan)
-    (loss, metrics), grad = _value_and_grad(config)(garbage, garbage, garbage, garbage, jnp.zeros(shape))
+    (loss, metrics), grad = _value_and_grad(config)(garbage, garbage, garbage, garbage,
+                                                    jnp.zeros(shape))
     assert float(loss) == 0.0
     np.testing.assert_array_equal(np.asarray(grad), 0.0)
     assert all(np.isfinite(float(v)) for v in metrics.values())
@@ -237,15 +242,16 @@ def test_micro_batch_pooling_equals_full_batch(batch, config, data):
             reduction=config.metric_reduction)
     (full_loss, full_metrics), full_grad = _value_and_grad(config)(*_args(batch))
     pooled_num, pooled_den, grads, pooled_metrics = 0.0, 0.0, [], None
-    for start, stop in zip(bounds[:-1], bounds[1:]):
+    for start, stop in itertools.pairwise(bounds):
         rows = slice(start, stop)
         logp, old, rollout, adv, mask = (x[rows] for x in _args(batch))
         precomputed = None if full_correction is None else opj.CorrectionResult(
             full_correction.weights[rows], full_correction.mask[rows], {})
 
+        # Differentiated and called only within this iteration: the late binding is harmless.
         def numerator(lp):
-            parts, metrics = opj.policy_loss_parts(lp, old, rollout, adv, mask, config,
-                                                   correction_result=precomputed)
+            parts, metrics = opj.policy_loss_parts(
+                lp, old, rollout, adv, mask, config, correction_result=precomputed)  # noqa: B023
             return parts.numerator, (parts.denominator, metrics)
 
         g, (den, metrics) = jax.grad(numerator, has_aux=True)(logp)
@@ -289,7 +295,8 @@ def test_d5_rejected_tokens_and_the_denominator(in_denominator, length):
 
 def test_d8b_bypass_reports_the_real_logprob_difference():
     logp, old, rollout, adv, mask = (np.asarray(x, np.float32) for x in _smooth_batch())
-    _, metrics = opj.policy_loss(logp, None, rollout, adv, mask, opj.LossConfig(algorithm="bypass_ppo"))
+    _, metrics = opj.policy_loss(logp, None, rollout, adv, mask,
+                                 opj.LossConfig(algorithm="bypass_ppo"))
     want = ref.reduce_metric(np.abs(logp - rollout), mask, "sequence")
     assert float(metrics["train_rollout_logprob_abs_diff"]) > 0.01
     np.testing.assert_allclose(float(metrics["train_rollout_logprob_abs_diff"]), want, rtol=1e-6)
@@ -360,5 +367,7 @@ def test_user_correction_callable():
     custom = opj.LossConfig(algorithm="decoupled_ppo", correction=halve)
     builtin = opj.LossConfig(algorithm="decoupled_ppo", correction=MIS)
     loss, metrics = jax.jit(lambda *a: opj.policy_loss(*a, custom))(logp, old, rollout, adv, mask)
-    np.testing.assert_allclose(float(loss), 0.5 * float(opj.policy_loss(logp, old, rollout, adv, mask, builtin)[0]), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(loss), 0.5 * float(opj.policy_loss(logp, old, rollout, adv, mask, builtin)[0]),
+        rtol=1e-6)
     assert float(metrics["custom"]) == 1.0

@@ -24,10 +24,9 @@ import sys
 import time
 
 import jax
+import mesh_cases as mc
 import numpy as np
 import pytest
-
-import mesh_cases as mc
 
 NUM_PROCESSES = 2
 TIMEOUT_S = 120  # generous for a loaded CI machine; a healthy run takes a few seconds
@@ -84,7 +83,7 @@ def _run_workers_once(out_dir: pathlib.Path) -> list[str]:
                 proc.wait(timeout=10)
     texts = [log.read_text() for log in logs]
     failed = [f"process {i} exited with {p.returncode}:\n{text[-3000:]}"
-              for i, (p, text) in enumerate(zip(procs, texts)) if p.returncode != 0]
+              for i, (p, text) in enumerate(zip(procs, texts, strict=True)) if p.returncode != 0]
     assert not failed, "\n".join(failed)
     return texts
 

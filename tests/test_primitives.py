@@ -17,7 +17,8 @@ MASK = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
 
 def test_log_ratio_is_zero_where_invalid():
-    out = ratios.log_ratio(jnp.array([1.0, jnp.nan]), jnp.array([0.5, 2.0]), jnp.array([True, False]))
+    out = ratios.log_ratio(jnp.array([1.0, jnp.nan]), jnp.array([0.5, 2.0]),
+                           jnp.array([True, False]))
     np.testing.assert_array_equal(out, [0.5, 0.0])
 
 
@@ -56,7 +57,8 @@ def test_bounds_modes():
 
 def test_rejection_keep_inclusive():
     np.testing.assert_array_equal(
-        rejection.rejection_keep(jnp.array([0.49, 0.5, 2.0, 2.01]), 0.5, 2.0), [False, True, True, False])
+        rejection.rejection_keep(jnp.array([0.49, 0.5, 2.0, 2.01]), 0.5, 2.0),
+        [False, True, True, False])
 
 
 def test_veto_is_strict_and_ignores_masked_tokens():

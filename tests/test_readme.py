@@ -22,7 +22,8 @@ def test_readme_examples_run_and_agree(capsys):
     for block in blocks:
         exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README
     printed = capsys.readouterr().out.strip().splitlines()
-    assert len(printed) == 3 and all(np.isfinite(float(x)) for line in printed for x in line.split())
+    assert len(printed) == 3 and all(
+        np.isfinite(float(x)) for line in printed for x in line.split())
     # The accumulated micro-batch gradient equals the full-batch one.
     jax, opj = namespace["jax"], namespace["opj"]
     g = namespace

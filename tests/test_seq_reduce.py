@@ -99,7 +99,8 @@ def test_gradient_matches_plain_sums():
         return jnp.sum(scale * a + b**2 + m)
 
     np.testing.assert_allclose(jax.grad(fused)(x), jax.grad(plain)(x), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(jax.jit(jax.grad(fused))(x), jax.grad(plain)(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(fused))(x), jax.grad(plain)(x), rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_vmap():
@@ -116,7 +117,7 @@ def test_vmap():
 
     batched = jax.vmap(sums)(x, population)
     direct = sums(x, population)
-    for b, d in zip(batched, direct):
+    for b, d in zip(batched, direct, strict=True):
         np.testing.assert_allclose(b, d, rtol=1e-6)
 
 

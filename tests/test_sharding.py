@@ -19,12 +19,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import mesh_cases as mc
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import mesh_cases as mc
 import offpolicy_jax as opj
 
 pytestmark = pytest.mark.usefixtures("clear_jax_caches")
@@ -256,7 +256,8 @@ def test_axis_names_naming_a_replicated_axis_raises():
 
         def call(axis_names):
             fn = jax.shard_map(
-                lambda o, b, m: opj.compute_correction(o, b, m, config, axis_names=axis_names).weights,
+                lambda o, b, m: opj.compute_correction(
+                    o, b, m, config, axis_names=axis_names).weights,
                 in_specs=(P("data"),) * 3, out_specs=P("data"))
             return jax.jit(fn)(*args)
 

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal, NamedTuple, Union
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,7 @@ class MeshAxes:
             raise ValueError(f"mesh axes {sorted(overlap)} are named both as batch and token axes")
 
 
-AxisNames = Union[None, str, Sequence[str], MeshAxes, Mapping[str, Union[str, Sequence[str]]]]
+AxisNames = None | str | Sequence[str] | MeshAxes | Mapping[str, str | Sequence[str]]
 
 
 def as_mesh_axes(axis_names: AxisNames) -> MeshAxes:
@@ -223,7 +223,7 @@ def _split(value: jax.Array) -> _Split:
     else:
         free = math.prod(
             size
-            for size, kind in zip(context.axis_sizes, context.axis_types)
+            for size, kind in zip(context.axis_sizes, context.axis_types, strict=True)
             if kind == AxisType.Auto
         )
     return _Split(
@@ -240,17 +240,17 @@ def _grouped_reduce(
     shape = values[0].shape
     chunked_shape = (*shape[:-1], shape[-1] // _CHUNK, _CHUNK)
     chunked = tuple(jax.lax.reshape(v, chunked_shape, out_sharding=spec) for v in values)
-    return [_plain_reduce(op, p) for op, p in zip(ops, _variadic_reduce(ops, chunked))]
+    return [_plain_reduce(op, p) for op, p in zip(ops, _variadic_reduce(ops, chunked), strict=True)]
 
 
 def _variadic_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """One loop reducing every operand over its last axis (XLA's own, not a library kernel)."""
-    inits = tuple(jnp.array(_INIT[op], v.dtype) for op, v in zip(ops, values))
+    inits = tuple(jnp.array(_INIT[op], v.dtype) for op, v in zip(ops, values, strict=True))
     return tuple(
         jax.lax.reduce(
             values,
             inits,
-            lambda acc, x: tuple(_COMBINE[op](a, b) for op, a, b in zip(ops, acc, x)),
+            lambda acc, x: tuple(_COMBINE[op](a, b) for op, a, b in zip(ops, acc, x, strict=True)),
             (values[0].ndim - 1,),
         )
     )
@@ -274,7 +274,7 @@ def _fused_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[
         return _variadic_reduce(ops, values)
     share = length // split.explicit
     if length == 0 or share % (_CHUNK * split.free):
-        return tuple(_plain_reduce(op, v) for op, v in zip(ops, values))
+        return tuple(_plain_reduce(op, v) for op, v in zip(ops, values, strict=True))
     # Balanced groups: 17 columns run as 6 + 6 + 5, never as 8 + 8 + 1 (a single
     # column would go back to the write-then-reduce path).
     n_groups = -(-len(values) // _GROUP)
@@ -295,7 +295,7 @@ def _fused_reduce_jvp(ops, primals, tangents):
     (values,), (dvalues,) = primals, tangents
     out = _fused_reduce(ops, values)
     dout = []
-    for op, value, dvalue, primal in zip(ops, values, dvalues, out):
+    for op, value, dvalue, primal in zip(ops, values, dvalues, out, strict=True):
         if isinstance(dvalue, jax.custom_derivatives.SymbolicZero):
             dout.append(jnp.zeros_like(primal))
         elif op == "sum":
@@ -349,7 +349,11 @@ def seq_reduce(columns: Mapping[str, Column], axes: MeshAxes) -> dict[str, jax.A
     )
     ops = tuple(columns[n].op for n in names)
     results = dict(
-        zip(names, _fused_reduce(ops, tuple(_operand(columns[n], shape) for n in names)))
+        zip(
+            names,
+            _fused_reduce(ops, tuple(_operand(columns[n], shape) for n in names)),
+            strict=True,
+        )
     )
     if axes.token:
         for op, collective in _COLLECTIVE.items():

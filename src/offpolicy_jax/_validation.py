@@ -12,7 +12,8 @@ import numpy as np
 
 
 def as_float_logp(name: str, x) -> jax.Array:
-    """Checks a log-prob array and casts it to float32, the library's compute dtype (bf16/fp16 upcast exactly)."""
+    """Checks a log-prob array and casts it to float32, the library's compute dtype
+    (bf16/fp16 upcast exactly)."""
     if x is None:
         raise ValueError(f"{name} is required but got None")
     dtype = jnp.result_type(x)

@@ -26,7 +26,9 @@ def within_bounds(weights: jax.Array, lower: float, upper: float) -> jax.Array:
     return (weights >= lower) & (weights <= upper)
 
 
-def apply_mode(weights: jax.Array, mode: str, lower: float, upper: float) -> tuple[jax.Array, jax.Array | None]:
+def apply_mode(
+    weights: jax.Array, mode: str, lower: float, upper: float
+) -> tuple[jax.Array, jax.Array | None]:
     """Bounds ``weights`` by ``mode``.
 
     Args:

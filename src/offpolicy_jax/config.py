@@ -13,7 +13,7 @@ import math
 import os
 import pathlib
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
@@ -101,7 +101,9 @@ def _load_yaml_mapping(source: str | os.PathLike[str], owner: str) -> dict[str, 
         else:
             text, origin = source, "<yaml text>"
     else:
-        raise TypeError(f"{owner}.from_yaml expects a path or YAML text, got {type(source).__name__}")
+        raise TypeError(
+            f"{owner}.from_yaml expects a path or YAML text, got {type(source).__name__}"
+        )
     data = yaml.safe_load(text)
     if not isinstance(data, dict):
         raise ValueError(
@@ -158,13 +160,16 @@ class CorrectionConfig:
         set_("tis_level", _check_choice(owner, "tis_level", self.tis_level, LEVELS))
         set_("tis_mode", _check_choice(owner, "tis_mode", self.tis_mode, MODES))
         set_("rs_level", _check_choice(owner, "rs_level", self.rs_level, LEVELS))
-        set_("tis_upper_bound", _check_number(owner, "tis_upper_bound", self.tis_upper_bound, optional=False))
+        set_("tis_upper_bound",
+             _check_number(owner, "tis_upper_bound", self.tis_upper_bound, optional=False))
         for key in ("tis_lower_bound", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold"):
             set_(key, _check_number(owner, key, getattr(self, key), optional=True))
         for key in ("tis_upper_bound", "tis_lower_bound", "rs_veto_threshold"):
             _check_positive(owner, key, getattr(self, key))
         if self.tis_mode in ("clip", "mask") and self.lower_bound >= self.upper_bound:
-            source = "tis_lower_bound" if self.tis_lower_bound is not None else "1 / tis_upper_bound"
+            source = (
+                "tis_lower_bound" if self.tis_lower_bound is not None else "1 / tis_upper_bound"
+            )
             raise ValueError(
                 f"{owner}: tis_lower_bound must be < tis_upper_bound for tis_mode="
                 f"{self.tis_mode!r}, got {source} = {self.lower_bound!r} >= "
@@ -207,7 +212,9 @@ class CorrectionConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> CorrectionConfig:
         """Builds a config from a mapping, rejecting unknown keys with a did-you-mean hint."""
         if not isinstance(data, Mapping):
-            raise ValueError(f"CorrectionConfig.from_dict expects a mapping, got {type(data).__name__}")
+            raise ValueError(
+                f"CorrectionConfig.from_dict expects a mapping, got {type(data).__name__}"
+            )
         _reject_unknown_keys("CorrectionConfig", data, cls.keys())
         return cls(**dict(data))
 
@@ -248,7 +255,7 @@ class VanillaTIS:
 
 
 CorrectionFn = Callable[..., Any]
-Correction = Union[CorrectionConfig, VanillaTIS, CorrectionFn, None]
+Correction = CorrectionConfig | VanillaTIS | CorrectionFn | None
 
 
 # --------------------------------------------------------------------------- losses
@@ -332,8 +339,8 @@ class LossConfig:
         if algorithm in ("ppo", "bypass_ppo") and weights_on:
             instead = "decoupled_ppo" if algorithm == "ppo" else "reinforce_is"
             raise ValueError(
-                f"LossConfig.correction: algorithm {algorithm!r} does not apply importance weights, "
-                f"but the correction enables them; use algorithm={instead!r}, or a "
+                f"LossConfig.correction: algorithm {algorithm!r} does not apply importance "
+                f"weights, but the correction enables them; use algorithm={instead!r}, or a "
                 "CorrectionConfig with use_tis: false for mismatch metrics only"
             )
 
@@ -384,7 +391,8 @@ class LossConfig:
         ask for metrics (``use_tis: false``), which turns on ``get_mismatch_metrics``.
         A YAML that contradicts the flags raises ``ValueError``.
         """
-        use_rollout_logprobs = _check_bool("from_flags", "use_rollout_logprobs", use_rollout_logprobs)
+        use_rollout_logprobs = _check_bool(
+            "from_flags", "use_rollout_logprobs", use_rollout_logprobs)
         use_tis = _check_bool("from_flags", "use_tis", use_tis)
         if "algorithm" in other_fields or "correction" in other_fields:
             raise ValueError(

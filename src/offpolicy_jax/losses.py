@@ -115,7 +115,9 @@ def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
             f"old_logp is required for algorithm {algorithm!r} (it is the ratio denominator); "
             "only 'bypass_ppo' and 'reinforce_is' accept old_logp=None"
         )
-    needs_rollout = algorithm != "ppo" or config.correction is not None or config.get_mismatch_metrics
+    needs_rollout = (
+        algorithm != "ppo" or config.correction is not None or config.get_mismatch_metrics
+    )
     if rollout_logp is None and needs_rollout:
         raise ValueError(
             f"rollout_logp is required for algorithm {algorithm!r} with this correction/metrics "

@@ -23,7 +23,9 @@ LOG_RATIO_CLAMP = 20.0
 """``S``: log-space bound applied before every ``exp`` of a ratio."""
 
 
-def log_ratio(numerator_logp: jax.Array, denominator_logp: jax.Array, valid: jax.Array) -> jax.Array:
+def log_ratio(
+    numerator_logp: jax.Array, denominator_logp: jax.Array, valid: jax.Array
+) -> jax.Array:
     """``δ = numerator − denominator`` on valid tokens and exactly 0 elsewhere.
 
     Args:

@@ -119,7 +119,7 @@ def plot(history: History, path: Path) -> None:
     for i, (name, m) in enumerate(history.metrics.items()):
         style = {"color": f"C{i}", "lw": 1.8, "ls": "--" if name == "reference" else "-",
                  "label": ALGORITHMS[name].label}
-        for ax, (key, _, _) in zip(axes, panels):
+        for ax, (key, _, _) in zip(axes, panels, strict=True):
             if key == "mis_k3_kl":
                 ax.plot(steps, smooth(m[key].mean(axis=1), w), **style)
                 continue
@@ -128,7 +128,7 @@ def plot(history: History, path: Path) -> None:
             if r.shape[1] > 1:
                 ax.fill_between(steps, r.min(axis=1), r.max(axis=1), color=style["color"],
                                 alpha=0.12, lw=0)
-    for ax, (key, ylabel, title) in zip(axes, panels):
+    for ax, (key, ylabel, title) in zip(axes, panels, strict=True):
         ax.set(xlabel="training step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
         if key == "mis_k3_kl":
