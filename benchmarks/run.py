@@ -127,8 +127,11 @@ def busy_processes(limit: int = 6) -> list[str]:
     """Other processes using CPU right now (Linux ``ps``; empty elsewhere)."""
     try:
         out = subprocess.run(
-            ["ps", "-eo", "pid,pcpu,args", "--sort=-pcpu"], capture_output=True, text=True,
-            timeout=5, check=True,
+            ["ps", "-eo", "pid,pcpu,args", "--sort=-pcpu"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         ).stdout.splitlines()[1:]
     except (OSError, subprocess.SubprocessError):
         return []
@@ -244,7 +247,9 @@ def targets(report: dict) -> list[str]:
     per_token = [r["ns_per_token"] / rows[0]["ns_per_token"] for r in rows]
     slowest_other = [
         (r["seconds"][v] / r["seconds"]["jit"], v, r["batch"], r["length"])
-        for r in report["results"] for v in ("op_by_op", "numpy") if v in r["seconds"]
+        for r in report["results"]
+        for v in ("op_by_op", "numpy")
+        if v in r["seconds"]
     ]
 
     def mark(ok):
@@ -281,24 +286,42 @@ def targets(report: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default=DEFAULT_SIZES,
-                        help=f"comma-separated BxT batch sizes (default {DEFAULT_SIZES})")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"comma-separated BxT batch sizes (default {DEFAULT_SIZES})",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per variant first")
-    parser.add_argument("--compile-repeats", type=int, default=3,
-                        help="cold compiles per computation and size")
-    parser.add_argument("--out", type=pathlib.Path, default=HERE,
-                        help="directory for results.md and results.json (default: benchmarks/)")
-    parser.add_argument("--tiny", action="store_true",
-                        help=f"smoke test: sizes {TINY_SIZES}, 2 repeats, 1 warm-up and compile")
+    parser.add_argument(
+        "--compile-repeats", type=int, default=3, help="cold compiles per computation and size"
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=HERE,
+        help="directory for results.md and results.json (default: benchmarks/)",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help=f"smoke test: sizes {TINY_SIZES}, 2 repeats, 1 warm-up and compile",
+    )
     parser.add_argument("--no-op-by-op", action="store_true", help="skip the op-by-op JAX variant")
     parser.add_argument("--no-numpy", action="store_true", help="skip the NumPy oracle")
     parser.add_argument("--note", default="", help="free text added to results.md")
-    parser.add_argument("--cpus", type=int, default=None,
-                        help="pin the run to the first N CPUs before JAX starts its thread "
-                             "pool (1: XLA:CPU runs every kernel on one thread)")
+    parser.add_argument(
+        "--cpus",
+        type=int,
+        default=None,
+        help="pin the run to the first N CPUs before JAX starts its thread "
+        "pool (1: XLA:CPU runs every kernel on one thread)",
+    )
     args = parser.parse_args(argv)
     if args.cpus is not None:
         available = sorted(os.sched_getaffinity(0))

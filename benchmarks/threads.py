@@ -65,9 +65,20 @@ def child(sizes: str, repeats: int) -> None:
 
 def run_child(sizes: str, repeats: int, cpus: set[int]) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.threads", "--child", "--sizes", sizes,
-         "--repeats", str(repeats)],
-        capture_output=True, text=True, check=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.threads",
+            "--child",
+            "--sizes",
+            sizes,
+            "--repeats",
+            str(repeats),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
         # Pinned before the child starts, so XLA's thread pool is born with it.
         preexec_fn=lambda: os.sched_setaffinity(0, cpus),
     )
@@ -76,8 +87,9 @@ def run_child(sizes: str, repeats: int, cpus: set[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.threads", description=__doc__)
-    parser.add_argument("--sizes", default=DEFAULT_SIZES,
-                        help=f"BxT sizes (default {DEFAULT_SIZES})")
+    parser.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help=f"BxT sizes (default {DEFAULT_SIZES})"
+    )
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--tiny", action="store_true", help=f"smoke test: sizes {TINY_SIZES}")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -62,8 +62,9 @@ def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]
     lengths = rng.integers(max(length // 8, 1), length + 1, batch)
     mask = np.arange(length)[None, :] < lengths[:, None]
     old = -rng.exponential(1.0, (batch, length))
-    spikes = np.where(rng.random((batch, length)) < 1e-3,
-                      rng.normal(0.0, 6.0, (batch, length)), 0.0)
+    spikes = np.where(
+        rng.random((batch, length)) < 1e-3, rng.normal(0.0, 6.0, (batch, length)), 0.0
+    )
     rollout = old + rng.normal(0.0, 0.05, (batch, length)) + spikes
     logp = old + rng.normal(0.0, 0.02, (batch, length))
     advantages = rng.normal(0.0, 1.0, (batch, length))
@@ -156,7 +157,9 @@ def computations(batch: int, length: int, numpy_reference: ModuleType | None) ->
         def loss_numpy():
             return ref.policy_loss(
                 *(host[k] for k in LOSS_INPUTS),
-                algorithm="decoupled_ppo", correction=corr, get_mismatch_metrics=True,
+                algorithm="decoupled_ppo",
+                correction=corr,
+                get_mismatch_metrics=True,
             )
 
         def correction_numpy():
@@ -164,12 +167,17 @@ def computations(batch: int, length: int, numpy_reference: ModuleType | None) ->
 
     return [
         Computation(
-            "loss", {k: device[k] for k in LOSS_INPUTS}, {k: host[k] for k in LOSS_INPUTS},
-            loss_step(loss_config), loss_numpy,
+            "loss",
+            {k: device[k] for k in LOSS_INPUTS},
+            {k: host[k] for k in LOSS_INPUTS},
+            loss_step(loss_config),
+            loss_numpy,
         ),
         Computation(
-            "correction", {k: device[k] for k in CORRECTION_INPUTS},
-            {k: host[k] for k in CORRECTION_INPUTS}, correction_step(correction_config),
+            "correction",
+            {k: device[k] for k in CORRECTION_INPUTS},
+            {k: host[k] for k in CORRECTION_INPUTS},
+            correction_step(correction_config),
             correction_numpy,
         ),
     ]

@@ -32,7 +32,7 @@ class TinyLM(nnx.Module):
 
 def response_logp(model, tokens):
     """log π(token) of each response token, float32 [B, RESPONSE]."""
-    logits = model(tokens)[:, PROMPT - 1:-1].astype(jnp.float32)  # position t predicts t + 1
+    logits = model(tokens)[:, PROMPT - 1 : -1].astype(jnp.float32)  # position t predicts t + 1
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, tokens[:, PROMPT:, None], axis=-1)[..., 0]
 
@@ -44,9 +44,16 @@ def response_logp(model, tokens):
 LOSS = opj.LossConfig(
     algorithm="decoupled_ppo",
     correction=opj.CorrectionConfig(
-        use_tis=True, tis_level="token", tis_mode="truncate", tis_upper_bound=2.0,
-        tis_batch_normalize=True, use_rs=True, rs_level="token", tis_lower_bound=0.5,
-        rs_veto_threshold=1e-4),
+        use_tis=True,
+        tis_level="token",
+        tis_mode="truncate",
+        tis_upper_bound=2.0,
+        tis_batch_normalize=True,
+        use_rs=True,
+        rs_level="token",
+        tis_lower_bound=0.5,
+        rs_veto_threshold=1e-4,
+    ),
 )
 
 
@@ -60,8 +67,9 @@ def train_step(model, optimizer, batch):
 
     def loss_fn(model):
         logp = response_logp(model, batch["tokens"])
-        return opj.policy_loss(logp, old_logp, batch["rollout_logp"], batch["advantages"],
-                               batch["mask"], LOSS)
+        return opj.policy_loss(
+            logp, old_logp, batch["rollout_logp"], batch["advantages"], batch["mask"], LOSS
+        )
 
     (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
@@ -90,9 +98,11 @@ def main(steps: int = 5):
     for step in range(steps):
         key, k = jax.random.split(key)
         loss, m = train_step(model, optimizer, fake_rollout_batch(k, model))
-        print(f"step {step}: loss {float(loss):+.4f}  mis_k3_kl {float(m['mis_k3_kl']):.4f}  "
-              f"truncated {float(m['mis_tis_truncate_fraction']):.3f}  "
-              f"rs-rejected low {float(m['mis_rs_mask_fraction_low']):.3f}")
+        print(
+            f"step {step}: loss {float(loss):+.4f}  mis_k3_kl {float(m['mis_k3_kl']):.4f}  "
+            f"truncated {float(m['mis_tis_truncate_fraction']):.3f}  "
+            f"rs-rejected low {float(m['mis_rs_mask_fraction_low']):.3f}"
+        )
     return loss, m
 
 

@@ -26,9 +26,17 @@ B, T = 8, 29  # 29 tokens: padded (masked) to a multiple of the seq axis below
 LOSS = opj.LossConfig(
     algorithm="decoupled_ppo",
     correction=opj.CorrectionConfig(
-        use_tis=True, tis_level="sequence", tis_mode="truncate", tis_upper_bound=2.0,
-        tis_batch_normalize=True, use_rs=True, rs_level="geometric", rs_lower_bound=0.9,
-        rs_upper_bound=1.1, rs_veto_threshold=1e-4),
+        use_tis=True,
+        tis_level="sequence",
+        tis_mode="truncate",
+        tis_upper_bound=2.0,
+        tis_batch_normalize=True,
+        use_rs=True,
+        rs_level="geometric",
+        rs_lower_bound=0.9,
+        rs_upper_bound=1.1,
+        rs_veto_threshold=1e-4,
+    ),
 )
 
 n = jax.device_count()
@@ -40,15 +48,14 @@ AXES = opj.MeshAxes(batch="data", token="seq")
 
 def per_shard_loss(logp, old_logp, rollout_logp, advantages, mask):
     """Sees one block; axis_names makes every sum and mean global."""
-    return opj.policy_loss(logp, old_logp, rollout_logp, advantages, mask, LOSS,
-                           axis_names=AXES)
+    return opj.policy_loss(logp, old_logp, rollout_logp, advantages, mask, LOSS, axis_names=AXES)
 
 
 # Default check_vma=True: JAX verifies the scalar outputs are the same on every
 # device, and the gradient of the psum-ed loss w.r.t. a block is that block's.
-sharded_loss = jax.shard_map(per_shard_loss, mesh=mesh,
-                             in_specs=(TOKENS, TOKENS, TOKENS, ROWS, TOKENS),
-                             out_specs=(P(), P()))
+sharded_loss = jax.shard_map(
+    per_shard_loss, mesh=mesh, in_specs=(TOKENS, TOKENS, TOKENS, ROWS, TOKENS), out_specs=(P(), P())
+)
 
 
 @jax.jit
@@ -57,8 +64,9 @@ def train_step(params, opt_state, batch):
 
     def loss_fn(params):
         logp = jax.nn.log_sigmoid(params["logits"])  # your model's log π(token), [B, T]
-        return sharded_loss(logp, batch["old_logp"], batch["rollout_logp"],
-                            batch["advantages"], batch["mask"])
+        return sharded_loss(
+            logp, batch["old_logp"], batch["rollout_logp"], batch["advantages"], batch["mask"]
+        )
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -83,10 +91,14 @@ if __name__ == "__main__":
         "advantages": rng.normal(size=B).astype(np.float32),  # one per sequence
         "mask": (np.arange(T) < rng.integers(1, T + 1, (B, 1))).astype(np.float32),  # ragged
     }
-    want, want_metrics = opj.policy_loss(jnp.asarray(old), **{k: batch[k] for k in (
-        "old_logp", "rollout_logp", "advantages", "mask")}, config=LOSS)  # unsharded
+    want, want_metrics = opj.policy_loss(
+        jnp.asarray(old),
+        **{k: batch[k] for k in ("old_logp", "rollout_logp", "advantages", "mask")},
+        config=LOSS,
+    )  # unsharded
 
     with jax.set_mesh(mesh):
+
         def put(x):
             return jax.device_put(x, NamedSharding(mesh, ROWS if x.ndim == 1 else TOKENS))
 
@@ -97,8 +109,13 @@ if __name__ == "__main__":
             params, opt_state, loss, metrics = train_step(params, opt_state, sharded)
             if step == 0:  # same policy as the unsharded call: same numbers
                 np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-7)
-                np.testing.assert_allclose(metrics["mis_batch_norm_factor"],
-                                           want_metrics["mis_batch_norm_factor"], rtol=1e-5)
+                np.testing.assert_allclose(
+                    metrics["mis_batch_norm_factor"],
+                    want_metrics["mis_batch_norm_factor"],
+                    rtol=1e-5,
+                )
             rejected = metrics["mis_rs_mask_fraction_low"] + metrics["mis_rs_mask_fraction_high"]
-            print(f"step {step}: loss {float(loss):+.5f}  rs-rejected {float(rejected):.3f}  "
-                  f"params {jax.typeof(params['logits'])}")
+            print(
+                f"step {step}: loss {float(loss):+.5f}  rs-rejected {float(rejected):.3f}  "
+                f"params {jax.typeof(params['logits'])}"
+            )

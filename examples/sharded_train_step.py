@@ -40,7 +40,7 @@ class TinyLM(nnx.Module):
 
 def response_logp(model, tokens):
     """log π(token) of each response token, float32 [B, RESPONSE]."""
-    logits = model(tokens)[:, PROMPT - 1:-1].astype(jnp.float32)  # position t predicts t + 1
+    logits = model(tokens)[:, PROMPT - 1 : -1].astype(jnp.float32)  # position t predicts t + 1
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, tokens[:, PROMPT:, None], axis=-1)[..., 0]
 
@@ -50,8 +50,14 @@ def response_logp(model, tokens):
 LOSS = opj.LossConfig(
     algorithm="decoupled_ppo",
     correction=opj.CorrectionConfig(
-        use_tis=True, tis_level="geometric", tis_mode="mask", tis_lower_bound=0.5,
-        tis_upper_bound=2.0, tis_batch_normalize=True, rs_veto_threshold=1e-4),
+        use_tis=True,
+        tis_level="geometric",
+        tis_mode="mask",
+        tis_lower_bound=0.5,
+        tis_upper_bound=2.0,
+        tis_batch_normalize=True,
+        rs_veto_threshold=1e-4,
+    ),
 )
 
 
@@ -61,8 +67,9 @@ def train_step(model, optimizer, batch):
 
     def loss_fn(model):
         logp = response_logp(model, batch["tokens"])
-        return opj.policy_loss(logp, old_logp, batch["rollout_logp"], batch["advantages"],
-                               batch["mask"], LOSS)
+        return opj.policy_loss(
+            logp, old_logp, batch["rollout_logp"], batch["advantages"], batch["mask"], LOSS
+        )
 
     (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
@@ -96,10 +103,12 @@ def main(steps=3, axis_type=AxisType.Explicit):
             batch = fake_rollout_batch(jax.random.key(step), model, 4 * jax.device_count())
             batch = jax.device_put(batch, batch_sharding)  # e.g. make_array_from_process_local_data
             loss, metrics = train_step(model, optimizer, batch)
-            print(f"step {step}: loss {float(loss):+.4f}  "
-                  f"k3-KL {float(metrics['mis_k3_kl']):.4f}  "
-                  f"batch-norm {float(metrics['mis_batch_norm_factor']):.3f}  "
-                  f"mask {jax.typeof(batch['mask'])}")
+            print(
+                f"step {step}: loss {float(loss):+.4f}  "
+                f"k3-KL {float(metrics['mis_k3_kl']):.4f}  "
+                f"batch-norm {float(metrics['mis_batch_norm_factor']):.3f}  "
+                f"mask {jax.typeof(batch['mask'])}"
+            )
     return loss, metrics
 
 

@@ -17,8 +17,11 @@ import numpy as np
 
 def conformance_dir() -> pathlib.Path | None:
     env = os.environ.get("OFFPOLICY_JAX_CONFORMANCE")
-    here = (pathlib.Path(env) if env
-            else pathlib.Path(__file__).resolve().parents[2] / "shared" / "conformance")
+    here = (
+        pathlib.Path(env)
+        if env
+        else pathlib.Path(__file__).resolve().parents[2] / "shared" / "conformance"
+    )
     return here if (here / "manifest.json").is_file() else None
 
 

@@ -35,8 +35,9 @@ LENGTHS = (13, 0, 5, 1, 9, 13, 7)
 _GARBAGE = (np.nan, np.inf, -np.inf, 1e30, -1e30)
 
 
-def make_batch(seed: int = 0, batch: int = REAL_B, length: int = REAL_T,
-               lengths: tuple[int, ...] = LENGTHS) -> dict[str, np.ndarray]:
+def make_batch(
+    seed: int = 0, batch: int = REAL_B, length: int = REAL_T, lengths: tuple[int, ...] = LENGTHS
+) -> dict[str, np.ndarray]:
     """A ragged batch that exercises every rule: holes in the mask, an empty and a
     one-token sequence, a NaN at a valid position (whole-sequence rejection), a
     catastrophic token (veto), ratios beyond every bound, garbage where masked."""
@@ -62,8 +63,9 @@ def make_batch(seed: int = 0, batch: int = REAL_B, length: int = REAL_T,
     for arr in (old, rollout, logp, adv):
         hole = ~mask
         arr[hole] = rng.choice(_GARBAGE, size=int(hole.sum()))
-    return dict(logp=logp, old=old, rollout=rollout, adv=adv, adv_seq=adv_seq,
-                mask=mask.astype(np.float32))
+    return dict(
+        logp=logp, old=old, rollout=rollout, adv=adv, adv_seq=adv_seq, mask=mask.astype(np.float32)
+    )
 
 
 def shard_counts(mesh, token_spec) -> tuple[int, int]:
@@ -86,8 +88,9 @@ def padded_for(mesh, token_spec, data: Mapping[str, np.ndarray] | None = None) -
     return pad_batch(data, -(-batch // n_batch) * n_batch, -(-length // n_token) * n_token)
 
 
-def pad_batch(data: Mapping[str, np.ndarray], batch: int = PAD_B, length: int = PAD_T,
-              seed: int = 1) -> dict[str, np.ndarray]:
+def pad_batch(
+    data: Mapping[str, np.ndarray], batch: int = PAD_B, length: int = PAD_T, seed: int = 1
+) -> dict[str, np.ndarray]:
     """Pads to ``[batch, length]`` with masked garbage (empty rows, masked columns)."""
     rng = np.random.default_rng(seed)
     out = {}
@@ -107,58 +110,135 @@ def pad_batch(data: Mapping[str, np.ndarray], batch: int = PAD_B, length: int = 
 
 CORRECTIONS: dict[str, opj.CorrectionConfig] = {
     "token_truncate_norm_veto": opj.CorrectionConfig(
-        use_tis=True, tis_level="token", tis_mode="truncate", tis_upper_bound=1.8,
-        tis_batch_normalize=True, rs_veto_threshold=1e-3),
+        use_tis=True,
+        tis_level="token",
+        tis_mode="truncate",
+        tis_upper_bound=1.8,
+        tis_batch_normalize=True,
+        rs_veto_threshold=1e-3,
+    ),
     "sequence_mask_rs_geometric": opj.CorrectionConfig(
-        use_tis=True, tis_level="sequence", tis_mode="mask", tis_lower_bound=0.02,
-        tis_upper_bound=20.0, tis_batch_normalize=True, use_rs=True, rs_level="geometric",
-        rs_lower_bound=0.7, rs_upper_bound=1.4, rs_veto_threshold=1e-3),
+        use_tis=True,
+        tis_level="sequence",
+        tis_mode="mask",
+        tis_lower_bound=0.02,
+        tis_upper_bound=20.0,
+        tis_batch_normalize=True,
+        use_rs=True,
+        rs_level="geometric",
+        rs_lower_bound=0.7,
+        rs_upper_bound=1.4,
+        rs_veto_threshold=1e-3,
+    ),
     "geometric_clip_rs_token": opj.CorrectionConfig(
-        use_tis=True, tis_level="geometric", tis_mode="clip", tis_lower_bound=0.9,
-        tis_upper_bound=1.1, tis_batch_normalize=True, use_rs=True, rs_level="token",
-        rs_lower_bound=0.3, rs_upper_bound=3.0),
+        use_tis=True,
+        tis_level="geometric",
+        tis_mode="clip",
+        tis_lower_bound=0.9,
+        tis_upper_bound=1.1,
+        tis_batch_normalize=True,
+        use_rs=True,
+        rs_level="token",
+        rs_lower_bound=0.3,
+        rs_upper_bound=3.0,
+    ),
     "geometric_mask_rs_sequence": opj.CorrectionConfig(
-        use_tis=True, tis_level="geometric", tis_mode="mask", tis_lower_bound=0.8,
-        tis_upper_bound=1.25, use_rs=True, rs_level="sequence", rs_lower_bound=0.01,
-        rs_upper_bound=100.0, rs_veto_threshold=1e-3),
+        use_tis=True,
+        tis_level="geometric",
+        tis_mode="mask",
+        tis_lower_bound=0.8,
+        tis_upper_bound=1.25,
+        use_rs=True,
+        rs_level="sequence",
+        rs_lower_bound=0.01,
+        rs_upper_bound=100.0,
+        rs_veto_threshold=1e-3,
+    ),
     "metrics_only": opj.CorrectionConfig(use_tis=False, rs_veto_threshold=1e-3),
 }
 
 # name -> (config, advantages per "token" or per "sequence")
 LOSSES: dict[str, tuple[opj.LossConfig, str]] = {
-    "ppo_dual_clip_token_mean": (opj.LossConfig(
-        algorithm="ppo", clip_eps=0.2, clip_eps_high=0.28, dual_clip_c=3.0,
-        aggregation="token_mean", get_mismatch_metrics=True), "token"),
-    "ppo_metrics_only_correction": (opj.LossConfig(
-        algorithm="ppo", correction=CORRECTIONS["metrics_only"],
-        metric_reduction="token"), "sequence"),
-    "bypass_ppo_sequence_sum": (opj.LossConfig(
-        algorithm="bypass_ppo", aggregation="sequence_sum"), "token"),
-    "decoupled_token": (opj.LossConfig(
-        algorithm="decoupled_ppo", correction=CORRECTIONS["token_truncate_norm_veto"],
-        metric_reduction="token"), "token"),
-    "decoupled_sequence_rejected_in_den": (opj.LossConfig(
-        algorithm="decoupled_ppo", correction=CORRECTIONS["sequence_mask_rs_geometric"],
-        rejected_in_denominator=True), "sequence"),
-    "decoupled_geometric_token_mean": (opj.LossConfig(
-        algorithm="decoupled_ppo", correction=CORRECTIONS["geometric_clip_rs_token"],
-        aggregation="token_mean"), "token"),
-    "decoupled_vanilla_tis": (opj.LossConfig(
-        algorithm="decoupled_ppo", correction=opj.VanillaTIS(clip_low=0.5, clip=1.5),
-        get_mismatch_metrics=True), "token"),
-    "reinforce_is_sequence": (opj.LossConfig(
-        algorithm="reinforce_is", correction=CORRECTIONS["sequence_mask_rs_geometric"],
-        aggregation="sequence_sum"), "sequence"),
-    "reinforce_is_geometric": (opj.LossConfig(
-        algorithm="reinforce_is", correction=CORRECTIONS["geometric_mask_rs_sequence"],
-        metric_reduction="token"), "token"),
+    "ppo_dual_clip_token_mean": (
+        opj.LossConfig(
+            algorithm="ppo",
+            clip_eps=0.2,
+            clip_eps_high=0.28,
+            dual_clip_c=3.0,
+            aggregation="token_mean",
+            get_mismatch_metrics=True,
+        ),
+        "token",
+    ),
+    "ppo_metrics_only_correction": (
+        opj.LossConfig(
+            algorithm="ppo", correction=CORRECTIONS["metrics_only"], metric_reduction="token"
+        ),
+        "sequence",
+    ),
+    "bypass_ppo_sequence_sum": (
+        opj.LossConfig(algorithm="bypass_ppo", aggregation="sequence_sum"),
+        "token",
+    ),
+    "decoupled_token": (
+        opj.LossConfig(
+            algorithm="decoupled_ppo",
+            correction=CORRECTIONS["token_truncate_norm_veto"],
+            metric_reduction="token",
+        ),
+        "token",
+    ),
+    "decoupled_sequence_rejected_in_den": (
+        opj.LossConfig(
+            algorithm="decoupled_ppo",
+            correction=CORRECTIONS["sequence_mask_rs_geometric"],
+            rejected_in_denominator=True,
+        ),
+        "sequence",
+    ),
+    "decoupled_geometric_token_mean": (
+        opj.LossConfig(
+            algorithm="decoupled_ppo",
+            correction=CORRECTIONS["geometric_clip_rs_token"],
+            aggregation="token_mean",
+        ),
+        "token",
+    ),
+    "decoupled_vanilla_tis": (
+        opj.LossConfig(
+            algorithm="decoupled_ppo",
+            correction=opj.VanillaTIS(clip_low=0.5, clip=1.5),
+            get_mismatch_metrics=True,
+        ),
+        "token",
+    ),
+    "reinforce_is_sequence": (
+        opj.LossConfig(
+            algorithm="reinforce_is",
+            correction=CORRECTIONS["sequence_mask_rs_geometric"],
+            aggregation="sequence_sum",
+        ),
+        "sequence",
+    ),
+    "reinforce_is_geometric": (
+        opj.LossConfig(
+            algorithm="reinforce_is",
+            correction=CORRECTIONS["geometric_mask_rs_sequence"],
+            metric_reduction="token",
+        ),
+        "token",
+    ),
 }
 
 
 # A compact set that still covers every algorithm and every TIS/RS level, for the
 # layouts that only shard the batch (cheaper to compile than everything).
-CORE_LOSSES = ("ppo_dual_clip_token_mean", "decoupled_token",
-               "decoupled_sequence_rejected_in_den", "reinforce_is_geometric")
+CORE_LOSSES = (
+    "ppo_dual_clip_token_mean",
+    "decoupled_token",
+    "decoupled_sequence_rejected_in_den",
+    "reinforce_is_geometric",
+)
 CORE_CORRECTIONS = ("geometric_clip_rs_token",)
 
 
@@ -172,8 +252,10 @@ def config_set(name: str) -> dict:
     if name == "full":
         return dict(losses=LOSSES, corrections={k: CORRECTIONS[k] for k in FULL_CORRECTIONS})
     if name == "core":
-        return dict(losses={k: LOSSES[k] for k in CORE_LOSSES},
-                    corrections={k: CORRECTIONS[k] for k in CORE_CORRECTIONS})
+        return dict(
+            losses={k: LOSSES[k] for k in CORE_LOSSES},
+            corrections={k: CORRECTIONS[k] for k in CORE_CORRECTIONS},
+        )
     raise ValueError(name)
 
 
@@ -187,9 +269,12 @@ MULTIPROCESS_CONFIGS = dict(
 )
 
 
-def evaluate_all(arrays: Mapping[str, jax.Array], axis_names: Any = None,
-                 losses: Mapping[str, tuple[opj.LossConfig, str]] | None = None,
-                 corrections: Mapping[str, opj.CorrectionConfig] | None = None) -> dict:
+def evaluate_all(
+    arrays: Mapping[str, jax.Array],
+    axis_names: Any = None,
+    losses: Mapping[str, tuple[opj.LossConfig, str]] | None = None,
+    corrections: Mapping[str, opj.CorrectionConfig] | None = None,
+) -> dict:
     """Every configured loss (value, metrics, gradient) and correction (both reductions).
 
     Pure and traceable: call it under ``jax.jit`` or inside ``jax.shard_map``.
@@ -203,17 +288,25 @@ def evaluate_all(arrays: Mapping[str, jax.Array], axis_names: Any = None,
         old = None if config.algorithm in ("bypass_ppo", "reinforce_is") else a["old"]
 
         def loss_fn(logp, config=config, adv=adv, old=old):
-            return opj.policy_loss(logp, old, a["rollout"], adv, a["mask"], config,
-                                   axis_names=axis_names)
+            return opj.policy_loss(
+                logp, old, a["rollout"], adv, a["mask"], config, axis_names=axis_names
+            )
 
         (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(a["logp"])
         out[f"loss/{name}"] = dict(loss=loss, metrics=metrics, grad=grad)
     for name, config in corrections.items():
         for reduction in ("sequence", "token"):
-            res = opj.compute_correction(a["old"], a["rollout"], a["mask"], config,
-                                         reduction=reduction, axis_names=axis_names)
+            res = opj.compute_correction(
+                a["old"],
+                a["rollout"],
+                a["mask"],
+                config,
+                reduction=reduction,
+                axis_names=axis_names,
+            )
             out[f"correction/{name}/{reduction}"] = dict(
-                weights=res.weights, mask=res.mask, metrics=res.metrics)
+                weights=res.weights, mask=res.mask, metrics=res.metrics
+            )
     return out
 
 
@@ -251,8 +344,9 @@ def compare(got: dict, want: dict, *, real_shape=(REAL_B, REAL_T)) -> list[str]:
     for name in want:
         g, w = got[name], want[name]
         if set(g.get("metrics", {})) != set(w.get("metrics", {})):
-            failures.append(f"{name}: metric keys differ: "
-                            f"{sorted(set(g['metrics']) ^ set(w['metrics']))}")
+            failures.append(
+                f"{name}: metric keys differ: {sorted(set(g['metrics']) ^ set(w['metrics']))}"
+            )
             continue
         flat_w = {k: v for k, v in w.items() if k != "metrics"}
         flat_w.update({f"metrics[{k}]": v for k, v in w.get("metrics", {}).items()})
@@ -273,8 +367,10 @@ def compare(got: dict, want: dict, *, real_shape=(REAL_B, REAL_T)) -> list[str]:
                 continue
             if not np.allclose(got_value, want_value, rtol=RTOL, atol=ATOL, equal_nan=False):
                 err = np.max(np.abs(got_value - want_value))
-                failures.append(f"{name} {key}: max abs err {err:.3g}; "
-                                f"got {np.ravel(got_value)[:4]}, want {np.ravel(want_value)[:4]}")
+                failures.append(
+                    f"{name} {key}: max abs err {err:.3g}; "
+                    f"got {np.ravel(got_value)[:4]}, want {np.ravel(want_value)[:4]}"
+                )
     return failures
 
 
@@ -294,11 +390,19 @@ def unsharded_reference(seed: int = 0) -> dict:
 
 # --- compiled-HLO collectives ---------------------------------------------------
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
-               "all-to-all", "collective-broadcast", "ragged-all-to-all")
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+    "all-to-all",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
 _COLLECTIVE_RE = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
-    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
+)
 _SHAPE_RE = re.compile(r"\b(?P<dtype>pred|[subf]\d+|bf16|f8\w*|c64|c128)\[(?P<dims>[\d,]*)\]")
 
 
@@ -315,9 +419,15 @@ def hlo_collectives(hlo_text: str) -> list[dict]:
             continue
         operands = list(_SHAPE_RE.finditer(m.group("shape")))
         shapes = [tuple(int(d) for d in s.group("dims").split(",") if d) for s in operands]
-        found.append(dict(op=m.group("op"), shapes=shapes,
-                          types=[f"{s.group('dtype')}[{s.group('dims')}]" for s in operands],
-                          elements=sum(int(np.prod(s)) for s in shapes), line=line.strip()))
+        found.append(
+            dict(
+                op=m.group("op"),
+                shapes=shapes,
+                types=[f"{s.group('dtype')}[{s.group('dims')}]" for s in operands],
+                elements=sum(int(np.prod(s)) for s in shapes),
+                line=line.strip(),
+            )
+        )
     return found
 
 

@@ -71,7 +71,10 @@ def main(process_id: int, num_processes: int, port: int, out_dir: str) -> None:
     out_specs = mc.output_specs(jax.eval_shape(evaluate, arrays), token_spec)
     sharded = jax.shard_map(
         functools.partial(evaluate, axis_names=opj.MeshAxes(batch="data", token="seq")),
-        mesh=mesh, in_specs=(specs,), out_specs=out_specs)
+        mesh=mesh,
+        in_specs=(specs,),
+        out_specs=out_specs,
+    )
     with jax.set_mesh(mesh):
         # One program (one compilation) holding both paths: the XLA partitioner's
         # (plain jit over sharded inputs) and the explicit shard_map one.

@@ -294,14 +294,19 @@ def _apply_mode(rho, mode: str, lower: float, upper: float):
         raise ValueError(f"tis_mode must be one of {MODES}, got {mode!r}")
     low, high = rho < lower, rho > upper
     if mode == "truncate":
-        return np.minimum(rho, upper), np.ones_like(rho, bool), {
-            "mis_tis_truncate_fraction": high}
+        return np.minimum(rho, upper), np.ones_like(rho, bool), {"mis_tis_truncate_fraction": high}
     if mode == "clip":
-        return np.clip(rho, lower, upper), np.ones_like(rho, bool), {
-            "mis_tis_clip_fraction_low": low, "mis_tis_clip_fraction_high": high}
+        return (
+            np.clip(rho, lower, upper),
+            np.ones_like(rho, bool),
+            {"mis_tis_clip_fraction_low": low, "mis_tis_clip_fraction_high": high},
+        )
     keep = ~low & ~high
-    return np.where(keep, rho, 0.0), keep, {
-        "mis_tis_mask_fraction_low": low, "mis_tis_mask_fraction_high": high}
+    return (
+        np.where(keep, rho, 0.0),
+        keep,
+        {"mis_tis_mask_fraction_low": low, "mis_tis_mask_fraction_high": high},
+    )
 
 
 def _rejection_sampling(delta, m, level: str, lower: float, upper: float):
@@ -335,9 +340,24 @@ def _batch_normalize(w, m_final, level: str):
     return w, 1.0
 
 
-def _correction_core(o, b, m, *, use_tis, tis_level, tis_mode, tis_lower_bound,
-                     tis_upper_bound, tis_batch_normalize, use_rs, rs_level,
-                     rs_lower_bound, rs_upper_bound, rs_veto_threshold, reduction):
+def _correction_core(
+    o,
+    b,
+    m,
+    *,
+    use_tis,
+    tis_level,
+    tis_mode,
+    tis_lower_bound,
+    tis_upper_bound,
+    tis_batch_normalize,
+    use_rs,
+    rs_level,
+    rs_lower_bound,
+    rs_upper_bound,
+    rs_veto_threshold,
+    reduction,
+):
     """Shared body of :func:`correction`: returns ``(w, m_final, metrics)``.
 
     ``w`` is the final (bounded, normalised) weight *before* the ``· m'`` of §3.7,
@@ -356,7 +376,8 @@ def _correction_core(o, b, m, *, use_tis, tis_level, tis_mode, tis_lower_bound,
             return np.ones_like(m), m.copy(), metrics
 
         metrics["mis_nonfinite_seq_fraction"] = reduce_metric(
-            _seq_broadcast(bad_seq.astype(np.float64), m.shape), m, reduction)
+            _seq_broadcast(bad_seq.astype(np.float64), m.shape), m, reduction
+        )
 
         upper = float(tis_upper_bound)
         lower = float(tis_lower_bound) if tis_lower_bound is not None else 1.0 / upper
@@ -387,9 +408,11 @@ def _correction_core(o, b, m, *, use_tis, tis_level, tis_mode, tis_lower_bound,
             cat_tok, cat_seq = _veto(delta, m_valid, float(rs_veto_threshold))
             keep &= ~_seq_broadcast(cat_seq, m.shape)
             metrics["mis_rs_catastrophic_token_fraction"] = reduce_metric(
-                cat_tok.astype(np.float64), m_valid, reduction)
+                cat_tok.astype(np.float64), m_valid, reduction
+            )
             metrics["mis_rs_catastrophic_seq_fraction"] = reduce_metric(
-                _seq_broadcast(cat_seq.astype(np.float64), m.shape), m_valid, reduction)
+                _seq_broadcast(cat_seq.astype(np.float64), m.shape), m_valid, reduction
+            )
 
         m_final = np.where(keep, m_valid, 0.0)
 
@@ -407,15 +430,29 @@ def _correction_core(o, b, m, *, use_tis, tis_level, tis_mode, tis_lower_bound,
         for kind in ("min", "max"):
             ext = _per_seq_extreme(w, m_final, kind)
             metrics[f"mis_is_ratio_{kind}_final"] = reduce_metric(
-                _seq_broadcast(ext, m.shape), m_final, reduction)
+                _seq_broadcast(ext, m.shape), m_final, reduction
+            )
         return np.where(m_final > 0, w, 0.0), m_final, metrics
 
 
-def correction(old_logp, rollout_logp, mask, *, use_tis=False, tis_level="token",
-               tis_mode="truncate", tis_lower_bound=None, tis_upper_bound=2.0,
-               tis_batch_normalize=False, use_rs=False, rs_level="token",
-               rs_lower_bound=None, rs_upper_bound=None, rs_veto_threshold=None,
-               reduction="sequence"):
+def correction(
+    old_logp,
+    rollout_logp,
+    mask,
+    *,
+    use_tis=False,
+    tis_level="token",
+    tis_mode="truncate",
+    tis_lower_bound=None,
+    tis_upper_bound=2.0,
+    tis_batch_normalize=False,
+    use_rs=False,
+    rs_level="token",
+    rs_lower_bound=None,
+    rs_upper_bound=None,
+    rs_veto_threshold=None,
+    reduction="sequence",
+):
     """Reference ``compute_correction`` (§0, §2-§4, §7).
 
     With ``δ = o − b`` over the valid tokens of finite sequences:
@@ -434,14 +471,26 @@ def correction(old_logp, rollout_logp, mask, *, use_tis=False, tis_level="token"
     """
     o, b, m = _as_float(old_logp), _as_float(rollout_logp), _as_mask(mask)
     if not (o.shape == b.shape == m.shape):
-        raise ValueError(f"shape mismatch: old_logp {o.shape}, rollout_logp {b.shape}, "
-                         f"mask {m.shape}")
+        raise ValueError(
+            f"shape mismatch: old_logp {o.shape}, rollout_logp {b.shape}, mask {m.shape}"
+        )
     w, m_final, metrics = _correction_core(
-        o, b, m, use_tis=use_tis, tis_level=tis_level, tis_mode=tis_mode,
-        tis_lower_bound=tis_lower_bound, tis_upper_bound=tis_upper_bound,
-        tis_batch_normalize=tis_batch_normalize, use_rs=use_rs, rs_level=rs_level,
-        rs_lower_bound=rs_lower_bound, rs_upper_bound=rs_upper_bound,
-        rs_veto_threshold=rs_veto_threshold, reduction=reduction)
+        o,
+        b,
+        m,
+        use_tis=use_tis,
+        tis_level=tis_level,
+        tis_mode=tis_mode,
+        tis_lower_bound=tis_lower_bound,
+        tis_upper_bound=tis_upper_bound,
+        tis_batch_normalize=tis_batch_normalize,
+        use_rs=use_rs,
+        rs_level=rs_level,
+        rs_lower_bound=rs_lower_bound,
+        rs_upper_bound=rs_upper_bound,
+        rs_veto_threshold=rs_veto_threshold,
+        reduction=reduction,
+    )
     weights = np.where(m_final > 0, w * m_final, 0.0)
     return weights, m_final, metrics
 
@@ -546,10 +595,19 @@ def aggregate_loss(ell, m_final, m_den, aggregation: str):
 
 def _correction_kwargs(corr: dict) -> dict:
     """Fill a correction dict with :func:`correction`'s defaults (unknown keys rejected)."""
-    defaults = dict(use_tis=False, tis_level="token", tis_mode="truncate",
-                    tis_lower_bound=None, tis_upper_bound=2.0, tis_batch_normalize=False,
-                    use_rs=False, rs_level="token", rs_lower_bound=None,
-                    rs_upper_bound=None, rs_veto_threshold=None)
+    defaults = dict(
+        use_tis=False,
+        tis_level="token",
+        tis_mode="truncate",
+        tis_lower_bound=None,
+        tis_upper_bound=2.0,
+        tis_batch_normalize=False,
+        use_rs=False,
+        rs_level="token",
+        rs_lower_bound=None,
+        rs_upper_bound=None,
+        rs_veto_threshold=None,
+    )
     unknown = set(corr) - set(defaults)
     if unknown:
         raise ValueError(f"unknown correction keys: {sorted(unknown)}")
@@ -557,10 +615,23 @@ def _correction_kwargs(corr: dict) -> dict:
     return defaults
 
 
-def policy_loss(logp, old_logp, rollout_logp, advantages, mask, *, algorithm,
-                clip_eps=0.2, clip_eps_high=None, dual_clip_c=None, correction=None,
-                aggregation="sequence_mean", rejected_in_denominator=False,
-                get_mismatch_metrics=False, metric_reduction="sequence"):
+def policy_loss(
+    logp,
+    old_logp,
+    rollout_logp,
+    advantages,
+    mask,
+    *,
+    algorithm,
+    clip_eps=0.2,
+    clip_eps_high=None,
+    dual_clip_c=None,
+    correction=None,
+    aggregation="sequence_mean",
+    rejected_in_denominator=False,
+    get_mismatch_metrics=False,
+    metric_reduction="sequence",
+):
     """Reference ``policy_loss`` (§5, §7) with the analytic gradient w.r.t. ``logp``.
 
     ======================  ===================================================
@@ -605,8 +676,9 @@ def policy_loss(logp, old_logp, rollout_logp, advantages, mask, *, algorithm,
     if adv.shape == theta.shape[:-1]:
         adv = np.broadcast_to(adv[..., None], theta.shape)
     if adv.shape != theta.shape or m.shape != theta.shape:
-        raise ValueError(f"shape mismatch: logp {theta.shape}, advantages {adv.shape}, "
-                         f"mask {m.shape}")
+        raise ValueError(
+            f"shape mismatch: logp {theta.shape}, advantages {adv.shape}, mask {m.shape}"
+        )
     if algorithm in ("ppo", "decoupled_ppo") and o is None:
         raise ValueError(f"old_logp is required for {algorithm!r}")
     if algorithm != "ppo" and b is None:
@@ -629,20 +701,24 @@ def policy_loss(logp, old_logp, rollout_logp, advantages, mask, *, algorithm,
             raise ValueError(f"unknown correction tuple {correction!r}")
     if algorithm == "decoupled_ppo":
         if is_vanilla:
-            w, tis_metrics = vanilla_tis(o, b, m, clip_low=clip_low, clip=clip_high,
-                                         reduction=metric_reduction)
+            w, tis_metrics = vanilla_tis(
+                o, b, m, clip_low=clip_low, clip=clip_high, reduction=metric_reduction
+            )
             metrics.update(tis_metrics)
         else:
             w, m_final, corr_metrics = _correction_core(
-                o, b, m, reduction=metric_reduction, **_correction_kwargs(correction))
+                o, b, m, reduction=metric_reduction, **_correction_kwargs(correction)
+            )
             metrics.update(corr_metrics)
     elif algorithm == "reinforce_is" and is_vanilla:
-        w, tis_metrics = vanilla_tis(theta, b, m, clip_low=clip_low, clip=clip_high,
-                                     reduction=metric_reduction)
+        w, tis_metrics = vanilla_tis(
+            theta, b, m, clip_low=clip_low, clip=clip_high, reduction=metric_reduction
+        )
         metrics.update(tis_metrics)
     elif algorithm == "reinforce_is":
         w, m_final, corr_metrics = _correction_core(
-            theta, b, m, reduction=metric_reduction, **_correction_kwargs(correction))
+            theta, b, m, reduction=metric_reduction, **_correction_kwargs(correction)
+        )
         metrics.update(corr_metrics)
 
     # ---- §4 metrics: old_logp (or sg(logp)) against rollout_logp --------------------
@@ -664,12 +740,19 @@ def policy_loss(logp, old_logp, rollout_logp, advantages, mask, *, algorithm,
     else:
         d = b if algorithm == "bypass_ppo" else o
         ell_raw, dell_raw, clipped, k = ppo_surrogate(
-            theta, d, adv, valid, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-            dual_clip_c=dual_clip_c)
+            theta,
+            d,
+            adv,
+            valid,
+            clip_eps=clip_eps,
+            clip_eps_high=clip_eps_high,
+            dual_clip_c=dual_clip_c,
+        )
         ell = w * ell_raw
         dell = w * dell_raw
-        metrics["pg_clipfrac"] = reduce_metric(clipped.astype(np.float64), m_final,
-                                               metric_reduction)
+        metrics["pg_clipfrac"] = reduce_metric(
+            clipped.astype(np.float64), m_final, metric_reduction
+        )
         metrics["ppo_kl"] = reduce_metric(k, m_final, metric_reduction)
         if b is not None:
             with np.errstate(all="ignore"):
@@ -677,7 +760,8 @@ def policy_loss(logp, old_logp, rollout_logp, advantages, mask, *, algorithm,
                 diff = np.abs(src - b)
                 diff = np.where(valid & np.isfinite(diff), diff, 0.0)
             metrics["train_rollout_logprob_abs_diff"] = reduce_metric(
-                diff, m_final, metric_reduction)
+                diff, m_final, metric_reduction
+            )
         if correction is not None or get_mismatch_metrics:
             metrics["ois"] = reduce_metric(np.exp(-k), m, metric_reduction)
 

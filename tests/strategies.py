@@ -67,10 +67,17 @@ def _correction_configs():
     ):
         configs.append(
             opj.CorrectionConfig(
-                use_tis=True, tis_level=level, tis_mode=mode, tis_lower_bound=0.5,
-                tis_upper_bound=2.0, tis_batch_normalize=bn, use_rs=rs is not None,
-                rs_level=rs or "token", rs_lower_bound=0.3 if rs else None,
-                rs_upper_bound=3.0 if rs else None, rs_veto_threshold=veto,
+                use_tis=True,
+                tis_level=level,
+                tis_mode=mode,
+                tis_lower_bound=0.5,
+                tis_upper_bound=2.0,
+                tis_batch_normalize=bn,
+                use_rs=rs is not None,
+                rs_level=rs or "token",
+                rs_lower_bound=0.3 if rs else None,
+                rs_upper_bound=3.0 if rs else None,
+                rs_veto_threshold=veto,
             )
         )
     return configs

@@ -13,7 +13,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def test_benchmark_command_writes_its_report(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--tiny", "--cpus", "1", "--out", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "backend:" in proc.stdout
@@ -33,7 +37,11 @@ def test_benchmark_command_writes_its_report(tmp_path):
 def test_benchmark_command_rejects_a_bad_cpu_count():
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--tiny", "--cpus", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 2
     assert "--cpus must be between 1 and" in proc.stderr
@@ -42,7 +50,11 @@ def test_benchmark_command_rejects_a_bad_cpu_count():
 def test_thread_probe_runs_and_reports_every_size():
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.threads", "--tiny"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 4 x 64", "| 8 x 128"))]

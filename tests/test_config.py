@@ -28,9 +28,16 @@ tis_batch_normalize: true
 def test_defaults_match_reference_mis_yaml_keys():
     config = opj.CorrectionConfig()
     assert config.to_dict() == {
-        "use_tis": False, "tis_level": "token", "tis_mode": "truncate", "tis_lower_bound": None,
-        "tis_upper_bound": 2.0, "tis_batch_normalize": False, "use_rs": False,
-        "rs_level": "token", "rs_lower_bound": None, "rs_upper_bound": None,
+        "use_tis": False,
+        "tis_level": "token",
+        "tis_mode": "truncate",
+        "tis_lower_bound": None,
+        "tis_upper_bound": 2.0,
+        "tis_batch_normalize": False,
+        "use_rs": False,
+        "rs_level": "token",
+        "rs_lower_bound": None,
+        "rs_upper_bound": None,
         "rs_veto_threshold": None,
     }
 
@@ -69,9 +76,16 @@ def test_yaml_number_without_dot_is_a_number():
 
 
 def test_yaml_round_trip():
-    config = opj.CorrectionConfig(use_tis=True, tis_level="geometric", tis_mode="mask",
-                                  tis_lower_bound=0.8, tis_upper_bound=1.25, use_rs=True,
-                                  rs_level="sequence", rs_veto_threshold=1e-3)
+    config = opj.CorrectionConfig(
+        use_tis=True,
+        tis_level="geometric",
+        tis_mode="mask",
+        tis_lower_bound=0.8,
+        tis_upper_bound=1.25,
+        use_rs=True,
+        rs_level="sequence",
+        rs_veto_threshold=1e-3,
+    )
     assert opj.CorrectionConfig.from_yaml(config.to_yaml()) == config
     assert opj.CorrectionConfig.from_dict(config.to_dict()) == config
 
@@ -167,8 +181,10 @@ def test_vanilla_tis_validation():
         (dict(algorithm="decoupled_ppo", correction=opj.CorrectionConfig()), "correction"),
         (dict(algorithm="reinforce_is"), "correction"),
         (dict(algorithm="ppo", correction=opj.VanillaTIS()), "decoupled_ppo"),
-        (dict(algorithm="bypass_ppo", correction=opj.CorrectionConfig(use_tis=True)),
-         "reinforce_is"),
+        (
+            dict(algorithm="bypass_ppo", correction=opj.CorrectionConfig(use_tis=True)),
+            "reinforce_is",
+        ),
         (dict(algorithm="decoupled_ppo", correction={"use_tis": True}), "correction"),
     ],
 )
@@ -180,14 +196,22 @@ def test_loss_config_errors_name_the_field(kwargs, key):
 def test_loss_config_defaults():
     config = opj.LossConfig()
     assert (config.algorithm, config.clip_eps, config.upper_clip_eps, config.aggregation) == (
-        "ppo", 0.2, 0.2, "sequence_mean")
+        "ppo",
+        0.2,
+        0.2,
+        "sequence_mean",
+    )
     assert opj.LossConfig(clip_eps_high=0.28).upper_clip_eps == 0.28
 
 
 @pytest.mark.parametrize(
     "use_rollout_logprobs, use_tis, algorithm",
-    [(False, False, "ppo"), (True, False, "bypass_ppo"), (False, True, "decoupled_ppo"),
-     (True, True, "reinforce_is")],
+    [
+        (False, False, "ppo"),
+        (True, False, "bypass_ppo"),
+        (False, True, "decoupled_ppo"),
+        (True, True, "reinforce_is"),
+    ],
 )
 def test_from_flags_table(use_rollout_logprobs, use_tis, algorithm, tmp_path):
     config = opj.LossConfig.from_flags(use_rollout_logprobs=use_rollout_logprobs, use_tis=use_tis)

@@ -74,8 +74,9 @@ def test_correction_case(case):
             np.testing.assert_array_equal(np.asarray(res.mask), data["mask_out"])
         for key in case["compare"]["metrics"]:
             assert res.metrics[key].dtype == np.float32 and res.metrics[key].shape == ()
-            assert_close(res.metrics[key], data[f"metric_{tag}__{key}"], case,
-                         f"metric_{tag}__{key}")
+            assert_close(
+                res.metrics[key], data[f"metric_{tag}__{key}"], case, f"metric_{tag}__{key}"
+            )
 
 
 @_params("loss")

@@ -13,32 +13,47 @@ from strategies import ALL_CORRECTION_CONFIGS, correction_configs, ragged_batche
 
 import offpolicy_jax as opj
 
-correct = jax.jit(
-    opj.compute_correction, static_argnames=("config", "reduction", "axis_names")
-)
+correct = jax.jit(opj.compute_correction, static_argnames=("config", "reduction", "axis_names"))
 
 MIS_YAML = opj.CorrectionConfig(
-    use_tis=True, use_rs=True, tis_level="token", rs_level="token", tis_mode="truncate",
-    tis_lower_bound=0.5, tis_upper_bound=2.0, rs_veto_threshold=1e-4, tis_batch_normalize=True,
+    use_tis=True,
+    use_rs=True,
+    tis_level="token",
+    rs_level="token",
+    tis_mode="truncate",
+    tis_lower_bound=0.5,
+    tis_upper_bound=2.0,
+    rs_veto_threshold=1e-4,
+    tis_batch_normalize=True,
 )
 
 
 def assert_matches_reference(batch, config, reduction):
-    res = correct(batch["old_logp"], batch["rollout_logp"], batch["mask"], config=config,
-                  reduction=reduction)
-    w, m, metrics = ref.correction(batch["old_logp"], batch["rollout_logp"], batch["mask"],
-                                   reduction=reduction, **config.to_dict())
+    res = correct(
+        batch["old_logp"], batch["rollout_logp"], batch["mask"], config=config, reduction=reduction
+    )
+    w, m, metrics = ref.correction(
+        batch["old_logp"],
+        batch["rollout_logp"],
+        batch["mask"],
+        reduction=reduction,
+        **config.to_dict(),
+    )
     np.testing.assert_array_equal(np.asarray(res.mask), m)
     np.testing.assert_allclose(np.asarray(res.weights), w, rtol=1e-5, atol=1e-6)
     assert set(metrics) <= set(res.metrics)
     for key, value in metrics.items():
-        np.testing.assert_allclose(float(res.metrics[key]), value, rtol=1e-5, atol=1e-5,
-                                   err_msg=key)
+        np.testing.assert_allclose(
+            float(res.metrics[key]), value, rtol=1e-5, atol=1e-5, err_msg=key
+        )
 
 
 @settings(max_examples=40)
-@given(batch=ragged_batches(), config=correction_configs,
-       reduction=st.sampled_from(["sequence", "token"]))
+@given(
+    batch=ragged_batches(),
+    config=correction_configs,
+    reduction=st.sampled_from(["sequence", "token"]),
+)
 def test_matches_numpy_reference(batch, config, reduction):
     assert_matches_reference(batch, config, reduction)
 
@@ -55,7 +70,8 @@ def _example(seed=0, batch=4, length=9):
     old = (-rng.exponential(size=(batch, length))).astype(np.float32)
     rollout = (old + 0.3 * rng.standard_normal((batch, length))).astype(np.float32)
     mask = (np.arange(length)[None] < rng.integers(1, length + 1, size=(batch, 1))).astype(
-        np.float32)
+        np.float32
+    )
     return old, rollout, mask
 
 
@@ -101,8 +117,12 @@ def test_low_precision_inputs_give_float32_outputs(dtype):
     assert res.weights.dtype == jnp.float32 and res.mask.dtype == jnp.float32
     assert all(v.dtype == jnp.float32 and v.shape == () for v in res.metrics.values())
     # Upcasting is exact, so the result equals the float32 call on the rounded inputs.
-    want = correct(jnp.asarray(old, dtype).astype(jnp.float32),
-                   jnp.asarray(rollout, dtype).astype(jnp.float32), mask, config=MIS_YAML)
+    want = correct(
+        jnp.asarray(old, dtype).astype(jnp.float32),
+        jnp.asarray(rollout, dtype).astype(jnp.float32),
+        mask,
+        config=MIS_YAML,
+    )
     np.testing.assert_array_equal(res.weights, want.weights)
 
 
@@ -120,16 +140,18 @@ def test_result_is_a_pytree():
     leaves, tree = jax.tree.flatten(res)
     assert len(leaves) == 2 + len(res.metrics)
     rebuilt = jax.tree.unflatten(tree, leaves)
-    assert (isinstance(rebuilt, opj.CorrectionResult)
-            and rebuilt.metrics.keys() == res.metrics.keys())
+    assert (
+        isinstance(rebuilt, opj.CorrectionResult) and rebuilt.metrics.keys() == res.metrics.keys()
+    )
     doubled = jax.tree.map(lambda x: 2 * x, res)
     np.testing.assert_allclose(doubled.weights, 2 * np.asarray(res.weights))
 
 
 def test_weights_carry_no_gradient():
     old, rollout, mask = _example()
-    grad = jax.grad(lambda o, b: jnp.sum(opj.compute_correction(o, b, mask, MIS_YAML).weights),
-                    argnums=(0, 1))(old, rollout)
+    grad = jax.grad(
+        lambda o, b: jnp.sum(opj.compute_correction(o, b, mask, MIS_YAML).weights), argnums=(0, 1)
+    )(old, rollout)
     assert all(np.all(np.asarray(g) == 0) for g in grad)
 
 
@@ -143,21 +165,37 @@ MONITORING = set(ref.MONITORING_KEYS)
     [
         (opj.CorrectionConfig(use_tis=False), set()),
         (opj.CorrectionConfig(use_tis=True), {"mis_tis_truncate_fraction"}),
-        (opj.CorrectionConfig(use_tis=True, tis_mode="clip"),
-         {"mis_tis_clip_fraction_low", "mis_tis_clip_fraction_high"}),
-        (opj.CorrectionConfig(use_tis=True, tis_mode="mask", use_rs=True, rs_veto_threshold=1e-3),
-         {"mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high", "mis_rs_mask_fraction_low",
-          "mis_rs_mask_fraction_high", "mis_rs_catastrophic_token_fraction",
-          "mis_rs_catastrophic_seq_fraction"}),
+        (
+            opj.CorrectionConfig(use_tis=True, tis_mode="clip"),
+            {"mis_tis_clip_fraction_low", "mis_tis_clip_fraction_high"},
+        ),
+        (
+            opj.CorrectionConfig(
+                use_tis=True, tis_mode="mask", use_rs=True, rs_veto_threshold=1e-3
+            ),
+            {
+                "mis_tis_mask_fraction_low",
+                "mis_tis_mask_fraction_high",
+                "mis_rs_mask_fraction_low",
+                "mis_rs_mask_fraction_high",
+                "mis_rs_catastrophic_token_fraction",
+                "mis_rs_catastrophic_seq_fraction",
+            },
+        ),
     ],
 )
 def test_metric_keys_follow_config(config, extra):
     old, rollout, mask = _example()
     keys = set(correct(old, rollout, mask, config=config).metrics)
     common = {
-        "mis_tis_weight_before_bound", "mis_tis_weight_after_bound",
-        "mis_is_ratio_mean_after_tis_rs", "mis_batch_norm_factor", "mis_is_ratio_mean_final",
-        "mis_is_ratio_min_final", "mis_is_ratio_max_final", "mis_nonfinite_seq_fraction",
+        "mis_tis_weight_before_bound",
+        "mis_tis_weight_after_bound",
+        "mis_is_ratio_mean_after_tis_rs",
+        "mis_batch_norm_factor",
+        "mis_is_ratio_mean_final",
+        "mis_is_ratio_min_final",
+        "mis_is_ratio_max_final",
+        "mis_nonfinite_seq_fraction",
     }
     assert keys == MONITORING | (common | extra if config.use_tis else set())
 
@@ -166,8 +204,11 @@ def test_metric_keys_follow_config(config, extra):
 
 
 def _batch(old, rollout, mask):
-    return dict(old_logp=np.asarray(old, np.float32), rollout_logp=np.asarray(rollout, np.float32),
-                mask=np.asarray(mask, np.float32))
+    return dict(
+        old_logp=np.asarray(old, np.float32),
+        rollout_logp=np.asarray(rollout, np.float32),
+        mask=np.asarray(mask, np.float32),
+    )
 
 
 def test_d1_veto_works_without_rs():
@@ -190,8 +231,9 @@ def test_d3_garbage_at_masked_positions_never_leaks():
     old, rollout, mask = _example()
     clean = correct(old, rollout, mask, config=MIS_YAML)
     for junk in (np.nan, np.inf, -np.inf, 1e30):
-        dirty = correct(np.where(mask > 0, old, junk), np.where(mask > 0, rollout, -junk), mask,
-                        config=MIS_YAML)
+        dirty = correct(
+            np.where(mask > 0, old, junk), np.where(mask > 0, rollout, -junk), mask, config=MIS_YAML
+        )
         np.testing.assert_array_equal(dirty.weights, clean.weights)
         for key in clean.metrics:
             assert float(dirty.metrics[key]) == float(clean.metrics[key]), key
@@ -200,8 +242,13 @@ def test_d3_garbage_at_masked_positions_never_leaks():
 @pytest.mark.parametrize("mode", ["truncate", "clip", "mask"])
 def test_d4_geometric_level_with_batch_normalisation(mode):
     old, rollout, mask = _example(seed=3)
-    config = opj.CorrectionConfig(use_tis=True, tis_level="geometric", tis_mode=mode,
-                                  tis_upper_bound=3.0, tis_batch_normalize=True)
+    config = opj.CorrectionConfig(
+        use_tis=True,
+        tis_level="geometric",
+        tis_mode=mode,
+        tis_upper_bound=3.0,
+        tis_batch_normalize=True,
+    )
     res = correct(old, rollout, mask, config=config)
     kept = np.asarray(res.mask).sum(-1) > 0
     per_seq = np.asarray(res.weights).sum(-1)[kept] / np.asarray(res.mask).sum(-1)[kept]
@@ -221,8 +268,10 @@ def test_d6_batch_norm_mean_excludes_rejected_weights():
 
 def test_d7_final_stats_only_over_kept_tokens():
     old = np.array([[0.0, 1.0, -5.0]])  # ratios 1, e, e^-5; mask mode keeps [0.5, 2]
-    res = correct(*_batch(old, np.zeros((1, 3)), np.ones((1, 3))).values(),
-                  config=opj.CorrectionConfig(use_tis=True, tis_mode="mask"))
+    res = correct(
+        *_batch(old, np.zeros((1, 3)), np.ones((1, 3))).values(),
+        config=opj.CorrectionConfig(use_tis=True, tis_mode="mask"),
+    )
     assert float(res.metrics["mis_is_ratio_min_final"]) == 1.0
     assert float(res.metrics["mis_is_ratio_max_final"]) == 1.0
     assert float(res.metrics["mis_is_ratio_mean_final"]) == 1.0
@@ -230,10 +279,13 @@ def test_d7_final_stats_only_over_kept_tokens():
 
 def test_d8_mask_mode_after_bound_weights_are_bounded():
     old = np.array([[0.0, 15.0, 0.5]])
-    res = correct(*_batch(old, np.zeros((1, 3)), np.ones((1, 3))).values(),
-                  config=opj.CorrectionConfig(use_tis=True, tis_mode="mask", tis_upper_bound=2.0))
-    np.testing.assert_allclose(float(res.metrics["mis_tis_weight_after_bound"]),
-                               (1 + np.exp(0.5)) / 2, rtol=1e-6)
+    res = correct(
+        *_batch(old, np.zeros((1, 3)), np.ones((1, 3))).values(),
+        config=opj.CorrectionConfig(use_tis=True, tis_mode="mask", tis_upper_bound=2.0),
+    )
+    np.testing.assert_allclose(
+        float(res.metrics["mis_tis_weight_after_bound"]), (1 + np.exp(0.5)) / 2, rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("reduction", ["sequence", "token"])
@@ -243,8 +295,9 @@ def test_d10_empty_sequences_left_out_of_metric_reductions(reduction):
     a = correct(old, rollout, mask, config=MIS_YAML, reduction=reduction)
     b = correct(*padded, config=MIS_YAML, reduction=reduction)
     for key in a.metrics:
-        np.testing.assert_allclose(float(b.metrics[key]), float(a.metrics[key]), rtol=1e-6,
-                                   err_msg=key)
+        np.testing.assert_allclose(
+            float(b.metrics[key]), float(a.metrics[key]), rtol=1e-6, err_msg=key
+        )
 
 
 def test_nonfinite_valid_token_rejects_its_sequence():

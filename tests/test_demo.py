@@ -37,9 +37,28 @@ def tiny_run(tmp_path_factory):
     """The console command, as a user runs it, at a tiny size."""
     out = tmp_path_factory.mktemp("demo") / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "offpolicy_jax.demo.cli", "demo", "--tiny", "--no-progress",
-         "--steps", "4", "--seeds", "2", "--algorithms", ",".join(TINY_ALGOS), "--out", str(out)],
-        capture_output=True, text=True, timeout=600, env=fast_compile_env(), check=False)
+        [
+            sys.executable,
+            "-m",
+            "offpolicy_jax.demo.cli",
+            "demo",
+            "--tiny",
+            "--no-progress",
+            "--steps",
+            "4",
+            "--seeds",
+            "2",
+            "--algorithms",
+            ",".join(TINY_ALGOS),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=fast_compile_env(),
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     return out, proc.stdout
 
@@ -100,8 +119,7 @@ def test_tiny_demo_uses_common_seeds_and_a_clean_reference(tiny_run):
 
 def test_round_mantissa_7_bits_is_bfloat16():
     x = jax.random.normal(jax.random.key(0), (4096,)) * 30.0
-    np.testing.assert_array_equal(round_mantissa(x, 7),
-                                  x.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(round_mantissa(x, 7), x.astype(jnp.bfloat16).astype(jnp.float32))
     np.testing.assert_array_equal(round_mantissa(x, 23), x)
 
 
@@ -139,8 +157,9 @@ def test_engine_without_mismatch_reports_the_trainers_log_probs():
 
     @jax.jit
     def both(active):
-        resp, rollout_logp = engine.generate(graphdef, params, prompts, jax.random.key(2),
-                                             numerics, active=active)
+        resp, rollout_logp = engine.generate(
+            graphdef, params, prompts, jax.random.key(2), numerics, active=active
+        )
         trainer = train.token_logp(graphdef, params, task.join(prompts, resp), cfg.prompt_len)
         return rollout_logp, trainer
 
@@ -201,12 +220,20 @@ def test_console_entry_point_bad_input_has_no_traceback():
     command = [str(script)] if script.exists() else [sys.executable, "-m", "offpolicy_jax.demo.cli"]
     proc = subprocess.run(
         [*command, "demo", "--algorithms", "nope"],
-        capture_output=True, text=True, timeout=120, check=False)
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("offpolicy-jax")]
-    assert lines == [("offpolicy-jax: error: unknown algorithm 'nope' (choose from reference, "
-                      "ppo, bypass_ppo, decoupled_tis, decoupled_mis, reinforce_is)")]
+    assert lines == [
+        (
+            "offpolicy-jax: error: unknown algorithm 'nope' (choose from reference, "
+            "ppo, bypass_ppo, decoupled_tis, decoupled_mis, reinforce_is)"
+        )
+    ]
 
 
 def test_readme_results_table_has_the_default_commands_shape():
@@ -230,6 +257,6 @@ def test_readme_results_table_has_the_default_commands_shape():
     header = report.format_table(fake, report.summarize(fake)).splitlines()[0]
     lines = section.splitlines()
     i = lines.index(header)
-    labels = [ln.split("|")[1].strip() for ln in lines[i + 2:i + 2 + len(cfg.algorithms)]]
+    labels = [ln.split("|")[1].strip() for ln in lines[i + 2 : i + 2 + len(cfg.algorithms)]]
     assert labels == [train.ALGORITHMS[a].label for a in cfg.algorithms]
     assert (readme.parent / "docs" / "demo.png").is_file()

@@ -47,21 +47,33 @@ MAX_COLLECTIVE_OPS = {"shard_map": 10, "jit": 16}
 
 def _config(level):
     correction = opj.CorrectionConfig(
-        use_tis=True, tis_level=level, tis_mode="mask", tis_lower_bound=0.05,
-        tis_upper_bound=20.0, tis_batch_normalize=True, use_rs=True, rs_level=level,
-        rs_lower_bound=0.1, rs_upper_bound=10.0, rs_veto_threshold=1e-4)
-    return opj.LossConfig(algorithm="decoupled_ppo", correction=correction,
-                          get_mismatch_metrics=True)
+        use_tis=True,
+        tis_level=level,
+        tis_mode="mask",
+        tis_lower_bound=0.05,
+        tis_upper_bound=20.0,
+        tis_batch_normalize=True,
+        use_rs=True,
+        rs_level=level,
+        rs_lower_bound=0.1,
+        rs_upper_bound=10.0,
+        rs_veto_threshold=1e-4,
+    )
+    return opj.LossConfig(
+        algorithm="decoupled_ppo", correction=correction, get_mismatch_metrics=True
+    )
 
 
 def _step(a, config, axis_names=None):
     def loss_fn(logp):
-        return opj.policy_loss(logp, a["old"], a["rollout"], a["adv"], a["mask"], config,
-                               axis_names=axis_names)
+        return opj.policy_loss(
+            logp, a["old"], a["rollout"], a["adv"], a["mask"], config, axis_names=axis_names
+        )
 
     (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(a["logp"])
-    res = opj.compute_correction(a["old"], a["rollout"], a["mask"], config.correction,
-                                 axis_names=axis_names)
+    res = opj.compute_correction(
+        a["old"], a["rollout"], a["mask"], config.correction, axis_names=axis_names
+    )
     return loss, metrics, grad, res.weights, res.mask, res.metrics
 
 
@@ -73,8 +85,12 @@ def _inputs(mesh, spec, length):
 
 
 def _compiled(path, level, length, axis_type):
-    mesh = jax.make_mesh((DATA, SEQ), ("data", "seq"), axis_types=(axis_type,) * 2,
-                         devices=jax.devices("cpu")[: DATA * SEQ])
+    mesh = jax.make_mesh(
+        (DATA, SEQ),
+        ("data", "seq"),
+        axis_types=(axis_type,) * 2,
+        devices=jax.devices("cpu")[: DATA * SEQ],
+    )
     spec = P("data", "seq")
     config = _config(level)
     with jax.set_mesh(mesh):
@@ -82,8 +98,9 @@ def _compiled(path, level, length, axis_type):
         if path == "shard_map":
             shapes = jax.eval_shape(functools.partial(_step, config=config), arrays)
             out_specs = mc.output_specs(shapes, spec)
-            fn = functools.partial(_step, config=config,
-                                   axis_names=opj.MeshAxes(batch="data", token="seq"))
+            fn = functools.partial(
+                _step, config=config, axis_names=opj.MeshAxes(batch="data", token="seq")
+            )
             fn = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec,), out_specs=out_specs))
         else:
             fn = jax.jit(functools.partial(_step, config=config))
@@ -106,8 +123,10 @@ def test_only_per_sequence_values_cross_devices(level, case):
     path, length, axis_type = CASES[case]
     collectives = mc.hlo_collectives(_compiled(path, level, length, axis_type))
     summary = mc.summarize_collectives(collectives)
-    print(f"\n[{level} / {case}] {len(collectives)} collective ops, "
-          f"{sum(c['elements'] for c in collectives)} elements per step:\n{summary}")
+    print(
+        f"\n[{level} / {case}] {len(collectives)} collective ops, "
+        f"{sum(c['elements'] for c in collectives)} elements per step:\n{summary}"
+    )
     assert collectives, "expected the cross-shard reductions to appear as collectives"
     local_length = length // SEQ
     for c in collectives:
@@ -121,14 +140,24 @@ def test_only_per_sequence_values_cross_devices(level, case):
 
 def test_parser_sees_a_token_sized_collective():
     """Control: the parser does report a ``[B, T]``-sized collective when there is one."""
-    mesh = jax.make_mesh((DATA, SEQ), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2,
-                         devices=jax.devices("cpu")[: DATA * SEQ])
+    mesh = jax.make_mesh(
+        (DATA, SEQ),
+        ("data", "seq"),
+        axis_types=(AxisType.Explicit,) * 2,
+        devices=jax.devices("cpu")[: DATA * SEQ],
+    )
     spec = P("data", "seq")
     with jax.set_mesh(mesh):
         x = jax.device_put(np.ones((B, T), np.float32), NamedSharding(mesh, spec))
-        fn = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "seq", axis=1, tiled=True),
-                                   mesh=mesh, in_specs=spec, out_specs=P("data"),
-                                   check_vma=False))
+        fn = jax.jit(
+            jax.shard_map(
+                lambda v: jax.lax.all_gather(v, "seq", axis=1, tiled=True),
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=P("data"),
+                check_vma=False,
+            )
+        )
         collectives = mc.hlo_collectives(mc.compiled_text(fn, x))
     assert [c["op"] for c in collectives] == ["all-gather"]
     assert collectives[0]["shapes"] == [(B_LOCAL, T)]

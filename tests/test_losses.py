@@ -17,32 +17,59 @@ from strategies import ragged_batches
 
 import offpolicy_jax as opj
 
-MIS = opj.CorrectionConfig(use_tis=True, use_rs=True, tis_lower_bound=0.5, tis_upper_bound=2.0,
-                           rs_veto_threshold=1e-4, tis_batch_normalize=True)
-SEQ_MASK = opj.CorrectionConfig(use_tis=True, tis_level="sequence", tis_mode="mask",
-                                tis_upper_bound=4.0, use_rs=True, rs_level="geometric")
-GEO_CLIP = opj.CorrectionConfig(use_tis=True, tis_level="geometric", tis_mode="clip",
-                                tis_batch_normalize=True, rs_veto_threshold=0.05)
+MIS = opj.CorrectionConfig(
+    use_tis=True,
+    use_rs=True,
+    tis_lower_bound=0.5,
+    tis_upper_bound=2.0,
+    rs_veto_threshold=1e-4,
+    tis_batch_normalize=True,
+)
+SEQ_MASK = opj.CorrectionConfig(
+    use_tis=True,
+    tis_level="sequence",
+    tis_mode="mask",
+    tis_upper_bound=4.0,
+    use_rs=True,
+    rs_level="geometric",
+)
+GEO_CLIP = opj.CorrectionConfig(
+    use_tis=True,
+    tis_level="geometric",
+    tis_mode="clip",
+    tis_batch_normalize=True,
+    rs_veto_threshold=0.05,
+)
 METRICS_ONLY = opj.CorrectionConfig(use_tis=False)
 
 
 def _loss_configs():
     out = []
     corrections = {
-        "ppo": [None, METRICS_ONLY], "bypass_ppo": [None, METRICS_ONLY],
+        "ppo": [None, METRICS_ONLY],
+        "bypass_ppo": [None, METRICS_ONLY],
         "decoupled_ppo": [MIS, SEQ_MASK, GEO_CLIP, opj.VanillaTIS(), opj.VanillaTIS(0.5, 1.5)],
         "reinforce_is": [MIS, SEQ_MASK, opj.VanillaTIS()],
     }
     for algorithm, aggregation, in_den, (eps_high, dual) in itertools.product(
-        corrections, ("sequence_mean", "token_mean", "sequence_sum"), (False, True),
+        corrections,
+        ("sequence_mean", "token_mean", "sequence_sum"),
+        (False, True),
         ((None, None), (0.28, 3.0)),
     ):
         for correction in corrections[algorithm]:
-            out.append(opj.LossConfig(
-                algorithm=algorithm, clip_eps=0.2, clip_eps_high=eps_high, dual_clip_c=dual,
-                correction=correction, aggregation=aggregation, rejected_in_denominator=in_den,
-                get_mismatch_metrics=correction is METRICS_ONLY,
-            ))
+            out.append(
+                opj.LossConfig(
+                    algorithm=algorithm,
+                    clip_eps=0.2,
+                    clip_eps_high=eps_high,
+                    dual_clip_c=dual,
+                    correction=correction,
+                    aggregation=aggregation,
+                    rejected_in_denominator=in_den,
+                    get_mismatch_metrics=correction is METRICS_ONLY,
+                )
+            )
     return out
 
 
@@ -59,27 +86,42 @@ def _reference_correction(correction):
 
 
 def _value_and_grad(config):
-    return jax.jit(jax.value_and_grad(
-        lambda lp, o, b, a, m: opj.policy_loss(lp, o, b, a, m, config), has_aux=True))
+    return jax.jit(
+        jax.value_and_grad(
+            lambda lp, o, b, a, m: opj.policy_loss(lp, o, b, a, m, config), has_aux=True
+        )
+    )
 
 
 def _args(batch, *, old=True):
-    return (batch["logp"], batch["old_logp"] if old else None, batch["rollout_logp"],
-            batch["advantages"], batch["mask"])
+    return (
+        batch["logp"],
+        batch["old_logp"] if old else None,
+        batch["rollout_logp"],
+        batch["advantages"],
+        batch["mask"],
+    )
 
 
 @settings(max_examples=40)
-@given(batch=ragged_batches(), config=loss_configs,
-       reduction=st.sampled_from(["sequence", "token"]))
+@given(
+    batch=ragged_batches(), config=loss_configs, reduction=st.sampled_from(["sequence", "token"])
+)
 def test_matches_numpy_reference(batch, config, reduction):
     config = opj.LossConfig(**{**config.__dict__, "metric_reduction": reduction})
     (loss, metrics), grad = _value_and_grad(config)(*_args(batch))
     want_loss, want_grad, want_metrics = ref.policy_loss(
-        *_args(batch), algorithm=config.algorithm, clip_eps=config.clip_eps,
-        clip_eps_high=config.clip_eps_high, dual_clip_c=config.dual_clip_c,
-        correction=_reference_correction(config.correction), aggregation=config.aggregation,
+        *_args(batch),
+        algorithm=config.algorithm,
+        clip_eps=config.clip_eps,
+        clip_eps_high=config.clip_eps_high,
+        dual_clip_c=config.dual_clip_c,
+        correction=_reference_correction(config.correction),
+        aggregation=config.aggregation,
         rejected_in_denominator=config.rejected_in_denominator,
-        get_mismatch_metrics=config.get_mismatch_metrics, metric_reduction=reduction)
+        get_mismatch_metrics=config.get_mismatch_metrics,
+        metric_reduction=reduction,
+    )
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-6)
     assert set(want_metrics) <= set(metrics)
@@ -100,16 +142,21 @@ def _smooth_batch(seed=0, batch=3, length=7):
     rollout = old + rng.uniform(-0.3, 0.3, size=old.shape)
     adv = rng.choice([-1.0, 1.0], size=old.shape) * rng.uniform(0.5, 2.0, size=old.shape)
     mask = np.arange(length)[None] < np.array([[7], [4], [5]])[:batch]
-    return ([np.asarray(x, np.float64) for x in (logp, old, rollout, adv)]
-            + [mask.astype(np.float64)])
+    return [np.asarray(x, np.float64) for x in (logp, old, rollout, adv)] + [
+        mask.astype(np.float64)
+    ]
 
 
-@pytest.mark.parametrize("config", [
-    opj.LossConfig(algorithm="ppo"),
-    opj.LossConfig(algorithm="bypass_ppo", aggregation="token_mean"),
-    opj.LossConfig(algorithm="decoupled_ppo", correction=MIS, dual_clip_c=3.0),
-    opj.LossConfig(algorithm="decoupled_ppo", correction=GEO_CLIP, aggregation="sequence_sum"),
-], ids=lambda c: f"{c.algorithm}-{c.aggregation}")
+@pytest.mark.parametrize(
+    "config",
+    [
+        opj.LossConfig(algorithm="ppo"),
+        opj.LossConfig(algorithm="bypass_ppo", aggregation="token_mean"),
+        opj.LossConfig(algorithm="decoupled_ppo", correction=MIS, dual_clip_c=3.0),
+        opj.LossConfig(algorithm="decoupled_ppo", correction=GEO_CLIP, aggregation="sequence_sum"),
+    ],
+    ids=lambda c: f"{c.algorithm}-{c.aggregation}",
+)
 def test_gradient_matches_finite_differences_away_from_kinks(config):
     # float32 finite differences with eps = 1e-3: every kink is > 0.05 away.
     logp, old, rollout, adv, mask = (np.asarray(x, np.float32) for x in _smooth_batch())
@@ -122,8 +169,10 @@ def test_reinforce_is_gradient_matches_finite_differences_with_frozen_weights():
     logp, _, rollout, adv, mask = (np.asarray(x, np.float32) for x in _smooth_batch())
     config = opj.LossConfig(algorithm="reinforce_is", correction=SEQ_MASK)
     frozen = opj.compute_correction(logp, rollout, mask, SEQ_MASK)
-    loss = lambda lp: opj.policy_loss(lp, None, rollout, adv, mask, config,  # noqa: E731
-                                      correction_result=frozen)[0]
+
+    def loss(lp):
+        return opj.policy_loss(lp, None, rollout, adv, mask, config, correction_result=frozen)[0]
+
     check_grads(loss, (logp,), order=1, modes=["rev"], eps=1e-3, atol=2e-3, rtol=2e-3)
     live = jax.grad(lambda lp: opj.policy_loss(lp, None, rollout, adv, mask, config)[0])(logp)
     np.testing.assert_allclose(np.asarray(live), np.asarray(jax.grad(loss)(logp)), rtol=1e-6)
@@ -131,8 +180,12 @@ def test_reinforce_is_gradient_matches_finite_differences_with_frozen_weights():
 
 def _ppo_grad(theta, d, a, **kwargs):
     config = opj.LossConfig(algorithm="ppo", aggregation="token_mean", **kwargs)
-    f = lambda lp: opj.policy_loss(lp, jnp.asarray(d), None, jnp.asarray(a),  # noqa: E731
-                                   jnp.ones(len(theta)), config)[0]
+
+    def f(lp):
+        return opj.policy_loss(
+            lp, jnp.asarray(d), None, jnp.asarray(a), jnp.ones(len(theta)), config
+        )[0]
+
     return np.asarray(jax.grad(f)(jnp.asarray(theta, jnp.float32))) * len(theta)
 
 
@@ -161,16 +214,21 @@ def test_gradient_at_exact_ties_is_the_full_unclipped_gradient():
     np.testing.assert_allclose(g, [-1.5, 0.5], rtol=1e-6)
 
 
-@pytest.mark.parametrize("config", [
-    opj.LossConfig(algorithm="decoupled_ppo", correction=MIS),
-    opj.LossConfig(algorithm="decoupled_ppo", correction=opj.VanillaTIS()),
-    opj.LossConfig(algorithm="reinforce_is", correction=SEQ_MASK),
-    opj.LossConfig(algorithm="bypass_ppo"),
-], ids=lambda c: c.algorithm)
+@pytest.mark.parametrize(
+    "config",
+    [
+        opj.LossConfig(algorithm="decoupled_ppo", correction=MIS),
+        opj.LossConfig(algorithm="decoupled_ppo", correction=opj.VanillaTIS()),
+        opj.LossConfig(algorithm="reinforce_is", correction=SEQ_MASK),
+        opj.LossConfig(algorithm="bypass_ppo"),
+    ],
+    ids=lambda c: c.algorithm,
+)
 def test_is_weights_carry_no_gradient(config):
     logp, old, rollout, adv, mask = (np.asarray(x, np.float32) for x in _smooth_batch())
-    grads = jax.grad(lambda o, b: opj.policy_loss(logp, o, b, adv, mask, config)[0],
-                     argnums=(0, 1))(old, rollout)
+    grads = jax.grad(
+        lambda o, b: opj.policy_loss(logp, o, b, adv, mask, config)[0], argnums=(0, 1)
+    )(old, rollout)
     for g in grads:
         np.testing.assert_array_equal(np.asarray(g), 0.0)
 
@@ -178,13 +236,15 @@ def test_is_weights_carry_no_gradient(config):
 # ------------------------------------------------------------------------ empty batches
 
 
-@pytest.mark.parametrize("config", LOSS_CONFIGS[::7],
-                         ids=lambda c: f"{c.algorithm}-{c.aggregation}")
+@pytest.mark.parametrize(
+    "config", LOSS_CONFIGS[::7], ids=lambda c: f"{c.algorithm}-{c.aggregation}"
+)
 def test_all_masked_batch_gives_zero_loss_and_zero_gradient(config):
     shape = (3, 5)
     garbage = jnp.full(shape, jnp.nan)
-    (loss, metrics), grad = _value_and_grad(config)(garbage, garbage, garbage, garbage,
-                                                    jnp.zeros(shape))
+    (loss, metrics), grad = _value_and_grad(config)(
+        garbage, garbage, garbage, garbage, jnp.zeros(shape)
+    )
     assert float(loss) == 0.0
     np.testing.assert_array_equal(np.asarray(grad), 0.0)
     assert all(np.isfinite(float(v)) for v in metrics.values())
@@ -196,8 +256,11 @@ def test_all_rejected_batch_gives_zero_loss_and_finite_zero_gradient(aggregation
     logp, old, rollout, adv, mask = (np.asarray(x, np.float32) for x in _smooth_batch())
     rollout = old + 5.0  # every ratio e^-5 < 0.5: mask mode rejects every token
     config = opj.LossConfig(
-        algorithm="decoupled_ppo", aggregation=aggregation, rejected_in_denominator=in_denominator,
-        correction=opj.CorrectionConfig(use_tis=True, tis_mode="mask", tis_batch_normalize=True))
+        algorithm="decoupled_ppo",
+        aggregation=aggregation,
+        rejected_in_denominator=in_denominator,
+        correction=opj.CorrectionConfig(use_tis=True, tis_mode="mask", tis_batch_normalize=True),
+    )
     (loss, metrics), grad = _value_and_grad(config)(logp, old, rollout, adv, mask)
     assert float(loss) == 0.0
     np.testing.assert_array_equal(np.asarray(grad), 0.0)
@@ -210,8 +273,10 @@ def test_all_rejected_batch_gives_zero_loss_and_finite_zero_gradient(aggregation
 
 def _clean(batch):
     mask = batch["mask"] > 0
-    return {k: (np.where(mask, v, 0.0).astype(np.float32) if k not in ("mask", "lengths") else v)
-            for k, v in batch.items()}
+    return {
+        k: (np.where(mask, v, 0.0).astype(np.float32) if k not in ("mask", "lengths") else v)
+        for k, v in batch.items()
+    }
 
 
 @settings(max_examples=20)
@@ -238,36 +303,46 @@ def test_micro_batch_pooling_equals_full_batch(batch, config, data):
         # compute the correction once, then split it with the tokens.
         numerator_logp = batch["logp"] if config.algorithm == "reinforce_is" else batch["old_logp"]
         full_correction = opj.compute_correction(
-            numerator_logp, batch["rollout_logp"], batch["mask"], config.correction,
-            reduction=config.metric_reduction)
+            numerator_logp,
+            batch["rollout_logp"],
+            batch["mask"],
+            config.correction,
+            reduction=config.metric_reduction,
+        )
     (full_loss, full_metrics), full_grad = _value_and_grad(config)(*_args(batch))
     pooled_num, pooled_den, grads, pooled_metrics = 0.0, 0.0, [], None
     for start, stop in itertools.pairwise(bounds):
         rows = slice(start, stop)
         logp, old, rollout, adv, mask = (x[rows] for x in _args(batch))
-        precomputed = None if full_correction is None else opj.CorrectionResult(
-            full_correction.weights[rows], full_correction.mask[rows], {})
+        precomputed = (
+            None
+            if full_correction is None
+            else opj.CorrectionResult(full_correction.weights[rows], full_correction.mask[rows], {})
+        )
 
         # Differentiated and called only within this iteration: the late binding is harmless.
-        def numerator(lp):
+        def numerator(lp, old=old, rollout=rollout, adv=adv, mask=mask, precomputed=precomputed):
             parts, metrics = opj.policy_loss_parts(
-                lp, old, rollout, adv, mask, config, correction_result=precomputed)  # noqa: B023
+                lp, old, rollout, adv, mask, config, correction_result=precomputed
+            )
             return parts.numerator, (parts.denominator, metrics)
 
         g, (den, metrics) = jax.grad(numerator, has_aux=True)(logp)
         pooled_num += numerator(logp)[0]
         pooled_den += den
         grads.append(g)
-        pooled_metrics = metrics if pooled_metrics is None else jax.tree.map(
-            jnp.add, pooled_metrics, metrics)
+        pooled_metrics = (
+            metrics if pooled_metrics is None else jax.tree.map(jnp.add, pooled_metrics, metrics)
+        )
     loss = opj.LossParts(pooled_num, pooled_den).value()
     grad = np.concatenate(grads) / (float(pooled_den) or 1.0)
     np.testing.assert_allclose(float(loss), float(full_loss), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grad, np.asarray(full_grad), rtol=1e-5, atol=1e-6)
     pooled = opj.finalize_metrics(pooled_metrics)
     for key in pooled:
-        np.testing.assert_allclose(float(pooled[key]), float(full_metrics[key]), rtol=1e-5,
-                                   atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(
+            float(pooled[key]), float(full_metrics[key]), rtol=1e-5, atol=1e-5, err_msg=key
+        )
 
 
 # ------------------------------------------------------------------------ D5, D8b, D9, inputs
@@ -284,19 +359,30 @@ def _reject_second_half():
 @pytest.mark.parametrize("in_denominator, length", [(False, 4), (True, 7)])
 def test_d5_rejected_tokens_and_the_denominator(in_denominator, length):
     logp, old, rollout, adv, mask = _reject_second_half()
-    config = opj.LossConfig(algorithm="decoupled_ppo", rejected_in_denominator=in_denominator,
-                            correction=opj.CorrectionConfig(use_tis=True, tis_mode="mask"))
+    config = opj.LossConfig(
+        algorithm="decoupled_ppo",
+        rejected_in_denominator=in_denominator,
+        correction=opj.CorrectionConfig(use_tis=True, tis_mode="mask"),
+    )
     loss, _ = opj.policy_loss(logp, old, rollout, adv, mask, config)
-    kept = opj.policy_loss(logp[:, :4], old[:, :4], rollout[:, :4], adv[:, :4], mask[:, :4],
-                           opj.LossConfig(algorithm="decoupled_ppo", correction=config.correction,
-                                          aggregation="sequence_sum"))[0]
+    kept = opj.policy_loss(
+        logp[:, :4],
+        old[:, :4],
+        rollout[:, :4],
+        adv[:, :4],
+        mask[:, :4],
+        opj.LossConfig(
+            algorithm="decoupled_ppo", correction=config.correction, aggregation="sequence_sum"
+        ),
+    )[0]
     np.testing.assert_allclose(float(loss), float(kept) / length, rtol=1e-6)
 
 
 def test_d8b_bypass_reports_the_real_logprob_difference():
     logp, old, rollout, adv, mask = (np.asarray(x, np.float32) for x in _smooth_batch())
-    _, metrics = opj.policy_loss(logp, None, rollout, adv, mask,
-                                 opj.LossConfig(algorithm="bypass_ppo"))
+    _, metrics = opj.policy_loss(
+        logp, None, rollout, adv, mask, opj.LossConfig(algorithm="bypass_ppo")
+    )
     want = ref.reduce_metric(np.abs(logp - rollout), mask, "sequence")
     assert float(metrics["train_rollout_logprob_abs_diff"]) > 0.01
     np.testing.assert_allclose(float(metrics["train_rollout_logprob_abs_diff"]), want, rtol=1e-6)
@@ -304,19 +390,24 @@ def test_d8b_bypass_reports_the_real_logprob_difference():
 
 def test_d9_reinforce_is_with_rollout_logprobs_and_tis():
     logp, _, rollout, adv, mask = (np.asarray(x, np.float32) for x in _smooth_batch())
-    config = opj.LossConfig.from_flags(use_rollout_logprobs=True, use_tis=True,
-                                       aggregation="token_mean")
+    config = opj.LossConfig.from_flags(
+        use_rollout_logprobs=True, use_tis=True, aggregation="token_mean"
+    )
     assert config.algorithm == "reinforce_is"
     grad = jax.grad(lambda lp: opj.policy_loss(lp, None, rollout, adv, mask, config)[0])(logp)
     w = np.clip(np.exp(logp - rollout), 0.0, 2.0)
     np.testing.assert_allclose(np.asarray(grad), -w * adv * mask / mask.sum(), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("config", [
-    opj.LossConfig(algorithm="decoupled_ppo", correction=MIS, aggregation="token_mean"),
-    opj.LossConfig(algorithm="reinforce_is", correction=GEO_CLIP),
-    opj.LossConfig(algorithm="bypass_ppo", aggregation="token_mean"),
-], ids=lambda c: c.algorithm)
+@pytest.mark.parametrize(
+    "config",
+    [
+        opj.LossConfig(algorithm="decoupled_ppo", correction=MIS, aggregation="token_mean"),
+        opj.LossConfig(algorithm="reinforce_is", correction=GEO_CLIP),
+        opj.LossConfig(algorithm="bypass_ppo", aggregation="token_mean"),
+    ],
+    ids=lambda c: c.algorithm,
+)
 def test_uniformly_scaled_fractional_mask_leaves_mean_losses_unchanged(config):
     # Each token is weighted by its mask value exactly once: numerator and
     # denominator both scale by 1/2 (a weight applied twice would quarter one).
@@ -347,8 +438,9 @@ def test_input_errors_name_the_argument():
     with pytest.raises(TypeError, match="logp"):
         opj.policy_loss(logp.astype(np.int32), old, rollout, adv, mask, ppo)
     with pytest.raises(ValueError, match="rollout_logp is required"):
-        opj.policy_loss(logp, old, None, adv, mask,
-                        opj.LossConfig(algorithm="decoupled_ppo", correction=MIS))
+        opj.policy_loss(
+            logp, old, None, adv, mask, opj.LossConfig(algorithm="decoupled_ppo", correction=MIS)
+        )
     with pytest.raises(TypeError, match="LossConfig"):
         opj.policy_loss(logp, old, rollout, adv, mask, MIS)
     # Plain PPO needs no rollout log-probs at all.
@@ -360,14 +452,17 @@ def test_user_correction_callable():
     logp, old, rollout, adv, mask = (np.asarray(x, np.float32) for x in _smooth_batch())
 
     def halve(old_logp, rollout_logp, mask, *, reduction, axis_names):
-        res = opj.compute_correction(old_logp, rollout_logp, mask, MIS, reduction=reduction,
-                                     axis_names=axis_names)
+        res = opj.compute_correction(
+            old_logp, rollout_logp, mask, MIS, reduction=reduction, axis_names=axis_names
+        )
         return opj.CorrectionResult(res.weights * 0.5, res.mask, {"custom": jnp.float32(1.0)})
 
     custom = opj.LossConfig(algorithm="decoupled_ppo", correction=halve)
     builtin = opj.LossConfig(algorithm="decoupled_ppo", correction=MIS)
     loss, metrics = jax.jit(lambda *a: opj.policy_loss(*a, custom))(logp, old, rollout, adv, mask)
     np.testing.assert_allclose(
-        float(loss), 0.5 * float(opj.policy_loss(logp, old, rollout, adv, mask, builtin)[0]),
-        rtol=1e-6)
+        float(loss),
+        0.5 * float(opj.policy_loss(logp, old, rollout, adv, mask, builtin)[0]),
+        rtol=1e-6,
+    )
     assert float(metrics["custom"]) == 1.0

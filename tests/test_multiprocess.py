@@ -55,17 +55,29 @@ def _run_workers_once(out_dir: pathlib.Path) -> list[str]:
     env.pop("XLA_FLAGS", None)
     src = str(pathlib.Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(WORKER.parent), src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        [str(WORKER.parent), src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     port = _free_port()
     logs = [out_dir / f"process_{i}.log" for i in range(NUM_PROCESSES)]
     procs = []
     try:
         for i, log in enumerate(logs):
             with open(log, "w") as stream:
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), str(i), str(NUM_PROCESSES), str(port),
-                     str(out_dir)],
-                    env=env, stdout=stream, stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            str(WORKER),
+                            str(i),
+                            str(NUM_PROCESSES),
+                            str(port),
+                            str(out_dir),
+                        ],
+                        env=env,
+                        stdout=stream,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         deadline = time.monotonic() + TIMEOUT_S
         while True:
             codes = [p.poll() for p in procs]
@@ -73,8 +85,10 @@ def _run_workers_once(out_dir: pathlib.Path) -> list[str]:
             if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
                 break
             if time.monotonic() > deadline:
-                pytest.fail(f"the worker processes did not finish within {TIMEOUT_S}s:\n"
-                            + "\n".join(log.read_text()[-2000:] for log in logs))
+                pytest.fail(
+                    f"the worker processes did not finish within {TIMEOUT_S}s:\n"
+                    + "\n".join(log.read_text()[-2000:] for log in logs)
+                )
             time.sleep(0.05)
     finally:
         for proc in procs:  # only the processes started here, by pid
@@ -82,8 +96,11 @@ def _run_workers_once(out_dir: pathlib.Path) -> list[str]:
                 proc.kill()
                 proc.wait(timeout=10)
     texts = [log.read_text() for log in logs]
-    failed = [f"process {i} exited with {p.returncode}:\n{text[-3000:]}"
-              for i, (p, text) in enumerate(zip(procs, texts, strict=True)) if p.returncode != 0]
+    failed = [
+        f"process {i} exited with {p.returncode}:\n{text[-3000:]}"
+        for i, (p, text) in enumerate(zip(procs, texts, strict=True))
+        if p.returncode != 0
+    ]
     assert not failed, "\n".join(failed)
     return texts
 
@@ -93,8 +110,11 @@ def test_two_processes_equal_one_process(tmp_path):
     print("\n".join(f"process {i}:\n{log}" for i, log in enumerate(logs)))
     data = mc.make_batch(**mc.MULTIPROCESS_BATCH)
     cpu = jax.devices("cpu")[0]
-    reference = mc.to_numpy(jax.jit(functools.partial(mc.evaluate_all, **mc.MULTIPROCESS_CONFIGS))(
-        {k: jax.device_put(v, cpu) for k, v in data.items()}))
+    reference = mc.to_numpy(
+        jax.jit(functools.partial(mc.evaluate_all, **mc.MULTIPROCESS_CONFIGS))(
+            {k: jax.device_put(v, cpu) for k, v in data.items()}
+        )
+    )
     want = {
         name: value
         for keys, value in jax.tree_util.tree_leaves_with_path(reference)
@@ -120,7 +140,8 @@ def test_two_processes_equal_one_process(tmp_path):
     assert all(h.all() for h in held.values()), "some output shard came back from no process"
     for path in ("jit", "shard_map"):
         prefix = f"['{path}']"
-        assert {k[len(prefix):] for k in got if k.startswith(prefix)} == set(want)
+        assert {k[len(prefix) :] for k in got if k.startswith(prefix)} == set(want)
         for name, value in want.items():
-            np.testing.assert_allclose(got[prefix + name], value, rtol=mc.RTOL, atol=mc.ATOL,
-                                       err_msg=f"{path}{name}")
+            np.testing.assert_allclose(
+                got[prefix + name], value, rtol=mc.RTOL, atol=mc.ATOL, err_msg=f"{path}{name}"
+            )

@@ -19,17 +19,30 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 def test_notebook_runs(path, monkeypatch, tmp_path):
     monkeypatch.setenv("OPJ_NOTEBOOK_SMALL", "1")
     # The kernel is a child process: XLA:CPU without LLVM optimisation compiles ~3x faster.
-    monkeypatch.setenv("XLA_FLAGS", (os.environ.get("XLA_FLAGS", "")
-                                     + " --xla_backend_optimization_level=0").strip())
+    monkeypatch.setenv(
+        "XLA_FLAGS",
+        (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip(),
+    )
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()  # raises CellExecutionError on the first failing cell
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if "image/png" in o.get("data", {})]
+    images = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if "image/png" in o.get("data", {})
+    ]
     assert len(images) >= 4  # δ histogram, weights grid, masks, training curves
 
 

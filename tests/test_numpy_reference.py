@@ -62,9 +62,13 @@ def _load(case):
 
 def _close(got, want, case, key):
     tol = case.get("tolerance_overrides", {}).get(key, case["tolerance"])
-    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
-                               rtol=tol["rtol"], atol=tol["atol"],
-                               err_msg=f"{case['name']}: {key}")
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64),
+        np.asarray(want, np.float64),
+        rtol=tol["rtol"],
+        atol=tol["atol"],
+        err_msg=f"{case['name']}: {key}",
+    )
 
 
 def _loss_correction(case):
@@ -89,14 +93,15 @@ def test_correction_case(case):
     inp, data = _load(case)
     for reduction, tag in (("sequence", "seq"), ("token", "tok")):
         weights, mask_out, metrics = ref.correction(
-            inp["old_logp"], inp["rollout_logp"], inp["mask"], reduction=reduction,
-            **case["config"])
+            inp["old_logp"], inp["rollout_logp"], inp["mask"], reduction=reduction, **case["config"]
+        )
         assert weights.shape == mask_out.shape == np.shape(inp["mask"])
         assert np.all(np.isfinite(weights))
         if case["compare"]["weights"]:
             _close(weights, data["weights"], case, "weights")
-            np.testing.assert_array_equal(mask_out, data["mask_out"],
-                                          err_msg=f"{case['name']}: mask_out")
+            np.testing.assert_array_equal(
+                mask_out, data["mask_out"], err_msg=f"{case['name']}: mask_out"
+            )
         missing = set(case["compare"]["metrics"]) - set(metrics)
         assert not missing, f"{case['name']}: metrics not emitted: {sorted(missing)}"
         for key in case["compare"]["metrics"]:
@@ -112,8 +117,14 @@ def test_loss_case(case):
     inp, data = _load(case)
     cfg = {k: v for k, v in case["config"].items() if k != "correction"}
     loss, grad, metrics = ref.policy_loss(
-        inp["logp"], inp["old_logp"], inp["rollout_logp"], inp["advantages"], inp["mask"],
-        correction=_loss_correction(case), **cfg)
+        inp["logp"],
+        inp["old_logp"],
+        inp["rollout_logp"],
+        inp["advantages"],
+        inp["mask"],
+        correction=_loss_correction(case),
+        **cfg,
+    )
     assert np.all(np.isfinite(grad))
     if case["compare"]["loss"]:
         _close(loss, data["loss"], case, "loss")
@@ -153,16 +164,35 @@ _LOSS_CONFIGS = [
     dict(algorithm="ppo", clip_eps_high=0.28, dual_clip_c=3.0, aggregation="token_mean"),
     dict(algorithm="bypass_ppo", aggregation="sequence_sum"),
     dict(algorithm="decoupled_ppo", correction=("vanilla_tis", 0.0, 2.0)),
-    dict(algorithm="decoupled_ppo",
-         correction=dict(use_tis=True, tis_mode="mask", tis_lower_bound=0.7,
-                         tis_upper_bound=1.4, tis_batch_normalize=True),
-         rejected_in_denominator=True),
-    dict(algorithm="decoupled_ppo",
-         correction=dict(use_tis=True, tis_level="geometric", tis_mode="clip",
-                         tis_lower_bound=0.9, tis_upper_bound=1.1, use_rs=True,
-                         rs_level="sequence", rs_lower_bound=0.2, rs_upper_bound=5.0)),
-    dict(algorithm="reinforce_is",
-         correction=dict(use_tis=True, tis_mode="truncate", tis_upper_bound=1.5)),
+    dict(
+        algorithm="decoupled_ppo",
+        correction=dict(
+            use_tis=True,
+            tis_mode="mask",
+            tis_lower_bound=0.7,
+            tis_upper_bound=1.4,
+            tis_batch_normalize=True,
+        ),
+        rejected_in_denominator=True,
+    ),
+    dict(
+        algorithm="decoupled_ppo",
+        correction=dict(
+            use_tis=True,
+            tis_level="geometric",
+            tis_mode="clip",
+            tis_lower_bound=0.9,
+            tis_upper_bound=1.1,
+            use_rs=True,
+            rs_level="sequence",
+            rs_lower_bound=0.2,
+            rs_upper_bound=5.0,
+        ),
+    ),
+    dict(
+        algorithm="reinforce_is",
+        correction=dict(use_tis=True, tis_mode="truncate", tis_upper_bound=1.5),
+    ),
 ]
 
 
@@ -182,8 +212,9 @@ def test_analytic_gradient_matches_finite_differences(cfg, seed):
     if cfg["algorithm"] == "reinforce_is":
         # loss is linear in θ for fixed (stop-gradient) weights: loss(θ) = Σ grad·θ
         loss, _, _ = ref.policy_loss(theta64, old, roll, adv, mask, **kw)
-        np.testing.assert_allclose(loss, float(np.sum(grad * np.where(mask > 0, theta64, 0))),
-                                   rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(
+            loss, float(np.sum(grad * np.where(mask > 0, theta64, 0))), rtol=1e-9, atol=1e-12
+        )
         return
     h = 1e-6
 
@@ -213,11 +244,21 @@ def test_masked_garbage_never_leaks(seed):
     rng = np.random.default_rng(seed)
     theta, old, roll, adv, mask = _random_batch(rng)
     garbage = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30], np.float32)
-    dirty = [np.where(mask > 0, x, rng.choice(garbage, x.shape)).astype(np.float32)
-             for x in (theta, old, roll, adv)]
-    corr = dict(use_tis=True, tis_level="sequence", tis_mode="mask", tis_lower_bound=0.1,
-                tis_upper_bound=10.0, tis_batch_normalize=True, use_rs=True,
-                rs_level="geometric", rs_veto_threshold=1e-4)
+    dirty = [
+        np.where(mask > 0, x, rng.choice(garbage, x.shape)).astype(np.float32)
+        for x in (theta, old, roll, adv)
+    ]
+    corr = dict(
+        use_tis=True,
+        tis_level="sequence",
+        tis_mode="mask",
+        tis_lower_bound=0.1,
+        tis_upper_bound=10.0,
+        tis_batch_normalize=True,
+        use_rs=True,
+        rs_level="geometric",
+        rs_veto_threshold=1e-4,
+    )
     for red in ("sequence", "token"):
         clean_c = ref.correction(old, roll, mask, reduction=red, **corr)
         dirty_c = ref.correction(dirty[1], dirty[2], mask, reduction=red, **corr)
@@ -235,8 +276,15 @@ def test_masked_garbage_never_leaks(seed):
 def test_fractional_mask_equals_bool_for_zero_one():
     rng = np.random.default_rng(3)
     _, old, roll, _, mask = _random_batch(rng)
-    kw = dict(use_tis=True, tis_mode="clip", tis_lower_bound=0.8, tis_upper_bound=1.25,
-              tis_batch_normalize=True, use_rs=True, rs_level="geometric")
+    kw = dict(
+        use_tis=True,
+        tis_mode="clip",
+        tis_lower_bound=0.8,
+        tis_upper_bound=1.25,
+        tis_batch_normalize=True,
+        use_rs=True,
+        rs_level="geometric",
+    )
     a = ref.correction(old, roll, mask, **kw)
     b = ref.correction(old, roll, mask.astype(bool), **kw)
     np.testing.assert_array_equal(a[0], b[0])
@@ -249,13 +297,21 @@ def test_batch_normalisation_invariant():
     rng = np.random.default_rng(4)
     _, old, roll, _, mask = _random_batch(rng, spread=0.6)
     for level in ("token", "sequence", "geometric"):
-        w, m_out, met = ref.correction(old, roll, mask, use_tis=True, tis_level=level,
-                                       tis_mode="truncate", tis_upper_bound=3.0,
-                                       tis_batch_normalize=True)
+        w, m_out, met = ref.correction(
+            old,
+            roll,
+            mask,
+            use_tis=True,
+            tis_level=level,
+            tis_mode="truncate",
+            tis_upper_bound=3.0,
+            tis_batch_normalize=True,
+        )
         red = "token" if level == "token" else "sequence"
         assert ref.reduce_metric(w, m_out, red) == pytest.approx(1.0)
         assert met["mis_is_ratio_mean_final"] == pytest.approx(
-            ref.reduce_metric(w, m_out, "sequence"))
+            ref.reduce_metric(w, m_out, "sequence")
+        )
 
 
 def test_all_rejected_gives_zero_loss_and_gradient():
@@ -264,9 +320,21 @@ def test_all_rejected_gives_zero_loss_and_gradient():
     roll = old - 1.0  # every ratio e ≈ 2.7 > upper bound 1.05 → all rejected
     for agg in ref.AGGREGATIONS:
         loss, grad, met = ref.policy_loss(
-            theta, old, roll, adv, mask, algorithm="decoupled_ppo", aggregation=agg,
-            correction=dict(use_tis=True, tis_mode="mask", tis_lower_bound=0.95,
-                            tis_upper_bound=1.05, tis_batch_normalize=True))
+            theta,
+            old,
+            roll,
+            adv,
+            mask,
+            algorithm="decoupled_ppo",
+            aggregation=agg,
+            correction=dict(
+                use_tis=True,
+                tis_mode="mask",
+                tis_lower_bound=0.95,
+                tis_upper_bound=1.05,
+                tis_batch_normalize=True,
+            ),
+        )
         assert loss == 0.0 and not np.any(grad)
         assert met["mis_batch_norm_factor"] == 1.0
         assert met["mis_is_ratio_min_final"] == 0.0

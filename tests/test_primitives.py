@@ -17,16 +17,20 @@ MASK = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
 
 def test_log_ratio_is_zero_where_invalid():
-    out = ratios.log_ratio(jnp.array([1.0, jnp.nan]), jnp.array([0.5, 2.0]),
-                           jnp.array([True, False]))
+    out = ratios.log_ratio(
+        jnp.array([1.0, jnp.nan]), jnp.array([0.5, 2.0]), jnp.array([True, False])
+    )
     np.testing.assert_array_equal(out, [0.5, 0.0])
 
 
-@pytest.mark.parametrize("level, want", [
-    ("token", [[0.5, -1.0, 0.0], [0.25, 0.0, 0.0]]),
-    ("sequence", [[-0.5], [0.25]]),  # one value per sequence, broadcastable to [B, T]
-    ("geometric", [[-0.25], [0.25]]),
-])
+@pytest.mark.parametrize(
+    "level, want",
+    [
+        ("token", [[0.5, -1.0, 0.0], [0.25, 0.0, 0.0]]),
+        ("sequence", [[-0.5], [0.25]]),  # one value per sequence, broadcastable to [B, T]
+        ("geometric", [[-0.25], [0.25]]),
+    ],
+)
 def test_aggregate_level(level, want):
     delta = jnp.where(MASK > 0, DELTA, 0.0)
     out = ratios.aggregate_level(delta, MASK, level)
@@ -58,7 +62,8 @@ def test_bounds_modes():
 def test_rejection_keep_inclusive():
     np.testing.assert_array_equal(
         rejection.rejection_keep(jnp.array([0.49, 0.5, 2.0, 2.01]), 0.5, 2.0),
-        [False, True, True, False])
+        [False, True, True, False],
+    )
 
 
 def test_veto_is_strict_and_ignores_masked_tokens():
@@ -108,7 +113,8 @@ def test_mean_parts_pool_exactly():
     for reduction in ("sequence", "token"):
         whole = _reduce.mean_parts(x, m, reduction, MeshAxes())
         halves = _reduce.mean_parts(x[:2], m[:2], reduction, MeshAxes()) + _reduce.mean_parts(
-            x[2:], m[2:], reduction, MeshAxes())
+            x[2:], m[2:], reduction, MeshAxes()
+        )
         assert float(halves.value()) == float(whole.value())
     assert float(MeanParts(jnp.float32(3.0), jnp.float32(0.0)).value()) == 0.0
 

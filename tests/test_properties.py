@@ -21,15 +21,22 @@ def _args(batch):
 
 def _without_garbage(batch):
     mask = batch["mask"] > 0
-    return {k: (np.where(mask, v, 0.0).astype(np.float32)
-                if k in ("old_logp", "rollout_logp") else v)
-            for k, v in batch.items()}
+    return {
+        k: (np.where(mask, v, 0.0).astype(np.float32) if k in ("old_logp", "rollout_logp") else v)
+        for k, v in batch.items()
+    }
 
 
 def _assert_same(a, b, *, exact=True):
-    check = np.testing.assert_array_equal if exact else (
-        lambda x, y, err_msg="": np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7,
-                                                            err_msg=err_msg))
+    check = (
+        np.testing.assert_array_equal
+        if exact
+        else (
+            lambda x, y, err_msg="": np.testing.assert_allclose(
+                x, y, rtol=1e-6, atol=1e-7, err_msg=err_msg
+            )
+        )
+    )
     check(np.asarray(a.weights), np.asarray(b.weights))
     check(np.asarray(a.mask), np.asarray(b.mask))
     assert a.metrics.keys() == b.metrics.keys()
@@ -44,24 +51,28 @@ def test_garbage_at_masked_positions_changes_nothing(batch, config, reduction):
     _assert_same(dirty, clean)
 
 
-@given(batch=ragged_batches(holes=False),
-       config=st.sampled_from([c for c in ALL_CORRECTION_CONFIGS if not c.tis_batch_normalize]))
+@given(
+    batch=ragged_batches(holes=False),
+    config=st.sampled_from([c for c in ALL_CORRECTION_CONFIGS if not c.tis_batch_normalize]),
+)
 def test_padded_ragged_batch_equals_sequences_one_by_one(batch, config):
     res = correct(*_args(batch), config=config, reduction="sequence")
     per_seq_ppl = []
     for row, length in enumerate(batch["lengths"]):
         if length == 0:
             continue
-        alone = correct(*(x[row, :length] for x in _args(batch)), config=config,
-                        reduction="sequence")
+        alone = correct(
+            *(x[row, :length] for x in _args(batch)), config=config, reduction="sequence"
+        )
         np.testing.assert_allclose(np.asarray(res.weights)[row, :length], alone.weights, rtol=1e-6)
         np.testing.assert_array_equal(np.asarray(res.mask)[row, :length], alone.mask)
         np.testing.assert_array_equal(np.asarray(res.weights)[row, length:], 0)
         per_seq_ppl.append(float(alone.metrics["mis_training_log_ppl"]))
     # The "sequence" reduction is the plain mean of the per-sequence values.
     want = np.mean(per_seq_ppl) if per_seq_ppl else 0.0
-    np.testing.assert_allclose(float(res.metrics["mis_training_log_ppl"]), want, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        float(res.metrics["mis_training_log_ppl"]), want, rtol=1e-5, atol=1e-6
+    )
 
 
 @settings(max_examples=10)
@@ -72,19 +83,25 @@ def test_jit_equals_eager(batch, config, reduction):
 
 
 @settings(max_examples=10)
-@given(batches=st.lists(ragged_batches(), min_size=3, max_size=3), config=correction_configs,
-       reduction=reductions)
+@given(
+    batches=st.lists(ragged_batches(), min_size=3, max_size=3),
+    config=correction_configs,
+    reduction=reductions,
+)
 def test_vmap_over_leading_axis_equals_loop(batches, config, reduction):
     stacked = [np.stack(xs) for xs in zip(*(_args(b) for b in batches), strict=True)]
-    mapped = jax.jit(jax.vmap(
-        lambda o, b, m: opj.compute_correction(o, b, m, config, reduction=reduction)))(*stacked)
+    mapped = jax.jit(
+        jax.vmap(lambda o, b, m: opj.compute_correction(o, b, m, config, reduction=reduction))
+    )(*stacked)
     for i, batch in enumerate(batches):
         one = correct(*_args(batch), config=config, reduction=reduction)
         _assert_same(jax.tree.map(lambda x, i=i: x[i], mapped), one, exact=False)
 
 
-@given(batch=ragged_batches(),
-       config=st.sampled_from([c for c in ALL_CORRECTION_CONFIGS if c.tis_batch_normalize]))
+@given(
+    batch=ragged_batches(),
+    config=st.sampled_from([c for c in ALL_CORRECTION_CONFIGS if c.tis_batch_normalize]),
+)
 def test_batch_normalised_mean_weight_is_one(batch, config):
     res = correct(*_args(batch), config=config)
     w, m = np.asarray(res.weights, np.float64), np.asarray(res.mask, np.float64)
@@ -100,9 +117,12 @@ def test_batch_normalised_mean_weight_is_one(batch, config):
     np.testing.assert_allclose(mean, 1.0, rtol=1e-5)
 
 
-@given(batch=ragged_batches(),
-       config=st.sampled_from([c for c in ALL_CORRECTION_CONFIGS
-                               if c.use_tis and not c.tis_batch_normalize]))
+@given(
+    batch=ragged_batches(),
+    config=st.sampled_from(
+        [c for c in ALL_CORRECTION_CONFIGS if c.use_tis and not c.tis_batch_normalize]
+    ),
+)
 def test_bounded_weights_stay_within_bounds(batch, config):
     res = correct(*_args(batch), config=config)
     kept = np.asarray(res.mask) > 0
@@ -125,8 +145,11 @@ def test_weights_zero_where_mask_zero_and_everything_finite(batch, config, reduc
 
 
 @settings(max_examples=10)
-@given(batch=ragged_batches(), config=correction_configs,
-       dtype=st.sampled_from([jnp.bfloat16, jnp.float16]))
+@given(
+    batch=ragged_batches(),
+    config=correction_configs,
+    dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
+)
 def test_low_precision_inputs_give_float32_outputs(batch, config, dtype):
     old, rollout, mask = _args(_without_garbage(batch))
     res = correct(jnp.asarray(old, dtype), jnp.asarray(rollout, dtype), mask, config=config)
@@ -135,8 +158,12 @@ def test_low_precision_inputs_give_float32_outputs(batch, config, dtype):
 
 
 @settings(max_examples=15)
-@given(a=ragged_batches(), b=ragged_batches(batch=3, max_len=4), config=correction_configs,
-       reduction=reductions)
+@given(
+    a=ragged_batches(),
+    b=ragged_batches(batch=3, max_len=4),
+    config=correction_configs,
+    reduction=reductions,
+)
 def test_metric_keys_depend_only_on_config(a, b, config, reduction):
     keys_a = correct(*_args(a), config=config, reduction=reduction).metrics.keys()
     keys_b = correct(*_args(b), config=config, reduction=reduction).metrics.keys()

@@ -34,8 +34,9 @@ def test_every_token_rejected_crash_or_nan():
     logp, old, rollout, adv, mask = _batch()
     rollout = old + 3.0  # every ratio e^-3: outside [0.5, 2], all rejected
     for aggregation in ("sequence_mean", "token_mean", "sequence_sum"):
-        config = opj.LossConfig(algorithm="decoupled_ppo", correction=MASK_MODE,
-                                aggregation=aggregation)
+        config = opj.LossConfig(
+            algorithm="decoupled_ppo", correction=MASK_MODE, aggregation=aggregation
+        )
         (loss, metrics), grad = jax.jit(_value_and_grad(config, old, rollout, adv, mask))(logp)
         assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0)
         assert all(np.isfinite(float(v)) for v in metrics.values())
@@ -61,29 +62,36 @@ def test_is_weight_carries_gradient_in_bypass_or_reinforce_mode(algorithm):
     np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("mode, key", [("truncate", "mis_tis_truncate_fraction"),
-                                       ("clip", "mis_tis_clip_fraction_high")])
+@pytest.mark.parametrize(
+    "mode, key", [("truncate", "mis_tis_truncate_fraction"), ("clip", "mis_tis_clip_fraction_high")]
+)
 def test_exceedance_fraction_computed_from_already_clamped_weights(mode, key):
     old = np.array([[np.log(4.0), 0.0, 0.0, 0.0]], np.float32)  # one ratio of 4 > U = 2
-    res = opj.compute_correction(old, np.zeros_like(old), np.ones_like(old),
-                                 opj.CorrectionConfig(use_tis=True, tis_mode=mode),
-                                 reduction="token")
+    res = opj.compute_correction(
+        old,
+        np.zeros_like(old),
+        np.ones_like(old),
+        opj.CorrectionConfig(use_tis=True, tis_mode=mode),
+        reduction="token",
+    )
     assert float(res.metrics[key]) == 0.25  # from the raw ratios, not min(ρ, U) (always 0)
     assert float(np.asarray(res.weights).max()) == 2.0
 
 
 def test_fully_masked_sequences_counted_in_a_denominator():
     logp, old, rollout, adv, mask = _batch()
-    padded = [np.concatenate([x, np.full((3, 8), np.nan, np.float32)])
-              for x in (logp, old, rollout, adv)]
+    padded = [
+        np.concatenate([x, np.full((3, 8), np.nan, np.float32)]) for x in (logp, old, rollout, adv)
+    ]
     padded_mask = np.concatenate([mask, np.zeros((3, 8), np.float32)])
     config = opj.LossConfig(algorithm="decoupled_ppo", correction=MASK_MODE)
     loss, metrics = opj.policy_loss(logp, old, rollout, adv, mask, config)
     loss_p, metrics_p = opj.policy_loss(*padded, padded_mask, config)
     np.testing.assert_allclose(float(loss_p), float(loss), rtol=1e-6)
     for key in metrics:
-        np.testing.assert_allclose(float(metrics_p[key]), float(metrics[key]), rtol=1e-6,
-                                   err_msg=key)
+        np.testing.assert_allclose(
+            float(metrics_p[key]), float(metrics[key]), rtol=1e-6, err_msg=key
+        )
 
 
 def test_nan_rollout_logprobs_turn_the_loss_into_nan():
@@ -99,13 +107,17 @@ def test_nan_rollout_logprobs_turn_the_loss_into_nan():
         assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
-@pytest.mark.parametrize("config", [
-    opj.LossConfig(algorithm="decoupled_ppo", correction=MASK_MODE),
-    opj.LossConfig(algorithm="decoupled_ppo", correction=opj.VanillaTIS()),
-    opj.LossConfig(algorithm="bypass_ppo"),
-    opj.LossConfig(algorithm="reinforce_is", correction=MASK_MODE),
-    opj.LossConfig(algorithm="ppo", get_mismatch_metrics=True),
-], ids=lambda c: f"{c.algorithm}-{type(c.correction).__name__}")
+@pytest.mark.parametrize(
+    "config",
+    [
+        opj.LossConfig(algorithm="decoupled_ppo", correction=MASK_MODE),
+        opj.LossConfig(algorithm="decoupled_ppo", correction=opj.VanillaTIS()),
+        opj.LossConfig(algorithm="bypass_ppo"),
+        opj.LossConfig(algorithm="reinforce_is", correction=MASK_MODE),
+        opj.LossConfig(algorithm="ppo", get_mismatch_metrics=True),
+    ],
+    ids=lambda c: f"{c.algorithm}-{type(c.correction).__name__}",
+)
 def test_correction_silently_does_nothing_without_rollout_logprobs(config):
     logp, old, _, adv, mask = _batch()
     with pytest.raises(ValueError, match="rollout_logp is required"):
@@ -128,8 +140,9 @@ def test_per_micro_batch_normalisation_biases_the_pooled_loss():
     logp, old, rollout, adv, mask = _batch()
     rollout[:2] -= 0.5  # the first micro-batch has larger ratios than the second
     correction = opj.CorrectionConfig(use_tis=True, tis_upper_bound=3.0, tis_batch_normalize=True)
-    config = opj.LossConfig(algorithm="decoupled_ppo", correction=correction,
-                            aggregation="token_mean")
+    config = opj.LossConfig(
+        algorithm="decoupled_ppo", correction=correction, aggregation="token_mean"
+    )
     full = float(opj.policy_loss(logp, old, rollout, adv, mask, config)[0])
     halves = (slice(0, 2), slice(2, 4))
 
@@ -140,8 +153,15 @@ def test_per_micro_batch_normalisation_biases_the_pooled_loss():
             if precompute:
                 whole = opj.compute_correction(old, rollout, mask, correction)
                 result = opj.CorrectionResult(whole.weights[rows], whole.mask[rows], {})
-            parts, _ = opj.policy_loss_parts(logp[rows], old[rows], rollout[rows], adv[rows],
-                                             mask[rows], config, correction_result=result)
+            parts, _ = opj.policy_loss_parts(
+                logp[rows],
+                old[rows],
+                rollout[rows],
+                adv[rows],
+                mask[rows],
+                config,
+                correction_result=result,
+            )
             total = parts if total is None else jax.tree.map(jnp.add, total, parts)
         return float(total.value())
 
@@ -169,12 +189,30 @@ def test_sequence_product_weight_collapses_on_long_sequences():
     rng = np.random.default_rng(0)
     delta = (-0.01 + 0.002 * rng.standard_normal((1, length))).astype(np.float32)  # Σδ ≈ −41
     old, rollout, mask = delta, np.zeros_like(delta), np.ones_like(delta)
-    product = opj.compute_correction(old, rollout, mask, opj.CorrectionConfig(
-        use_tis=True, tis_level="sequence", tis_mode="clip", tis_lower_bound=1e-30,
-        tis_upper_bound=2.0))
-    geometric = opj.compute_correction(old, rollout, mask, opj.CorrectionConfig(
-        use_tis=True, tis_level="geometric", tis_mode="clip", tis_lower_bound=0.5,
-        tis_upper_bound=2.0))
+    product = opj.compute_correction(
+        old,
+        rollout,
+        mask,
+        opj.CorrectionConfig(
+            use_tis=True,
+            tis_level="sequence",
+            tis_mode="clip",
+            tis_lower_bound=1e-30,
+            tis_upper_bound=2.0,
+        ),
+    )
+    geometric = opj.compute_correction(
+        old,
+        rollout,
+        mask,
+        opj.CorrectionConfig(
+            use_tis=True,
+            tis_level="geometric",
+            tis_mode="clip",
+            tis_lower_bound=0.5,
+            tis_upper_bound=2.0,
+        ),
+    )
     assert float(product.weights[0, 0]) <= np.exp(-20.0) * 1.0001  # collapsed to the e^-20 floor
     np.testing.assert_allclose(float(geometric.weights[0, 0]), np.exp(delta.mean()), rtol=1e-4)
     assert 0.9 < float(geometric.weights[0, 0]) < 1.0  # O(1)

@@ -99,8 +99,9 @@ def test_gradient_matches_plain_sums():
         return jnp.sum(scale * a + b**2 + m)
 
     np.testing.assert_allclose(jax.grad(fused)(x), jax.grad(plain)(x), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(jax.jit(jax.grad(fused))(x), jax.grad(plain)(x), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(fused))(x), jax.grad(plain)(x), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_vmap():
@@ -144,20 +145,33 @@ def test_fast_path_policy_loss_matches_numpy_reference(level):
     rng = np.random.default_rng(7)
     logp, old, rollout, adv, mask = _ragged(rng, 64, 256)
     correction = opj.CorrectionConfig(
-        use_tis=True, tis_level=level, tis_mode="truncate", tis_lower_bound=0.5,
-        tis_upper_bound=2.0, tis_batch_normalize=True, use_rs=True, rs_level="token",
+        use_tis=True,
+        tis_level=level,
+        tis_mode="truncate",
+        tis_lower_bound=0.5,
+        tis_upper_bound=2.0,
+        tis_batch_normalize=True,
+        use_rs=True,
+        rs_level="token",
         rs_veto_threshold=1e-4,
     )
-    config = opj.LossConfig(algorithm="decoupled_ppo", correction=correction,
-                            get_mismatch_metrics=True)
+    config = opj.LossConfig(
+        algorithm="decoupled_ppo", correction=correction, get_mismatch_metrics=True
+    )
 
     def loss(lp):
         return opj.policy_loss(lp, old, rollout, adv, mask, config)
 
     (value, metrics), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(logp)
     want_value, want_grad, want_metrics = ref.policy_loss(
-        logp, old, rollout, adv, mask, algorithm="decoupled_ppo",
-        correction=correction.to_dict(), get_mismatch_metrics=True,
+        logp,
+        old,
+        rollout,
+        adv,
+        mask,
+        algorithm="decoupled_ppo",
+        correction=correction.to_dict(),
+        get_mismatch_metrics=True,
     )
     np.testing.assert_allclose(value, want_value, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-6)
@@ -170,8 +184,12 @@ def test_custom_derivatives_keep_forward_mode_and_second_order():
     """seq_reduce and the PPO surrogate define their derivatives; jvp, grad and HVP agree."""
     rng = np.random.default_rng(3)
     logp, old, rollout, adv, mask = _ragged(rng, 8, 64)
-    config = opj.LossConfig(algorithm="decoupled_ppo", correction=opj.CorrectionConfig(
-        use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True))
+    config = opj.LossConfig(
+        algorithm="decoupled_ppo",
+        correction=opj.CorrectionConfig(
+            use_tis=True, use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True
+        ),
+    )
 
     def loss(lp):
         return opj.policy_loss(lp, old, rollout, adv, mask, config)[0]

@@ -44,8 +44,7 @@ def _cpu_devices():
 
 
 def _mesh(shape, names, axis_type):
-    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names),
-                         devices=_cpu_devices())
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names), devices=_cpu_devices())
 
 
 def _put(mesh, token_spec, keys=None):
@@ -120,23 +119,41 @@ def test_jit_named_sharding_matches_unsharded(spec_name, axis_type, reference):
 SHARD_MAP_LAYOUTS = {
     # data + context parallelism, MeshAxes.
     "data2_seq4": (
-        (2, 4), ("data", "seq"), AxisType.Explicit, P("data", "seq"),
-        opj.MeshAxes(batch="data", token="seq"), "full",
+        (2, 4),
+        ("data", "seq"),
+        AxisType.Explicit,
+        P("data", "seq"),
+        opj.MeshAxes(batch="data", token="seq"),
+        "full",
     ),
     # Two data-parallel axes and a token axis, mapping form.
     "data_fsdp_seq": (
-        (2, 2, 2), ("data", "fsdp", "seq"), AxisType.Auto, P(("data", "fsdp"), "seq"),
-        {"batch": ("data", "fsdp"), "token": "seq"}, "core",
+        (2, 2, 2),
+        ("data", "fsdp", "seq"),
+        AxisType.Auto,
+        P(("data", "fsdp"), "seq"),
+        {"batch": ("data", "fsdp"), "token": "seq"},
+        "core",
     ),
     # Pure context parallelism over 8 shards of 2 tokens: several shards hold only
     # padding, one holds a lone catastrophic token of a sequence that starts elsewhere.
     "seq8": (
-        (8,), ("seq",), AxisType.Explicit, P(None, "seq"), opj.MeshAxes(token="seq"), "full",
+        (8,),
+        ("seq",),
+        AxisType.Explicit,
+        P(None, "seq"),
+        opj.MeshAxes(token="seq"),
+        "full",
     ),
     # Data parallelism only, a plain axis-name string; the "model" axis is not used
     # by the inputs (they are replicated over it).
     "data4_model2": (
-        (4, 2), ("data", "model"), AxisType.Auto, P("data"), "data", "core",
+        (4, 2),
+        ("data", "model"),
+        AxisType.Auto,
+        P("data"),
+        "data",
+        "core",
     ),
 }
 
@@ -155,14 +172,16 @@ def test_shard_map_matches_unsharded(layout, reference):
         out_specs = mc.output_specs(jax.eval_shape(evaluate, arrays), spec)
         # check_vma (the default) proves every scalar output is invariant over the
         # mesh, i.e. really combined across shards, before any number is compared.
-        fn = _shard_mapped(functools.partial(evaluate, axis_names=axis_names),
-                           mesh, (specs,), out_specs)
+        fn = _shard_mapped(
+            functools.partial(evaluate, axis_names=axis_names), mesh, (specs,), out_specs
+        )
         out = fn(arrays)
     _assert_matches(out, reference)
 
 
-SMALL_LOSSES = {k: mc.LOSSES[k] for k in ("decoupled_sequence_rejected_in_den",
-                                          "reinforce_is_geometric")}
+SMALL_LOSSES = {
+    k: mc.LOSSES[k] for k in ("decoupled_sequence_rejected_in_den", "reinforce_is_geometric")
+}
 
 
 def test_gradient_taken_outside_shard_map():
@@ -179,20 +198,25 @@ def test_gradient_taken_outside_shard_map():
 
         def loss_fn(logp, rollout, adv, mask, *maybe_old, axis_names=None, config=config):
             old_logp = maybe_old[0] if maybe_old else None
-            return opj.policy_loss(logp, old_logp, rollout, adv, mask, config,
-                                   axis_names=axis_names)[0]
+            return opj.policy_loss(
+                logp, old_logp, rollout, adv, mask, config, axis_names=axis_names
+            )[0]
 
         want_loss, want_grad = jax.jit(jax.value_and_grad(loss_fn))(*(real[k] for k in keys))
         with jax.set_mesh(mesh):
             arrays, specs = _put(mesh, spec, keys)
             sharded_loss = jax.shard_map(
-                functools.partial(loss_fn, axis_names=axes), mesh=mesh,
-                in_specs=tuple(specs[k] for k in keys), out_specs=P())
+                functools.partial(loss_fn, axis_names=axes),
+                mesh=mesh,
+                in_specs=tuple(specs[k] for k in keys),
+                out_specs=P(),
+            )
             loss, grad = jax.jit(jax.value_and_grad(sharded_loss))(*(arrays[k] for k in keys))
         grad = np.array(grad)
         np.testing.assert_allclose(loss, want_loss, rtol=mc.RTOL, atol=mc.ATOL, err_msg=name)
-        np.testing.assert_allclose(grad[: mc.REAL_B, : mc.REAL_T], want_grad,
-                                   rtol=mc.RTOL, atol=mc.ATOL, err_msg=name)
+        np.testing.assert_allclose(
+            grad[: mc.REAL_B, : mc.REAL_T], want_grad, rtol=mc.RTOL, atol=mc.ATOL, err_msg=name
+        )
         grad[: mc.REAL_B, : mc.REAL_T] = 0
         assert not np.any(grad), f"{name}: gradient leaks into the padding"
 
@@ -218,8 +242,11 @@ def test_mean_of_shard_means_is_not_the_answer(reference):
     want = reference[f"loss/{name}"]
     naive_loss = float(jnp.mean(out.pop("loss")))
     assert not np.isclose(naive_loss, want["loss"], rtol=1e-3)
-    differing = [k for k, v in out.items()
-                 if not np.isclose(float(jnp.mean(v)), want["metrics"][k], rtol=1e-3, atol=1e-5)]
+    differing = [
+        k
+        for k, v in out.items()
+        if not np.isclose(float(jnp.mean(v)), want["metrics"][k], rtol=1e-3, atol=1e-5)
+    ]
     assert len(differing) >= len(out) // 2, differing
 
 
@@ -233,10 +260,19 @@ def test_correction_result_reused_under_shard_map(reference):
     config, _ = mc.LOSSES[name]
 
     def fn(a):
-        res = opj.compute_correction(a["old"], a["rollout"], a["mask"], config.correction,
-                                     axis_names=axes)
-        return opj.policy_loss(a["logp"], a["old"], a["rollout"], a["adv_seq"], a["mask"],
-                               config, axis_names=axes, correction_result=res)[0]
+        res = opj.compute_correction(
+            a["old"], a["rollout"], a["mask"], config.correction, axis_names=axes
+        )
+        return opj.policy_loss(
+            a["logp"],
+            a["old"],
+            a["rollout"],
+            a["adv_seq"],
+            a["mask"],
+            config,
+            axis_names=axes,
+            correction_result=res,
+        )[0]
 
     with jax.set_mesh(mesh):
         arrays, specs = _put(mesh, spec)
@@ -256,9 +292,12 @@ def test_axis_names_naming_a_replicated_axis_raises():
 
         def call(axis_names):
             fn = jax.shard_map(
-                lambda o, b, m: opj.compute_correction(
-                    o, b, m, config, axis_names=axis_names).weights,
-                in_specs=(P("data"),) * 3, out_specs=P("data"))
+                lambda o, b, m: (
+                    opj.compute_correction(o, b, m, config, axis_names=axis_names).weights
+                ),
+                in_specs=(P("data"),) * 3,
+                out_specs=P("data"),
+            )
             return jax.jit(fn)(*args)
 
         np.testing.assert_array_equal(np.asarray(call("data")), 1.0)

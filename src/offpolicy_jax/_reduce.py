@@ -281,9 +281,7 @@ def _fused_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[
     size = -(-len(values) // n_groups)
     out: list[jax.Array] = []
     for start in range(0, len(values), size):
-        out += _grouped_reduce(
-            ops[start : start + size], values[start : start + size], split.spec
-        )
+        out += _grouped_reduce(ops[start : start + size], values[start : start + size], split.spec)
     return tuple(out)
 
 

@@ -107,8 +107,7 @@ def _load_yaml_mapping(source: str | os.PathLike[str], owner: str) -> dict[str, 
     data = yaml.safe_load(text)
     if not isinstance(data, dict):
         raise ValueError(
-            f"{owner} YAML {origin} must be a mapping of keys to values, "
-            f"got {type(data).__name__}"
+            f"{owner} YAML {origin} must be a mapping of keys to values, got {type(data).__name__}"
         )
     return data
 
@@ -160,8 +159,10 @@ class CorrectionConfig:
         set_("tis_level", _check_choice(owner, "tis_level", self.tis_level, LEVELS))
         set_("tis_mode", _check_choice(owner, "tis_mode", self.tis_mode, MODES))
         set_("rs_level", _check_choice(owner, "rs_level", self.rs_level, LEVELS))
-        set_("tis_upper_bound",
-             _check_number(owner, "tis_upper_bound", self.tis_upper_bound, optional=False))
+        set_(
+            "tis_upper_bound",
+            _check_number(owner, "tis_upper_bound", self.tis_upper_bound, optional=False),
+        )
         for key in ("tis_lower_bound", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold"):
             set_(key, _check_number(owner, key, getattr(self, key), optional=True))
         for key in ("tis_upper_bound", "tis_lower_bound", "rs_veto_threshold"):
@@ -392,7 +393,8 @@ class LossConfig:
         A YAML that contradicts the flags raises ``ValueError``.
         """
         use_rollout_logprobs = _check_bool(
-            "from_flags", "use_rollout_logprobs", use_rollout_logprobs)
+            "from_flags", "use_rollout_logprobs", use_rollout_logprobs
+        )
         use_tis = _check_bool("from_flags", "use_tis", use_tis)
         if "algorithm" in other_fields or "correction" in other_fields:
             raise ValueError(

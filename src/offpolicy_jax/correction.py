@@ -209,7 +209,10 @@ def correction_parts(
     means.update(
         metrics.weight_stats(
             after_tis_rs._replace(numerator=after_tis_rs.numerator / norm_factor),
-            low / norm_factor, high / norm_factor, n_final, reduction,
+            low / norm_factor,
+            high / norm_factor,
+            n_final,
+            reduction,
         )
     )
     parts: dict[str, MeanParts | jax.Array] = dict(_reduce.batch_means(means, axes))
@@ -257,9 +260,7 @@ def compute_correction(
       float32 scalar ``metrics``.
     """
     if not isinstance(config, CorrectionConfig):
-        raise TypeError(
-            f"config must be a CorrectionConfig, got {type(config).__name__}"
-        )
+        raise TypeError(f"config must be a CorrectionConfig, got {type(config).__name__}")
     _check_reduction(reduction)
     axes = _reduce.as_mesh_axes(axis_names)
     old = jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))

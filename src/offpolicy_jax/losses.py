@@ -127,7 +127,8 @@ def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
     # ratio denominator must carry no gradient into them.
     old = None if old_logp is None else jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))
     rollout = (
-        None if rollout_logp is None
+        None
+        if rollout_logp is None
         else jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
     )
     weights_mask = as_float_mask("mask", mask)
@@ -162,8 +163,13 @@ def _correct(config, old, rollout, mask, reduction, axes, precomputed):
     if isinstance(correction, VanillaTIS):
         finite = rejection.finite_sequences(mask, old, rollout, axes=axes)
         weights, parts = vanilla_tis(
-            old, rollout, mask, clip_low=correction.clip_low, clip=correction.clip,
-            reduction=reduction, axes=axes,
+            old,
+            rollout,
+            mask,
+            clip_low=correction.clip_low,
+            clip=correction.clip,
+            reduction=reduction,
+            axes=axes,
         )
         return weights, jnp.where(finite, mask, 0.0), parts
     result = correction(old, rollout, mask, reduction=reduction, axis_names=axes)
@@ -249,8 +255,12 @@ def policy_loss_parts(
     else:
         denominator = rollout if algorithm == "bypass_ppo" else old
         terms = ppo_surrogate(
-            theta, denominator, adv, valid,
-            clip_eps=config.clip_eps, clip_eps_high=config.upper_clip_eps,
+            theta,
+            denominator,
+            adv,
+            valid,
+            clip_eps=config.clip_eps,
+            clip_eps_high=config.upper_clip_eps,
             dual_clip_c=config.dual_clip_c,
         )
         per_token = terms.loss if weights is None else jnp.where(kept, weights, 0.0) * terms.loss
@@ -317,7 +327,13 @@ def policy_loss(
       is left to train on) and a dict of float32 scalar metrics.
     """
     loss, parts = policy_loss_parts(
-        logp, old_logp, rollout_logp, advantages, mask, config,
-        axis_names=axis_names, correction_result=correction_result,
+        logp,
+        old_logp,
+        rollout_logp,
+        advantages,
+        mask,
+        config,
+        axis_names=axis_names,
+        correction_result=correction_result,
     )
     return loss.value().astype(jnp.float32), metrics.finalize(parts)

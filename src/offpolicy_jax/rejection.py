@@ -68,9 +68,7 @@ def nonfinite_tokens(*logps: jax.Array) -> jax.Array:
     return bad
 
 
-def finite_sequences(
-    mask: jax.Array, *logps: jax.Array, axes: MeshAxes = MeshAxes()
-) -> jax.Array:
+def finite_sequences(mask: jax.Array, *logps: jax.Array, axes: MeshAxes = MeshAxes()) -> jax.Array:
     """``[..., 1]`` bool: True for sequences whose log-probs are finite at every valid token.
 
     Args:

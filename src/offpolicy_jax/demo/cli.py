@@ -26,6 +26,7 @@ def _fail(message: str, status: int = 2):
 
 def _typed(convert, ok, expected: str):
     """An argparse ``type``: ``convert(text)``, rejected unless ``ok(value)``."""
+
     def parse(text: str):
         try:
             value = convert(text)
@@ -34,6 +35,7 @@ def _typed(convert, ok, expected: str):
         if not ok(value):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
         return value
+
     return parse
 
 
@@ -49,34 +51,62 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="offpolicy-jax command line.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     demo = sub.add_parser(
-        "demo", help="train a small RL policy under a training-inference mismatch, once "
-                     "per algorithm, and compare",
+        "demo",
+        help="train a small RL policy under a training-inference mismatch, once "
+        "per algorithm, and compare",
         description="Train a tiny Flax NNX transformer with GRPO on a digit-reversal task. A "
-                    "separate rollout engine samples with different numerics than the "
-                    "trainer; every algorithm is trained on the same seeds, and a table, a "
-                    "plot and per-step logs are written to --out.")
-    demo.add_argument("--out", default="demo_out", metavar="DIR",
-                      help="output directory (created; default: demo_out)")
-    demo.add_argument("--steps", type=_positive_int, default=None,
-                      help="training steps per run (default 300)")
-    demo.add_argument("--seeds", type=_positive_int, default=None,
-                      help="seeds per algorithm (default 3)")
-    demo.add_argument("--algorithms", default=None, metavar="LIST",
-                      help="comma-separated subset of: " + ", ".join(ALGORITHMS)
-                           + " (default: all)")
-    demo.add_argument("--mismatch", default="stale", choices=MISMATCH_SOURCES,
-                      help="source of the mismatch (default: stale)")
-    demo.add_argument("--severity", type=_severity, default=None,
-                      help="how strong the mismatch is, 0 = none: precision = 8 − mantissa "
-                           "bits kept (1 = bfloat16), stale = optimizer updates behind, "
-                           "sampling = temperature 1 + 0.25·s and top-p 1 − 0.05·s (default: "
-                           + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_SEVERITY.items()) + ")")
-    demo.add_argument("--threshold", type=_fraction, default=0.9,
-                      help="reward threshold for the steps-to-threshold column (default 0.9)")
-    demo.add_argument("--lr", type=_positive, default=None,
-                      help="Adam learning rate (default 1e-3)")
-    demo.add_argument("--tiny", action="store_true",
-                      help="a seconds-long smoke run (small model and batch, few steps)")
+        "separate rollout engine samples with different numerics than the "
+        "trainer; every algorithm is trained on the same seeds, and a table, a "
+        "plot and per-step logs are written to --out.",
+    )
+    demo.add_argument(
+        "--out",
+        default="demo_out",
+        metavar="DIR",
+        help="output directory (created; default: demo_out)",
+    )
+    demo.add_argument(
+        "--steps", type=_positive_int, default=None, help="training steps per run (default 300)"
+    )
+    demo.add_argument(
+        "--seeds", type=_positive_int, default=None, help="seeds per algorithm (default 3)"
+    )
+    demo.add_argument(
+        "--algorithms",
+        default=None,
+        metavar="LIST",
+        help="comma-separated subset of: " + ", ".join(ALGORITHMS) + " (default: all)",
+    )
+    demo.add_argument(
+        "--mismatch",
+        default="stale",
+        choices=MISMATCH_SOURCES,
+        help="source of the mismatch (default: stale)",
+    )
+    demo.add_argument(
+        "--severity",
+        type=_severity,
+        default=None,
+        help="how strong the mismatch is, 0 = none: precision = 8 − mantissa "
+        "bits kept (1 = bfloat16), stale = optimizer updates behind, "
+        "sampling = temperature 1 + 0.25·s and top-p 1 − 0.05·s (default: "
+        + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_SEVERITY.items())
+        + ")",
+    )
+    demo.add_argument(
+        "--threshold",
+        type=_fraction,
+        default=0.9,
+        help="reward threshold for the steps-to-threshold column (default 0.9)",
+    )
+    demo.add_argument(
+        "--lr", type=_positive, default=None, help="Adam learning rate (default 1e-3)"
+    )
+    demo.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a seconds-long smoke run (small model and batch, few steps)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -103,17 +133,32 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
     severity = DEFAULT_SEVERITY[args.mismatch] if args.severity is None else args.severity
     config = experiment.DemoConfig()
     if args.tiny:
-        config = dataclasses.replace(config, steps=4, seeds=2, chunk=2, train=dataclasses.replace(
-            config.train, d_model=16, prompts_per_step=4, group_size=4, prompt_len=3,
-            eval_prompts=8))
+        config = dataclasses.replace(
+            config,
+            steps=4,
+            seeds=2,
+            chunk=2,
+            train=dataclasses.replace(
+                config.train,
+                d_model=16,
+                prompts_per_step=4,
+                group_size=4,
+                prompt_len=3,
+                eval_prompts=8,
+            ),
+        )
     overrides = {"steps": args.steps, "seeds": args.seeds}
     try:
         config = dataclasses.replace(
-            config, algorithms=algorithms, threshold=args.threshold,
+            config,
+            algorithms=algorithms,
+            threshold=args.threshold,
             mismatch=Mismatch(args.mismatch, severity),
-            train=config.train if args.lr is None else dataclasses.replace(
-                config.train, learning_rate=args.lr),
-            **{k: v for k, v in overrides.items() if v is not None})
+            train=config.train
+            if args.lr is None
+            else dataclasses.replace(config.train, learning_rate=args.lr),
+            **{k: v for k, v in overrides.items() if v is not None},
+        )
     except ValueError as e:
         _fail(str(e))
     out = Path(args.out)
@@ -124,8 +169,12 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
     if not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=config.steps, unit="step", desc=f"{len(algorithms)} algorithms × "
-                   f"{config.seeds} seeds (compiling first)", file=sys.stderr)
+        bar = tqdm(
+            total=config.steps,
+            unit="step",
+            desc=f"{len(algorithms)} algorithms × {config.seeds} seeds (compiling first)",
+            file=sys.stderr,
+        )
 
     def progress(n: int) -> None:
         if bar is not None:

@@ -46,19 +46,28 @@ def _sampling_log_probs(logits: Array, temperature: Array, top_p: Array) -> Arra
     order = jnp.argsort(-probs, axis=-1)
     sorted_p = jnp.take_along_axis(probs, order, axis=-1)
     above = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass of the more likely tokens
-    keep = jnp.put_along_axis(jnp.zeros(order.shape, bool), order, above < top_p, axis=-1,
-                              inplace=False)
+    keep = jnp.put_along_axis(
+        jnp.zeros(order.shape, bool), order, above < top_p, axis=-1, inplace=False
+    )
     nucleus = jax.nn.log_softmax(jnp.where(keep, logq, -jnp.inf), axis=-1)
     return jnp.where(top_p < 1.0, nucleus, logq)
 
 
-def generate(graphdef: nnx.GraphDef, params: nnx.State, prompts: Array, key: Array,
-             numerics: Numerics, active: Array | bool = True) -> tuple[Array, Array]:
+def generate(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    prompts: Array,
+    key: Array,
+    numerics: Numerics,
+    active: Array | bool = True,
+) -> tuple[Array, Array]:
     """Sample one response per prompt with the engine's numerics (plain float32
     sampling where ``active`` is false). Returns ``(responses [B, n], rollout_logp [B, n])``."""
     if numerics.mantissa_bits < 23:
+
         def rnd(x):
             return jnp.where(active, round_mantissa(x, numerics.mantissa_bits), x)
+
         params = jax.tree.map(rnd, params)
     else:
         rnd = None
@@ -77,4 +86,4 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, prompts: Array, key: Arr
         return tokens, jnp.take_along_axis(logq, tok[:, None], axis=-1)[:, 0]
 
     tokens, logq = jax.lax.scan(step, tokens, (jnp.arange(n), jax.random.split(key, n)))
-    return tokens[:, n + 1:], logq.T
+    return tokens[:, n + 1 :], logq.T

@@ -37,18 +37,23 @@ class DemoConfig:
             raise ValueError("algorithms: choose at least one")
         unknown = [a for a in self.algorithms if a not in ALGORITHMS]
         if unknown:
-            raise ValueError(f"unknown algorithm {unknown[0]!r} "
-                             f"(choose from {', '.join(ALGORITHMS)})")
+            raise ValueError(
+                f"unknown algorithm {unknown[0]!r} (choose from {', '.join(ALGORITHMS)})"
+            )
         if len(set(self.algorithms)) != len(self.algorithms):
             raise ValueError("algorithms: each may appear once")
         if self.mismatch.source not in train.MISMATCH_SOURCES:
-            raise ValueError(f"unknown mismatch source {self.mismatch.source!r} "
-                             f"(choose from {', '.join(train.MISMATCH_SOURCES)})")
+            raise ValueError(
+                f"unknown mismatch source {self.mismatch.source!r} "
+                f"(choose from {', '.join(train.MISMATCH_SOURCES)})"
+            )
         if not 0 <= self.mismatch.severity < float("inf"):
             raise ValueError(f"severity must be >= 0, got {self.mismatch.severity}")
         if self.mismatch.staleness() > train.MAX_STALENESS:
-            raise ValueError(f"a stale engine can be at most {train.MAX_STALENESS} updates "
-                             f"behind, got severity {self.mismatch.severity:g}")
+            raise ValueError(
+                f"a stale engine can be at most {train.MAX_STALENESS} updates "
+                f"behind, got severity {self.mismatch.severity:g}"
+            )
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if not 0 < self.train.learning_rate < float("inf"):
@@ -84,18 +89,21 @@ def run(config: DemoConfig, progress: Callable[[int], None] | None = None) -> Hi
     runner = train.make_chunk_runner(step)
 
     keys = jax.vmap(lambda s: jax.random.split(jax.random.key(s), config.steps))(
-        jnp.array(seeds))  # [S, steps]
+        jnp.array(seeds)
+    )  # [S, steps]
     keys = jnp.tile(keys.T, (1, len(algos)))  # [steps, R]
     chunks = []
     for lo in range(0, config.steps, config.chunk):
-        state, met = runner(state, keys[lo:lo + config.chunk], algo_index, mismatched)
+        state, met = runner(state, keys[lo : lo + config.chunk], algo_index, mismatched)
         chunks.append(jax.device_get(met))
         if progress:
             progress(len(chunks[-1]["reward"]))
     merged = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
     metrics = {
-        a.name: {k: v[:, i * len(seeds):(i + 1) * len(seeds)].astype(np.float64)
-                 for k, v in merged.items()}
+        a.name: {
+            k: v[:, i * len(seeds) : (i + 1) * len(seeds)].astype(np.float64)
+            for k, v in merged.items()
+        }
         for i, a in enumerate(algos)
     }
     return History(config, metrics, time.perf_counter() - start)

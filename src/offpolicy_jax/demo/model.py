@@ -55,8 +55,16 @@ class Block(nnx.Module):
 class Policy(nnx.Module):
     """Decoder-only transformer: ``tokens [..., L] -> next-token logits [..., L, vocab]``."""
 
-    def __init__(self, vocab: int, max_len: int, d_model: int = 64, n_heads: int = 4,
-                 n_layers: int = 2, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        vocab: int,
+        max_len: int,
+        d_model: int = 64,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        *,
+        rngs: nnx.Rngs,
+    ):
         self.tok = nnx.Embed(vocab, d_model, rngs=rngs)
         self.pos = nnx.Embed(max_len, d_model, rngs=rngs)
         self.blocks = nnx.List([Block(d_model, n_heads, rngs=rngs) for _ in range(n_layers)])

@@ -55,12 +55,23 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("reference", "no mismatch (ppo)", opj.LossConfig(algorithm="ppo"), False),
         Algorithm("ppo", "ppo, mismatch ignored", opj.LossConfig(algorithm="ppo")),
         Algorithm("bypass_ppo", "bypass_ppo", opj.LossConfig(algorithm="bypass_ppo")),
-        Algorithm("decoupled_tis", "decoupled_ppo + VanillaTIS", opj.LossConfig(
-            algorithm="decoupled_ppo", correction=opj.VanillaTIS(clip_low=0.0, clip=2.0))),
-        Algorithm("decoupled_mis", "decoupled_ppo + MIS (mis.yaml)",
-                  opj.LossConfig(algorithm="decoupled_ppo", correction=MIS)),
-        Algorithm("reinforce_is", "reinforce_is + MIS (mis.yaml)",
-                  opj.LossConfig(algorithm="reinforce_is", correction=MIS)),
+        Algorithm(
+            "decoupled_tis",
+            "decoupled_ppo + VanillaTIS",
+            opj.LossConfig(
+                algorithm="decoupled_ppo", correction=opj.VanillaTIS(clip_low=0.0, clip=2.0)
+            ),
+        ),
+        Algorithm(
+            "decoupled_mis",
+            "decoupled_ppo + MIS (mis.yaml)",
+            opj.LossConfig(algorithm="decoupled_ppo", correction=MIS),
+        ),
+        Algorithm(
+            "reinforce_is",
+            "reinforce_is + MIS (mis.yaml)",
+            opj.LossConfig(algorithm="reinforce_is", correction=MIS),
+        ),
     )
 }
 
@@ -112,20 +123,25 @@ class TrainConfig:
 
 
 def make_model(cfg: TrainConfig, seed: int | Array) -> Policy:
-    return Policy(task.VOCAB, 2 * cfg.prompt_len + 1, cfg.d_model, cfg.n_heads, cfg.n_layers,
-                  rngs=nnx.Rngs(jax.random.key(seed)))
+    return Policy(
+        task.VOCAB,
+        2 * cfg.prompt_len + 1,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_layers,
+        rngs=nnx.Rngs(jax.random.key(seed)),
+    )
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
-                       optax.adam(cfg.learning_rate))
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), optax.adam(cfg.learning_rate))
 
 
 def token_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, n: int) -> Array:
     """float32 log-prob of each response token under the trainer's policy, ``[B, n]``."""
-    logits = nnx.merge(graphdef, params)(tokens)[:, n:2 * n]
+    logits = nnx.merge(graphdef, params)(tokens)[:, n : 2 * n]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, tokens[:, n + 1:, None], axis=-1)[..., 0]
+    return jnp.take_along_axis(logp, tokens[:, n + 1 :, None], axis=-1)[..., 0]
 
 
 def group_advantages(rewards: Array, group_size: int) -> Array:
@@ -146,14 +162,19 @@ def init_state(cfg: TrainConfig, mismatch: Mismatch, seeds: Sequence[int]):
         # The engine's copies of the weights, a ring buffer: slot step % k holds the
         # weights of k updates ago, which the engine samples with.
         ring = jax.tree.map(lambda p: jnp.stack([p] * k), params) if k else None
-        return {"params": params, "opt": tx.init(params), "ring": ring,
-                "step": jnp.zeros((), jnp.int32)}
+        return {
+            "params": params,
+            "opt": tx.init(params),
+            "ring": ring,
+            "step": jnp.zeros((), jnp.int32),
+        }
 
     return graphdef, jax.jit(jax.vmap(init))(jnp.asarray(seeds))
 
 
-def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
-                    algorithms: Sequence[Algorithm], mismatch: Mismatch) -> Callable:
+def make_train_step(
+    graphdef: nnx.GraphDef, cfg: TrainConfig, algorithms: Sequence[Algorithm], mismatch: Mismatch
+) -> Callable:
     """``train_step(state, key, algo_index, mismatched) -> (state, metrics)`` for one run
     (vmap it over runs). ``algo_index`` picks ``algorithms[algo_index].loss``;
     ``mismatched`` turns the engine's mismatch on."""
@@ -165,8 +186,12 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
     loss_index = jnp.array([loss_configs.index(a.loss) for a in algorithms], jnp.int32)
     # The correction each algorithm applies, run once per batch to monitor the mismatch
     # and count rejected tokens (use_tis=False: metrics only, nothing rejected).
-    applied = [a.loss.correction if isinstance(a.loss.correction, opj.CorrectionConfig)
-               else opj.CorrectionConfig() for a in algorithms]
+    applied = [
+        a.loss.correction
+        if isinstance(a.loss.correction, opj.CorrectionConfig)
+        else opj.CorrectionConfig()
+        for a in algorithms
+    ]
     monitors = list(dict.fromkeys(applied))
     monitor_index = jnp.array([monitors.index(c) for c in applied], jnp.int32)
 
@@ -174,22 +199,26 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
         needs_old = lcfg.algorithm in ("ppo", "decoupled_ppo")
 
         def loss(logp, old_logp, rollout_logp, adv, mask):
-            loss, met = opj.policy_loss(logp, old_logp if needs_old else None, rollout_logp,
-                                        adv, mask, lcfg)
+            loss, met = opj.policy_loss(
+                logp, old_logp if needs_old else None, rollout_logp, adv, mask, lcfg
+            )
             return loss, met.get("pg_clipfrac", jnp.float32(jnp.nan))
+
         return loss
 
     losses = [policy_loss(c) for c in loss_configs]
 
     def loss_fn(params, algo_index, tokens, old_logp, rollout_logp, adv, mask):
         logp = token_logp(graphdef, params, tokens, n)
-        return jax.lax.switch(loss_index[algo_index], losses, logp, old_logp, rollout_logp,
-                              adv, mask)
+        return jax.lax.switch(
+            loss_index[algo_index], losses, logp, old_logp, rollout_logp, adv, mask
+        )
 
     def monitor(algo_index, old_logp, rollout_logp, mask):
         def run(c):
             res = opj.compute_correction(old_logp, rollout_logp, mask, c, reduction="token")
             return res.metrics["mis_k3_kl"], (mask.sum() - res.mask.sum()) / mask.sum()
+
         return jax.lax.switch(monitor_index[algo_index], [lambda c=c: run(c) for c in monitors])
 
     def train_step(state, key, algo_index, mismatched):
@@ -202,8 +231,9 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
             engine_params = jax.tree.map(lambda o, p: jnp.where(mismatched, o, p), old, params)
         else:
             engine_params = params
-        responses, rollout_logp = engine.generate(graphdef, engine_params, prompts, k_sample,
-                                                  numerics, active=mismatched)
+        responses, rollout_logp = engine.generate(
+            graphdef, engine_params, prompts, k_sample, numerics, active=mismatched
+        )
         rewards = task.reward(prompts, responses)
         tokens = task.join(prompts, responses)
         old_logp = jax.lax.stop_gradient(token_logp(graphdef, params, tokens, n))
@@ -213,21 +243,21 @@ def make_train_step(graphdef: nnx.GraphDef, cfg: TrainConfig,
         def update(carry, mb):
             params, opt = carry
             (_, clipfrac), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, algo_index, *mb)
+                params, algo_index, *mb
+            )
             updates, opt = tx.update(grads, opt, params)
-            return (optax.apply_updates(params, updates), opt), (clipfrac,
-                                                                 optax.tree.norm(grads))
+            return (optax.apply_updates(params, updates), opt), (clipfrac, optax.tree.norm(grads))
 
         # Minibatches are whole groups, in order: one PPO epoch over the batch.
         batch = (tokens, old_logp, rollout_logp, group_advantages(rewards, g), mask)
         batch = jax.tree.map(lambda x: x.reshape((mbs, -1) + x.shape[1:]), batch)
-        (params, opt), (clipfrac, grad_norm) = jax.lax.scan(
-            update, (params, state["opt"]), batch)
+        (params, opt), (clipfrac, grad_norm) = jax.lax.scan(update, (params, state["opt"]), batch)
         # The trained policy itself, sampled with exact float32 numerics on fresh prompts:
         # the model you would ship, free of the engine's distortion and lag.
         eval_prompts = task.sample_prompts(k_eval_prompt, cfg.eval_prompts, n)
-        eval_responses, _ = engine.generate(graphdef, params, eval_prompts, k_eval,
-                                            engine.Numerics(), active=False)
+        eval_responses, _ = engine.generate(
+            graphdef, params, eval_prompts, k_eval, engine.Numerics(), active=False
+        )
         eval_rewards = task.reward(eval_prompts, eval_responses)
         ring = state["ring"]
         if stale:
