@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a seconds-long smoke run (small model and batch, few steps)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from offpolicy_jax.diagnose.cli import add_parser as add_diagnose
+
+    add_diagnose(sub, _positive_int)
     return parser
 
 
@@ -198,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        _fail("choose a command: demo (see offpolicy-jax --help)")
+        _fail("choose a command: demo, diagnose (see offpolicy-jax --help)")
+    if args.command == "diagnose":
+        from offpolicy_jax.diagnose.cli import run as diagnose
+
+        return diagnose(args, _fail)
     return _demo(args, argv)
 
 

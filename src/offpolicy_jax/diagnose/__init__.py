@@ -1,0 +1,102 @@
+"""``offpolicy-jax diagnose``: how bad is the training–inference mismatch, and which correction?
+
+Reads trainer and rollout log-probs of the same tokens (``.npz``, Parquet, JSONL), streams
+them in chunks through :func:`offpolicy_jax.compute_correction`, and writes a report with
+the pooled metrics, histograms, worst sequences and tokens, a what-if table of the
+standard corrections and a recommended config (``recommended.yaml``). Needs the
+``diagnose`` extra (pyarrow, matplotlib, tqdm); the core library never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from offpolicy_jax.diagnose import analysis, report
+from offpolicy_jax.diagnose.analysis import WHAT_IFS, Accumulator, WhatIf
+from offpolicy_jax.diagnose.readers import DEFAULT_COLUMNS, DiagnoseError, write_dump
+from offpolicy_jax.diagnose.report import recommend
+
+__all__ = [
+    "DEFAULT_COLUMNS",
+    "WHAT_IFS",
+    "Accumulator",
+    "DiagnoseError",
+    "WhatIf",
+    "diagnose",
+    "recommend",
+    "write_dump",
+]
+
+
+def diagnose(
+    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str] | None = None,
+    *,
+    old_col: str = DEFAULT_COLUMNS["old"],
+    rollout_col: str = DEFAULT_COLUMNS["rollout"],
+    mask_col: str = DEFAULT_COLUMNS["mask"],
+    reduction: str = "sequence",
+    chunk_rows: int = 1024,
+    position_bin: int = 32,
+    top_k: int = 20,
+    progress: bool = False,
+) -> dict:
+    """Analyses a log-prob dump; returns the report dict and writes it to ``out`` if given.
+
+    Args:
+      inputs: file paths or globs (``.npz``, ``.parquet``, ``.jsonl``).
+      out: output directory for ``report.md``, ``report.json``, ``recommended.yaml`` and
+        the PNG plots; None writes nothing.
+      old_col, rollout_col, mask_col: Parquet/JSONL column names.
+      reduction: ``"sequence"`` or ``"token"`` reduction of the metrics.
+      chunk_rows: sequences per chunk (memory is O(chunk_rows x longest sequence)).
+      position_bin: width of the position buckets of the position profile.
+      top_k: how many worst sequences and tokens are kept.
+      progress: show a tqdm progress bar on stderr.
+
+    Returns:
+      The report (the content of ``report.json``); ``report["metrics"]`` equals
+      ``compute_correction(..., CorrectionConfig(), reduction=reduction).metrics`` on
+      all the sequences at once, and ``report["what_if"][name]["metrics"]`` the same for
+      each standard config.
+
+    Raises:
+      DiagnoseError: bad input (the message is one line).
+    """
+    from offpolicy_jax.diagnose import readers
+
+    if reduction not in ("sequence", "token"):
+        raise DiagnoseError(f"reduction must be 'sequence' or 'token', got {reduction!r}")
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    paths = readers.expand_inputs(inputs)
+    for path in paths:
+        readers.file_format(path)
+    configs = [("metrics", analysis.METRICS_ONLY)]
+    configs += [(w.name, w.build()) for w in WHAT_IFS if w.build() is not None]
+    acc = Accumulator(
+        configs, reduction, position_bin=position_bin, top_k=top_k, rows=chunk_rows
+    )
+    counts = [readers.count_rows(p) for p in paths]
+    total = sum(counts) if all(c is not None for c in counts) else None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="seq", unit_scale=True, desc="diagnose", file=sys.stderr)
+    columns = {"old": old_col, "rollout": rollout_col, "mask": mask_col}
+    try:
+        for chunk in readers.iter_chunks(paths, rows=chunk_rows, columns=columns):
+            acc.add(chunk)
+            if bar is not None:
+                bar.update(int(chunk.row.size))
+    finally:
+        if bar is not None:
+            bar.close()
+    result = report.build(acc, [str(p) for p in paths])
+    if out is not None:
+        report.write(result, Path(out))
+    return result

@@ -1,0 +1,445 @@
+"""Chunked analysis: library metrics pooled exactly, plus histograms, worst-k and what-ifs.
+
+Every metric comes from :func:`offpolicy_jax.compute_correction`, called per chunk
+inside one jitted function. A metric of ``compute_correction`` is a mean
+``Σ num / D`` over a population of sequences (``reduction="sequence"``: ``D`` = the
+number of non-empty sequences of that population) or of tokens (``"token"``:
+``D`` = their token count), so chunk values weighted by the chunk's ``D`` and
+divided by the total ``D`` give the whole-dump value up to float32 rounding. The
+population of a key (:func:`population`) is
+
+* ``valid``: sequences with a token in the mask and only finite log-probs (§0):
+  every §4 mismatch metric, the weights before/after bounding, the truncation,
+  rejection and veto fractions;
+* ``all``: every non-empty sequence (``mis_nonfinite_seq_fraction``);
+* ``final``: sequences that keep a token after rejection
+  (``mis_is_ratio_{mean,min,max}_{after_tis_rs,final}``; min and max are the mean of
+  per-sequence minima/maxima, so they pool like any mean).
+
+Batch normalisation (``tis_batch_normalize``) divides by a *global* ``μ``, so the
+chunks run without it and ``μ`` is applied once to the pooled mean (§3.6): it is the
+pooled ``mis_is_ratio_mean_after_tis_rs`` (taken in the normaliser's own reduction),
+through :func:`offpolicy_jax.normalize.normalizer`. Mask-mode TIS is refused: its
+``mis_tis_weight_after_bound`` averages over a population no output reveals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+from collections.abc import Iterable
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import offpolicy_jax as opj
+from offpolicy_jax.normalize import normalizer, normalizer_reduction
+
+# Symmetric log bins for a log-ratio δ: |δ| < 1e-6 is the centre bin, then 20 bins per
+# decade up to |δ| = 100 (the last bins hold everything beyond), mirrored for δ < 0.
+_DECADE_BINS = 20
+_LOG_MIN, _LOG_MAX = -6, 2
+_MAG = (_LOG_MAX - _LOG_MIN) * _DECADE_BINS + 1  # magnitude bins incl. the last open one
+N_DELTA_BINS = 2 * _MAG + 1
+# Rollout probability p = exp(logp): 4 bins per decade from 1 down to 1e-8, the last open.
+_PROB_PER_DECADE = 4
+N_PROB_BINS = 8 * _PROB_PER_DECADE + 1
+
+
+def delta_bin_edges() -> np.ndarray:
+    """Edges of the δ bins (``N_DELTA_BINS + 1``; the outermost are ±inf)."""
+    mags = 10.0 ** (_LOG_MIN + np.arange(_MAG) / _DECADE_BINS)  # lower edge of each bucket
+    return np.concatenate([[-np.inf], -mags[::-1], mags, [np.inf]])
+
+
+def delta_bin_centres() -> np.ndarray:
+    edges = delta_bin_edges()
+    mags = 10.0 ** (_LOG_MIN + (np.arange(_MAG) + 0.5) / _DECADE_BINS)
+    mags[-1] = 10.0**_LOG_MAX
+    centres = np.concatenate([-mags[::-1], [0.0], mags])
+    assert centres.shape[0] == edges.shape[0] - 1
+    return centres
+
+
+def prob_bin_edges() -> np.ndarray:
+    """Upper edges of the probability bins, from 1 down; the last bin is ``[0, 1e-8)``."""
+    return 10.0 ** (-np.arange(N_PROB_BINS + 1) / _PROB_PER_DECADE)
+
+
+def _delta_bin(x: jax.Array) -> jax.Array:
+    a = jnp.abs(x)
+    j = jnp.floor((jnp.log10(jnp.maximum(a, 1e-30)) - _LOG_MIN) * _DECADE_BINS) + 1
+    j = jnp.where(a < 10.0**_LOG_MIN, 0, jnp.clip(j, 1, _MAG)).astype(jnp.int32)
+    return _MAG + jnp.where(x < 0, -j, j)
+
+
+def _prob_bin(logp: jax.Array) -> jax.Array:
+    decades = -logp / jnp.log(10.0)
+    return jnp.clip(jnp.floor(decades * _PROB_PER_DECADE), 0, N_PROB_BINS - 1).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- what-if configs
+
+
+@dataclasses.dataclass(frozen=True)
+class WhatIf:
+    """One row of the what-if table: a standard correction, or a TODO placeholder.
+
+    ``config`` is a :class:`~offpolicy_jax.CorrectionConfig` mapping; ``needs`` lists
+    config keys that must exist in this version of the library (IcePop and the k3
+    trust region are declared here and become rows once ``CorrectionConfig`` has them).
+    """
+
+    name: str
+    description: str
+    config: tuple[tuple[str, object], ...] | None
+    needs: tuple[str, ...] = ()
+
+    def build(self) -> opj.CorrectionConfig | None:
+        if self.config is None or not set(self.needs) <= set(opj.CorrectionConfig.keys()):
+            return None
+        return opj.CorrectionConfig.from_dict(dict(self.config))
+
+
+def _mis_yaml() -> tuple[tuple[str, object], ...]:
+    path = resources.files("offpolicy_jax") / "configs" / "mis.yaml"
+    return tuple(opj.CorrectionConfig.from_yaml(str(path)).to_dict().items())
+
+
+_TIS = (("use_tis", True), ("tis_level", "token"), ("tis_mode", "truncate"))
+_TIS = (*_TIS, ("tis_upper_bound", 2.0))
+GEO_BOUNDS = (0.98, 1.02)
+VETO = 1e-4
+
+WHAT_IFS: tuple[WhatIf, ...] = (
+    WhatIf("token_tis", "token TIS, truncate at 2 (Yao et al.)", _TIS),
+    WhatIf("mis", "shipped mis.yaml: token TIS 2 + token RS [0.5, 2] + veto + norm", _mis_yaml()),
+    WhatIf(
+        "seq_rs",
+        "token TIS 2 + sequence RS: reject sequences with Π ratio outside [0.5, 2]",
+        (*_TIS, ("use_rs", True), ("rs_level", "sequence")),
+    ),
+    WhatIf(
+        "geo_rs",
+        f"token TIS 2 + geometric RS: reject sequences with geometric-mean ratio outside "
+        f"[{GEO_BOUNDS[0]}, {GEO_BOUNDS[1]}]",
+        (*_TIS, ("use_rs", True), ("rs_level", "geometric"))
+        + (("rs_lower_bound", GEO_BOUNDS[0]), ("rs_upper_bound", GEO_BOUNDS[1])),
+    ),
+    WhatIf(
+        "veto",
+        f"token TIS 2 + veto of sequences with a token ratio < {VETO:g}",
+        (*_TIS, ("rs_veto_threshold", VETO)),
+    ),
+    WhatIf(
+        "geo_rs_veto",
+        "geo_rs + veto (the severe-mismatch recommendation)",
+        (*_TIS, ("use_rs", True), ("rs_level", "geometric"))
+        + (("rs_lower_bound", GEO_BOUNDS[0]), ("rs_upper_bound", GEO_BOUNDS[1]))
+        + (("rs_veto_threshold", VETO),),
+    ),
+    # TODO(diagnose): IcePop (token masking outside [a, b] on the ratio) and the k3 trust
+    # region are not CorrectionConfig keys yet; give them their config and key names
+    # here when the core adds the rules, and they become rows of the table.
+    WhatIf("icepop", "IcePop token masking (TODO: not in CorrectionConfig yet)", None),
+    WhatIf("k3_trust_region", "k3 trust region (TODO: not in CorrectionConfig yet)", None),
+)
+
+METRICS_ONLY = opj.CorrectionConfig()
+
+
+def population(key: str) -> str:
+    """Which population a metric key averages over (module docstring)."""
+    if key.startswith("mis_is_ratio_"):
+        return "final"
+    if key == "mis_nonfinite_seq_fraction":
+        return "all"
+    if key == "mis_batch_norm_factor":
+        return "norm"
+    return "valid"
+
+
+# --------------------------------------------------------------------------- the kernel
+
+
+def _count(n: jax.Array, reduction: str) -> jax.Array:
+    """``D`` of a population with per-sequence sizes ``n`` (module docstring)."""
+    if reduction == "sequence":
+        return jnp.sum(jnp.where(n > 0, 1.0, 0.0))
+    return jnp.sum(n)
+
+
+@functools.partial(jax.jit, static_argnames=("configs", "reduction", "position_bin", "top_k"))
+def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
+    """Everything the report needs from one padded ``[B, T]`` chunk, as small arrays."""
+    b, t = old.shape
+    valid_in = mask > 0
+    nonfinite = valid_in & ~(jnp.isfinite(old) & jnp.isfinite(rollout))
+    n_all = jnp.sum(mask, -1)
+    bad = jnp.sum(jnp.where(nonfinite, 1, 0), -1)
+    finite = bad == 0
+    n_valid = jnp.where(finite, n_all, 0.0)
+    use = valid_in & finite[:, None]
+    delta = jnp.where(use, old - rollout, 0.0)
+    out = {
+        "tokens": jnp.sum(jnp.where(valid_in, 1, 0)),
+        "sequences": jnp.sum(jnp.where(n_all > 0, 1, 0)),
+        "nonfinite_tokens": jnp.sum(bad),
+        "nonfinite_sequences": jnp.sum(jnp.where(bad > 0, 1, 0)),
+        "D": {"valid": _count(n_valid, reduction), "all": _count(n_all, reduction)},
+    }
+    per_config = {}
+    for name, config in configs:
+        stripped = dataclasses.replace(config, tis_batch_normalize=False) if config.use_tis else config
+        res = opj.compute_correction(old, rollout, mask, stripped, reduction=reduction)
+        n_final = jnp.sum(res.mask, -1)
+        kept = res.mask > 0
+        entry = {
+            "metrics": res.metrics,
+            "D_final": _count(n_final, reduction),
+            "kept_tokens": jnp.sum(res.mask),
+            "valid_tokens": jnp.sum(n_valid),
+            "valid_seqs": jnp.sum(jnp.where(n_valid > 0, 1.0, 0.0)),
+            "rejected_seqs": jnp.sum(jnp.where((n_valid > 0) & (n_final == 0), 1.0, 0.0)),
+            "sum_w": jnp.sum(jnp.where(kept, res.weights, 0.0)),
+            "sum_w2": jnp.sum(jnp.where(kept, jnp.square(res.weights), 0.0)),
+        }
+        if config.use_tis and config.tis_batch_normalize:
+            how = normalizer_reduction(config.tis_level)
+            if how != reduction:  # μ averages in its own reduction (§3.6, D4)
+                other = opj.compute_correction(old, rollout, mask, stripped, reduction=how)
+                entry["mu_mean"] = other.metrics["mis_is_ratio_mean_after_tis_rs"]
+                entry["mu_D"] = _count(jnp.sum(other.mask, -1), how)
+        per_config[name] = entry
+    out["configs"] = per_config
+
+    # Histograms: δ (symmetric log bins) by position bucket and by rollout-probability bin.
+    d_bin = _delta_bin(delta)
+    pos = jnp.broadcast_to(jnp.arange(t) // position_bin, (b, t))
+    n_pos = -(-t // position_bin)
+    p_bin = _prob_bin(jnp.where(use, rollout, 0.0))
+    weight = jnp.where(use, 1.0, 0.0)
+
+    def hist(index, length, values):
+        return jnp.zeros(length, jnp.float32).at[index.ravel()].add(values.ravel())
+
+    out["pos_hist"] = hist(pos * N_DELTA_BINS + d_bin, n_pos * N_DELTA_BINS, weight).reshape(
+        n_pos, N_DELTA_BINS
+    )
+    out["prob_hist"] = hist(p_bin * N_DELTA_BINS + d_bin, N_PROB_BINS * N_DELTA_BINS, weight)
+    out["prob_hist"] = out["prob_hist"].reshape(N_PROB_BINS, N_DELTA_BINS)
+    out["pos_sum"] = hist(pos, n_pos, delta)
+    out["pos_abs"] = hist(pos, n_pos, jnp.abs(delta))
+    out["prob_sum"] = hist(p_bin, N_PROB_BINS, delta)
+    out["prob_abs"] = hist(p_bin, N_PROB_BINS, jnp.abs(delta))
+    seq_sum = jnp.sum(delta, -1)
+    seq_mean = jnp.where(n_valid > 0, seq_sum / jnp.where(n_valid > 0, n_valid, 1.0), 0.0)
+    out["seq_hist"] = hist(_delta_bin(seq_mean), N_DELTA_BINS, jnp.where(n_valid > 0, 1.0, 0.0))
+
+    # Worst tokens by |δ| and worst sequences by |Σ δ| (only finite, valid ones).
+    k_tok = min(top_k, b * t)
+    score, index = jax.lax.top_k(jnp.where(use, jnp.abs(delta), -1.0).ravel(), k_tok)
+    out["worst_tokens"] = {
+        "score": score,
+        "row": index // t,
+        "pos": index % t,
+        "old": old.ravel()[index],
+        "rollout": rollout.ravel()[index],
+    }
+    k_seq = min(top_k, b)
+    score, index = jax.lax.top_k(jnp.where(n_valid > 0, jnp.abs(seq_sum), -1.0), k_seq)
+    out["worst_seqs"] = {
+        "score": score,
+        "row": index,
+        "log_ratio": seq_sum[index],
+        "length": n_valid[index],
+        "max_abs": jnp.max(jnp.abs(delta), -1)[index],
+    }
+    return out
+
+
+# --------------------------------------------------------------------------- accumulation
+
+
+def _bucket(n: int, minimum: int = 8) -> int:
+    """Padded size: powers of two up to 512, then multiples of 512 (few compilations)."""
+    if n <= 512:
+        return max(minimum, 1 << max(0, (n - 1).bit_length()))
+    return -(-n // 512) * 512
+
+
+class Accumulator:
+    """Pools :func:`chunk_stats` of many chunks; memory is independent of the dump size."""
+
+    def __init__(self, configs, reduction="sequence", *, position_bin=32, top_k=20, rows=1024):
+        for _, config in configs:
+            if config.use_tis and config.tis_mode == "mask":
+                raise ValueError(
+                    "diagnose cannot pool tis_mode='mask' configs exactly "
+                    "(mis_tis_weight_after_bound averages over tokens no output reveals)"
+                )
+        self.configs = tuple(configs)
+        self.reduction = reduction
+        self.position_bin = position_bin
+        self.top_k = top_k
+        self.rows = rows
+        self.totals = {"tokens": 0, "sequences": 0, "nonfinite_tokens": 0}
+        self.totals["nonfinite_sequences"] = 0
+        self.sums: dict[str, dict[str, list[float]]] = {name: {} for name, _ in self.configs}
+        self.extra: dict[str, dict[str, float]] = {name: {} for name, _ in self.configs}
+        self.pos_hist = np.zeros((0, N_DELTA_BINS))
+        self.pos_sum = np.zeros(0)
+        self.pos_abs = np.zeros(0)
+        self.prob_hist = np.zeros((N_PROB_BINS, N_DELTA_BINS))
+        self.prob_sum = np.zeros(N_PROB_BINS)
+        self.prob_abs = np.zeros(N_PROB_BINS)
+        self.seq_hist = np.zeros(N_DELTA_BINS)
+        self.worst_tokens: list[tuple] = []
+        self.worst_seqs: list[tuple] = []
+        self._counter = 0  # heap tie-breaker
+
+    def add(self, chunk) -> None:
+        b, t = chunk.old.shape
+        rows = _bucket(b) if b < self.rows else -(-b // self.rows) * self.rows
+        cols = _bucket(t)
+
+        def pad(a):
+            return np.pad(a, ((0, rows - b), (0, cols - t)))
+
+        stats = chunk_stats(
+            pad(chunk.old),
+            pad(chunk.rollout),
+            pad(chunk.mask),
+            configs=self.configs,
+            reduction=self.reduction,
+            position_bin=self.position_bin,
+            top_k=self.top_k,
+        )
+        stats = jax.device_get(stats)
+        self._pool(stats, chunk, b)
+
+    def _pool(self, stats, chunk, b) -> None:
+        for key in self.totals:
+            self.totals[key] += int(stats[key])
+        for name, entry in stats["configs"].items():
+            sums = self.sums[name]
+            counts = {**stats["D"], "final": entry["D_final"]}
+            for key, value in entry["metrics"].items():
+                kind = population(key)
+                if kind == "norm":
+                    continue
+                d = float(counts[kind])
+                num, den = sums.setdefault(key, [0.0, 0.0])
+                sums[key] = [num + float(value) * d, den + d]
+            extra = self.extra[name]
+            for key in ("kept_tokens", "valid_tokens", "valid_seqs", "rejected_seqs"):
+                extra[key] = extra.get(key, 0.0) + float(entry[key])
+            for key in ("sum_w", "sum_w2"):
+                extra[key] = extra.get(key, 0.0) + float(entry[key])
+            if "mu_mean" in entry:
+                d = float(entry["mu_D"])
+                extra["mu_num"] = extra.get("mu_num", 0.0) + float(entry["mu_mean"]) * d
+                extra["mu_den"] = extra.get("mu_den", 0.0) + d
+        n_pos = stats["pos_hist"].shape[0]
+        if n_pos > self.pos_hist.shape[0]:
+            grow = n_pos - self.pos_hist.shape[0]
+            self.pos_hist = np.pad(self.pos_hist, ((0, grow), (0, 0)))
+            self.pos_sum = np.pad(self.pos_sum, (0, grow))
+            self.pos_abs = np.pad(self.pos_abs, (0, grow))
+        self.pos_hist[:n_pos] += stats["pos_hist"]
+        self.pos_sum[:n_pos] += stats["pos_sum"]
+        self.pos_abs[:n_pos] += stats["pos_abs"]
+        self.prob_hist += stats["prob_hist"]
+        self.prob_sum += stats["prob_sum"]
+        self.prob_abs += stats["prob_abs"]
+        self.seq_hist += stats["seq_hist"]
+        w = stats["worst_tokens"]
+        for score, row, pos, old, rollout in zip(
+            w["score"], w["row"], w["pos"], w["old"], w["rollout"], strict=True
+        ):
+            if score < 0 or row >= b:
+                continue
+            item = {
+                "abs_log_ratio": float(score),
+                "log_ratio": float(old - rollout),
+                "file": int(chunk.file[row]),
+                "row": int(chunk.row[row]),
+                "position": int(chunk.start[row] + pos),
+                "old_logp": float(old),
+                "rollout_logp": float(rollout),
+            }
+            self._push(self.worst_tokens, float(score), item)
+        w = stats["worst_seqs"]
+        for score, row, log_ratio, length, max_abs in zip(
+            w["score"], w["row"], w["log_ratio"], w["length"], w["max_abs"], strict=True
+        ):
+            if score < 0 or row >= b:
+                continue
+            item = {
+                "abs_log_ratio": float(score),
+                "log_ratio": float(log_ratio),
+                "geometric_log_ratio": float(log_ratio / length),
+                "tokens": int(length),
+                "max_abs_token_log_ratio": float(max_abs),
+                "file": int(chunk.file[row]),
+                "row": int(chunk.row[row]),
+                "start": int(chunk.start[row]),
+            }
+            self._push(self.worst_seqs, float(score), item)
+
+    def _push(self, heap, score, item) -> None:
+        self._counter += 1
+        entry = (score, -self._counter, item)  # earlier items win ties
+        if len(heap) < self.top_k:
+            heapq.heappush(heap, entry)
+        elif entry > heap[0]:
+            heapq.heapreplace(heap, entry)
+
+    # ----------------------------------------------------------------------- results
+
+    def metrics(self, name: str) -> dict[str, float]:
+        """Pooled metrics of one config: equal to one ``compute_correction`` on the dump."""
+        config = dict(self.configs)[name]
+        sums = self.sums[name]
+        result = {key: (num / den if den else 0.0) for key, (num, den) in sums.items()}
+        if not config.use_tis:
+            return result
+        mu = 1.0
+        if config.tis_batch_normalize:
+            if normalizer_reduction(config.tis_level) == self.reduction:
+                mean_w = result["mis_is_ratio_mean_after_tis_rs"]
+            else:
+                extra = self.extra[name]
+                mean_w = extra["mu_num"] / extra["mu_den"] if extra.get("mu_den") else 0.0
+            mu = float(normalizer(jnp.float32(mean_w)))
+            for key in ("mean", "min", "max"):
+                result[f"mis_is_ratio_{key}_final"] /= mu
+        result["mis_batch_norm_factor"] = mu
+        return result
+
+    def what_if(self, name: str) -> dict[str, float]:
+        """Shares rejected / truncated, ESS over kept tokens, mean final weight."""
+        extra, metrics = self.extra[name], self.metrics(name)
+        valid_tokens = extra.get("valid_tokens", 0.0)
+        kept = extra.get("kept_tokens", 0.0)
+        sum_w, sum_w2 = extra.get("sum_w", 0.0), extra.get("sum_w2", 0.0)
+        return {
+            "rejected_token_share": 1.0 - kept / valid_tokens if valid_tokens else 0.0,
+            "rejected_seq_share": (
+                extra["rejected_seqs"] / extra["valid_seqs"] if extra.get("valid_seqs") else 0.0
+            ),
+            "truncated_share": metrics.get("mis_tis_truncate_fraction", 0.0),
+            # ESS = (Σw)² / (n Σw²) over kept tokens; invariant to the normaliser μ.
+            "ess": sum_w**2 / (kept * sum_w2) if kept and sum_w2 else 0.0,
+            "mean_weight": metrics.get("mis_is_ratio_mean_final", 0.0),
+        }
+
+
+def run(chunks: Iterable, configs, reduction="sequence", **kwargs) -> Accumulator:
+    acc = Accumulator(configs, reduction, **kwargs)
+    for chunk in chunks:
+        acc.add(chunk)
+    return acc

@@ -1,0 +1,417 @@
+"""Streaming readers and the dump writer of ``offpolicy-jax diagnose``.
+
+A dump holds, for every sampled token, the trainer's log-prob ``old`` and the
+rollout engine's log-prob ``rollout`` of the same token, and a 0/1 ``mask``:
+
+* ``.npz``: arrays ``old_logp``, ``rollout_logp``, ``mask`` of shape ``[..., T]``, optional
+  ``advantages`` and ``segment_ids`` (packed rows: each contiguous run of one segment id
+  in a row is a sequence of its own);
+* Parquet / JSONL: one row per sequence with list-valued columns (names configurable).
+
+Every reader yields :class:`Chunk` objects of at most ``rows`` sequences padded to the
+chunk's longest one, so that a dump larger than memory streams through; Parquet is read
+with ``pyarrow.parquet.ParquetFile.iter_batches``, JSONL line by line. An ``.npz`` array
+is loaded whole by NumPy (the format has no partial reads): use Parquet for huge dumps.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_COLUMNS = {"old": "old_log_probs", "rollout": "rollout_log_probs", "mask": "response_mask"}
+NPZ_KEYS = {"old": "old_logp", "rollout": "rollout_logp", "mask": "mask"}
+PARQUET_SUFFIXES = (".parquet", ".pq")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+class DiagnoseError(ValueError):
+    """Bad input to ``diagnose``: the message is one line meant for the user."""
+
+
+@dataclass
+class Chunk:
+    """Up to ``rows`` sequences, padded: ``old``, ``rollout``, ``mask`` are ``[B, T]`` float32.
+
+    ``file`` and ``row`` (``[B]``) say where each sequence came from (index into the
+    list of input files, row in that file); ``start`` is its first position in that row
+    (non-zero only for packed rows split by ``segment_ids``).
+    """
+
+    old: np.ndarray
+    rollout: np.ndarray
+    mask: np.ndarray
+    file: np.ndarray
+    row: np.ndarray
+    start: np.ndarray
+
+
+def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Paths and globs -> existing readable files, in the order given (globs sorted)."""
+    if not inputs:
+        raise DiagnoseError("no input files given")
+    paths: list[Path] = []
+    for item in inputs:
+        text = os.fspath(item)
+        if any(c in text for c in "*?["):
+            matches = sorted(glob.glob(text, recursive=True))
+            if not matches:
+                raise DiagnoseError(f"no file matches {text!r}")
+            paths.extend(Path(m) for m in matches)
+        else:
+            paths.append(Path(text))
+    for path in paths:
+        if path.is_dir():
+            raise DiagnoseError(f"cannot read {str(path)!r}: is a directory")
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            raise DiagnoseError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
+    return paths
+
+
+def file_format(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(".npz"):
+        return "npz"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    raise DiagnoseError(
+        f"{str(path)!r}: unknown format (expected .npz, .parquet/.pq or .jsonl/.json/.ndjson)"
+    )
+
+
+def count_rows(path: Path) -> int | None:
+    """Rows in a file if cheap to know (Parquet metadata, npz header), else None."""
+    fmt = file_format(path)
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+        if fmt == "npz":
+            with np.load(path) as data:
+                if NPZ_KEYS["mask"] in data.files:
+                    shape = data[NPZ_KEYS["mask"]].shape
+                    return int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    except Exception:  # the reader reports the real error with its context
+        return None
+    return None
+
+
+def iter_chunks(
+    paths: Sequence[Path], *, rows: int = 1024, columns: dict[str, str] | None = None
+) -> Iterator[Chunk]:
+    """Every sequence of every file, in chunks of at most ``rows`` sequences.
+
+    Args:
+      paths: files from :func:`expand_inputs`.
+      rows: sequences per chunk.
+      columns: Parquet/JSONL column names ``{"old": ..., "rollout": ..., "mask": ...}``.
+
+    Raises:
+      DiagnoseError: a missing column, a row whose lists differ in length, an empty or
+        unreadable file.
+    """
+    columns = {**DEFAULT_COLUMNS, **(columns or {})}
+    for index, path in enumerate(paths):
+        fmt = file_format(path)
+        reader = {"npz": _npz_chunks, "parquet": _parquet_chunks, "jsonl": _jsonl_chunks}[fmt]
+        n = 0
+        for chunk in reader(path, rows, columns):
+            chunk.file = np.full(chunk.old.shape[0], index, np.int32)
+            n += chunk.old.shape[0]
+            yield chunk
+        if n == 0:
+            raise DiagnoseError(f"{str(path)!r}: empty file (no sequences)")
+
+
+# --------------------------------------------------------------------------- padding
+
+
+def _pad_lists(
+    path: Path, first_row: int, names: Sequence[str], lists: Sequence[tuple[np.ndarray, np.ndarray]]
+) -> Chunk:
+    """(values, offsets) of three list columns -> a padded :class:`Chunk`; checks raggedness."""
+    lengths = [np.diff(offsets) for _, offsets in lists]
+    for name, length in zip(names[1:], lengths[1:], strict=True):
+        bad = np.flatnonzero(length != lengths[0])
+        if bad.size:
+            i = int(bad[0])
+            raise DiagnoseError(
+                f"{str(path)!r} row {first_row + i}: {names[0]!r} has {lengths[0][i]} values "
+                f"but {name!r} has {length[i]} (the lists of one row must have equal lengths)"
+            )
+    length = lengths[0]
+    b = length.shape[0]
+    t = max(int(length.max(initial=0)), 1)
+    row_of = np.repeat(np.arange(b), length)
+    padded = []
+    for values, offsets in lists:
+        flat = values[offsets[0] : offsets[-1]]
+        col_of = np.arange(flat.shape[0]) - np.repeat(offsets[:-1] - offsets[0], length)
+        out = np.zeros((b, t), np.float32)
+        out[row_of, col_of] = flat
+        padded.append(out)
+    rows = np.arange(first_row, first_row + b, dtype=np.int64)
+    return Chunk(*padded, file=np.zeros(b, np.int32), row=rows, start=np.zeros(b, np.int64))
+
+
+def _missing(path: Path, wanted: dict[str, str], found: Sequence[str]) -> None:
+    flag = {"old": "--old-col", "rollout": "--rollout-col", "mask": "--mask-col"}
+    for key, name in wanted.items():
+        if name not in found:
+            shown = ", ".join(map(repr, found)) or "none"
+            raise DiagnoseError(
+                f"{str(path)!r}: missing column {name!r} (columns found: {shown}; "
+                f"choose another with {flag.get(key, key)})"
+            )
+
+
+# --------------------------------------------------------------------------- Parquet
+
+
+def _list_parts(path: Path, name: str, array) -> tuple[np.ndarray, np.ndarray]:
+    import pyarrow as pa
+
+    if isinstance(array, pa.ChunkedArray):
+        array = pa.concat_arrays(array.chunks)
+    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+        raise DiagnoseError(
+            f"{str(path)!r}: column {name!r} must hold one list per row, got type {array.type}"
+        )
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.values.to_numpy(zero_copy_only=False)  # nulls come back as NaN
+    return values.astype(np.float32, copy=False), offsets
+
+
+def _parquet_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Chunk]:
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError with multi-line text
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if os.path.getsize(path) == 0:
+            reason = "empty file"
+        raise DiagnoseError(f"cannot read {str(path)!r} as Parquet: {reason}") from None
+    names = [columns["old"], columns["rollout"], columns["mask"]]
+    _missing(path, columns, file.schema_arrow.names)
+    first = 0
+    for batch in file.iter_batches(batch_size=rows, columns=names):
+        parts = [_list_parts(path, n, batch.column(n)) for n in names]
+        yield _pad_lists(path, first, names, parts)
+        first += batch.num_rows
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+def _jsonl_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Chunk]:
+    names = [columns["old"], columns["rollout"], columns["mask"]]
+    buffers: list[list] = [[], [], []]
+    first = 0
+    line_no = 0
+
+    def flush():
+        parts = []
+        for buf in buffers:
+            lengths = np.array([len(x) for x in buf], np.int64)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            flat = [v for x in buf for v in x]
+            values = np.array([np.nan if v is None else v for v in flat], np.float64)
+            parts.append((values.astype(np.float32), offsets))
+        return _pad_lists(path, first, names, parts)
+
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line_no += 1
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DiagnoseError(f"{str(path)!r} line {line_no}: not JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise DiagnoseError(f"{str(path)!r} line {line_no}: expected a JSON object")
+            _missing(path, columns, list(record))
+            for buf, name in zip(buffers, names, strict=True):
+                value = record[name]
+                if not isinstance(value, list):
+                    raise DiagnoseError(
+                        f"{str(path)!r} line {line_no}: column {name!r} must be a list"
+                    )
+                buf.append(value)
+            if len(buffers[0]) == rows:
+                yield flush()
+                first += rows
+                buffers = [[], [], []]
+    if buffers[0]:
+        yield flush()
+
+
+# --------------------------------------------------------------------------- npz
+
+
+def _npz_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Chunk]:
+    try:
+        data = np.load(path)
+    except Exception as e:
+        reason = "empty file" if os.path.getsize(path) == 0 else str(e).splitlines()[0]
+        raise DiagnoseError(f"cannot read {str(path)!r} as .npz: {reason}") from None
+    with data:
+        _missing(path, NPZ_KEYS, data.files)
+        arrays = [np.asarray(data[NPZ_KEYS[k]]) for k in ("old", "rollout", "mask")]
+        segments = np.asarray(data["segment_ids"]) if "segment_ids" in data.files else None
+    shape = arrays[0].shape
+    for name, array in zip(("rollout_logp", "mask"), arrays[1:], strict=True):
+        if array.shape != shape:
+            raise DiagnoseError(
+                f"{str(path)!r}: {name!r} has shape {array.shape} but 'old_logp' has {shape}"
+            )
+    if segments is not None and segments.shape != shape:
+        raise DiagnoseError(
+            f"{str(path)!r}: 'segment_ids' has shape {segments.shape} but 'old_logp' has {shape}"
+        )
+    if len(shape) == 0 or shape[-1] == 0 or int(np.prod(shape)) == 0:
+        return
+    t = shape[-1]
+    old, rollout, mask = (a.reshape(-1, t) for a in arrays)
+    segments = None if segments is None else segments.reshape(-1, t)
+    for lo in range(0, old.shape[0], rows):
+        hi = min(lo + rows, old.shape[0])
+        parts = [a[lo:hi].astype(np.float32) for a in (old, rollout, mask)]
+        row = np.arange(lo, hi, dtype=np.int64)
+        if segments is None:
+            yield Chunk(*parts, file=np.zeros(hi - lo, np.int32), row=row, start=np.zeros_like(row))
+        else:
+            yield _unpack(parts, segments[lo:hi], row)
+
+
+def _unpack(parts: list[np.ndarray], segments: np.ndarray, row: np.ndarray) -> Chunk:
+    """Packed rows -> one sequence per contiguous run of a segment id."""
+    b, t = segments.shape
+    change = np.ones((b, t), bool)
+    change[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    flat_change = change.ravel()
+    starts = np.flatnonzero(flat_change)
+    run = np.cumsum(flat_change) - 1
+    run_len = np.diff(np.append(starts, b * t))
+    pos = np.arange(b * t) - starts[run]
+    out = []
+    for part in parts:
+        unpacked = np.zeros((starts.size, int(run_len.max())), np.float32)
+        unpacked[run, pos] = part.ravel()
+        out.append(unpacked)
+    return Chunk(
+        *out,
+        file=np.zeros(starts.size, np.int32),
+        row=row[starts // t],
+        start=(starts % t).astype(np.int64),
+    )
+
+
+# --------------------------------------------------------------------------- writer
+
+
+def write_dump(
+    path: str | os.PathLike[str],
+    *,
+    old_logp,
+    rollout_logp,
+    mask,
+    advantages=None,
+    segment_ids=None,
+) -> Path:
+    """Writes log-probs in a format ``offpolicy-jax diagnose`` reads; the suffix picks it.
+
+    ``.npz``: the arrays as given (keys ``old_logp``, ``rollout_logp``, ``mask``, and
+    ``advantages`` / ``segment_ids`` when given). ``.parquet`` / ``.jsonl``: one row per
+    sequence with list columns ``old_log_probs``, ``rollout_log_probs``,
+    ``response_mask`` (and ``advantages``), each row cut after its last masked-in
+    token; ``segment_ids`` is npz-only.
+
+    Args:
+      path: output file; ``.npz``, ``.parquet`` or ``.jsonl``.
+      old_logp, rollout_logp: ``[..., T]`` log-probs of the sampled tokens under the
+        trainer and the rollout engine (any float dtype; stored as float32).
+      mask: ``[..., T]`` bool or 0/1: tokens that are trained on.
+      advantages: optional ``[..., T]`` per-token or ``[...]`` per-sequence advantages.
+      segment_ids: optional ``[..., T]`` integer ids of packed sequences (npz only).
+
+    Returns:
+      The path written.
+    """
+    path = Path(path)
+    old = np.asarray(old_logp, np.float32)
+    rollout = np.asarray(rollout_logp, np.float32)
+    m = np.asarray(mask)
+    if old.ndim == 0 or rollout.shape != old.shape or m.shape != old.shape:
+        raise ValueError(
+            f"write_dump: old_logp {old.shape}, rollout_logp {rollout.shape} and mask "
+            f"{m.shape} must have one shape [..., T]"
+        )
+    adv = None if advantages is None else np.asarray(advantages, np.float32)
+    if adv is not None and adv.shape not in (old.shape, old.shape[:-1]):
+        raise ValueError(
+            f"write_dump: advantages must have shape {old.shape} or {old.shape[:-1]}, "
+            f"got {adv.shape}"
+        )
+    fmt = file_format(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "npz":
+        arrays = {"old_logp": old, "rollout_logp": rollout, "mask": m}
+        if adv is not None:
+            arrays["advantages"] = adv
+        if segment_ids is not None:
+            seg = np.asarray(segment_ids)
+            if seg.shape != old.shape:
+                raise ValueError(f"write_dump: segment_ids must have shape {old.shape}")
+            arrays["segment_ids"] = seg
+        with open(path, "wb") as f:  # np.savez would append .npz to other names
+            np.savez_compressed(f, **arrays)
+        return path
+    if segment_ids is not None:
+        raise ValueError("write_dump: segment_ids can only be written to .npz")
+    t = old.shape[-1]
+    old, rollout, m = old.reshape(-1, t), rollout.reshape(-1, t), m.reshape(-1, t)
+    if adv is not None:
+        adv = adv.reshape(-1, t) if adv.shape == old.shape else adv.reshape(-1)
+    keep = m.astype(bool)
+    lengths = np.where(keep.any(-1), t - np.argmax(keep[:, ::-1], axis=-1), 0)
+    columns = {"old": old, "rollout": rollout, "mask": m.astype(np.int8)}
+
+    def cut(a, i):
+        return a[i, : lengths[i]].tolist()
+
+    if fmt == "jsonl":
+        with open(path, "w", encoding="utf-8") as f:
+            for i in range(old.shape[0]):
+                record = {DEFAULT_COLUMNS[k]: cut(v, i) for k, v in columns.items()}
+                if adv is not None:
+                    record["advantages"] = cut(adv, i) if adv.ndim == 2 else float(adv[i])
+                f.write(json.dumps(record) + "\n")
+        return path
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    keep_flat = np.arange(t)[None, :] < lengths[:, None]
+
+    def as_list(a):
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(a[keep_flat]))
+
+    table = {DEFAULT_COLUMNS[k]: as_list(v) for k, v in columns.items()}
+    if adv is not None:
+        table["advantages"] = as_list(adv) if adv.ndim == 2 else pa.array(adv)
+    pq.write_table(pa.table(table), path)
+    return path

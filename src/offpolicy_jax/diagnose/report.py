@@ -1,0 +1,375 @@
+"""The report of ``offpolicy-jax diagnose``: recommendation, ``report.md``/``.json``, plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+import offpolicy_jax as opj
+from offpolicy_jax.diagnose import analysis
+
+# Recommendation thresholds (README "Diagnose a run"): the per-token k3 KL estimate
+# E[e^δ − δ − 1] ≈ Var(δ)/2 of the rollout vs the trainer.
+NEGLIGIBLE_K3 = 1e-4
+SEVERE_K3 = 1e-2
+MAX_REJECTED_SEQ_SHARE = 0.5
+
+
+def recommend(metrics: dict[str, float], what_if: dict[str, dict]) -> dict:
+    """The recommended config, from the pooled metrics and the what-if table.
+
+    * ``mis_k3_kl < 1e-4`` and no catastrophic token (ratio < 1e-4): negligible mismatch,
+      ``use_tis: false`` (keep monitoring the metrics);
+    * ``mis_k3_kl < 1e-2`` and no catastrophic token: mild, token-level TIS truncated at 2;
+    * otherwise severe: token TIS 2 + geometric RS in [0.98, 1.02] + veto at 1e-4
+      (``geo_rs_veto``), unless that rejects more than half of the sequences, then the
+      shipped ``mis.yaml`` (token RS + veto: drops tokens, keeps sequences).
+    """
+    k3 = metrics.get("mis_k3_kl", 0.0)
+    veto = what_if.get("veto", {}).get("metrics", {})
+    catastrophic = veto.get("mis_rs_catastrophic_token_fraction", 0.0)
+    facts = f"mis_k3_kl = {k3:.3g}, catastrophic-token fraction = {catastrophic:.3g}"
+    if k3 < NEGLIGIBLE_K3 and catastrophic == 0:
+        config = opj.CorrectionConfig(use_tis=False)
+        return {
+            "name": "metrics_only",
+            "severity": "negligible",
+            "reason": f"negligible mismatch ({facts} < {NEGLIGIBLE_K3:g}, no catastrophic "
+            "token): no correction needed; keep logging the metrics",
+            "config": config.to_dict(),
+        }
+    if k3 < SEVERE_K3 and catastrophic == 0:
+        name = "token_tis"
+        reason = (
+            f"mild mismatch ({facts}; k3 < {SEVERE_K3:g}, no token with ratio < "
+            f"{analysis.VETO:g}): per-token ratios stay near 1, so token-level TIS truncated "
+            "at 2 corrects the bias at little variance cost"
+        )
+        severity = "mild"
+    else:
+        geo = what_if.get("geo_rs_veto", {}).get("table", {})
+        share = geo.get("rejected_seq_share", 1.0)
+        why = (
+            f"severe mismatch ({facts}; k3 >= {SEVERE_K3:g} or catastrophic tokens present): "
+            "token ratios compound over a sequence, so sequences that drifted are rejected"
+        )
+        severity = "severe"
+        if share <= MAX_REJECTED_SEQ_SHARE:
+            name = "geo_rs_veto"
+            reason = (
+                f"{why} by their geometric-mean ratio (outside {list(analysis.GEO_BOUNDS)}: "
+                f"{share:.1%} of sequences) and sequences with a catastrophic token are vetoed"
+            )
+        else:
+            name = "mis"
+            reason = (
+                f"{why}; but geometric RS would reject {share:.1%} of the sequences (> "
+                f"{MAX_REJECTED_SEQ_SHARE:.0%}), so the shipped mis.yaml instead rejects "
+                "single tokens outside [0.5, 2] and vetoes catastrophic sequences"
+            )
+    config = next(w for w in analysis.WHAT_IFS if w.name == name).build()
+    return {"name": name, "severity": severity, "reason": reason, "config": config.to_dict()}
+
+
+# --------------------------------------------------------------------------- quantiles
+
+
+def _quantiles(hist: np.ndarray, qs=(0.05, 0.5, 0.95)) -> np.ndarray:
+    """Per-row quantiles of δ from a ``[..., N_DELTA_BINS]`` histogram (bin centres)."""
+    centres = analysis.delta_bin_centres()
+    cdf = np.cumsum(hist, -1)
+    total = cdf[..., -1:]
+    out = np.full((*hist.shape[:-1], len(qs)), np.nan)
+    for i, q in enumerate(qs):
+        idx = np.argmax(cdf >= q * total, axis=-1)
+        out[..., i] = np.where(total[..., 0] > 0, centres[idx], np.nan)
+    return out
+
+
+def _profile(hist, sums, abs_sums) -> dict:
+    count = hist.sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(count > 0, sums / np.maximum(count, 1), np.nan)
+        mean_abs = np.where(count > 0, abs_sums / np.maximum(count, 1), np.nan)
+    q = _quantiles(hist)
+    return {
+        "tokens": count,
+        "mean": mean,
+        "mean_abs": mean_abs,
+        "p05": q[..., 0],
+        "p50": q[..., 1],
+        "p95": q[..., 2],
+    }
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, (float, np.floating)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def _edges() -> np.ndarray:
+    """δ bin edges for JSON: the open outermost bins end at ±1000."""
+    return np.clip(analysis.delta_bin_edges(), -1e3, 1e3)
+
+
+def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
+    """The report as a JSON-able dict (``report.json``)."""
+    metrics = acc.metrics("metrics")
+    what_if = {}
+    for w in analysis.WHAT_IFS:
+        built = w.build()
+        entry = {"description": w.description}
+        if built is None:
+            entry["todo"] = True
+        else:
+            entry["config"] = built.to_dict()
+            entry["table"] = acc.what_if(w.name)
+            entry["metrics"] = acc.metrics(w.name)
+        what_if[w.name] = entry
+    position = _profile(acc.pos_hist, acc.pos_sum, acc.pos_abs)
+    position["start"] = np.arange(acc.pos_hist.shape[0]) * acc.position_bin
+    prob = _profile(acc.prob_hist, acc.prob_sum, acc.prob_abs)
+    edges = analysis.prob_bin_edges()
+    prob["p_high"], prob["p_low"] = edges[:-1], edges[1:]
+    prob["p_low"][-1] = 0.0
+    worst_tokens = [item for *_, item in sorted(acc.worst_tokens, reverse=True)]
+    worst_seqs = [item for *_, item in sorted(acc.worst_seqs, reverse=True)]
+    for item in worst_tokens + worst_seqs:
+        item["file"] = inputs[item["file"]]
+    report = {
+        "inputs": inputs,
+        "reduction": acc.reduction,
+        "totals": dict(acc.totals),
+        "metrics": metrics,
+        "what_if": what_if,
+        "recommendation": recommend(metrics, what_if),
+        "by_position": position,
+        "by_rollout_prob": prob,
+        "token_log_ratio_hist": {
+            "edges": _edges(),
+            "counts": acc.pos_hist.sum(0) if acc.pos_hist.size else acc.seq_hist * 0,
+        },
+        "seq_geometric_log_ratio_hist": {
+            "edges": _edges(),
+            "counts": acc.seq_hist,
+        },
+        "worst_tokens": worst_tokens,
+        "worst_sequences": worst_seqs,
+    }
+    return _jsonable(report)
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _g(x, digits=4) -> str:
+    return "n/a" if x is None else f"{x:.{digits}g}"
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.2f}%"
+
+
+def markdown(report: dict) -> str:
+    t = report["totals"]
+    lines = ["# Training–inference mismatch diagnosis", ""]
+    lines.append(
+        f"{t['sequences']:,} sequences, {t['tokens']:,} valid tokens from "
+        f"{len(report['inputs'])} file(s); metrics with reduction={report['reduction']!r}."
+    )
+    if t["nonfinite_tokens"]:
+        lines.append(
+            f"\n**Warning:** {t['nonfinite_tokens']:,} valid tokens with NaN/inf log-probs in "
+            f"{t['nonfinite_sequences']:,} sequences; those sequences are left out of every "
+            "metric (docs/semantics.md §0)."
+        )
+    rec = report["recommendation"]
+    lines += ["", "## Recommendation", "", f"**{rec['name']}** ({rec['severity']}): {rec['reason']}."]
+    lines += ["", "```yaml", yaml.safe_dump(rec["config"], sort_keys=False).rstrip(), "```"]
+    lines += ["", "## Mismatch metrics (`compute_correction`)", "", "| metric | value |", "|---|---|"]
+    lines += [f"| `{k}` | {_g(v, 6)} |" for k, v in report["metrics"].items()]
+    lines += ["", "## What-if: each standard correction on this dump", ""]
+    lines += [
+        "| config | rejected tokens | rejected sequences | truncated | ESS | mean weight | what |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, entry in report["what_if"].items():
+        if entry.get("todo"):
+            lines.append(f"| {name} | TODO | | | | | {entry['description']} |")
+            continue
+        row = entry["table"]
+        lines.append(
+            f"| {name} | {_pct(row['rejected_token_share'])} | {_pct(row['rejected_seq_share'])}"
+            f" | {_pct(row['truncated_share'])} | {_g(row['ess'], 3)} | "
+            f"{_g(row['mean_weight'], 4)} | {entry['description']} |"
+        )
+    lines += [
+        "",
+        "Rejected: share of valid tokens / non-empty sequences outside the final mask. "
+        "Truncated: `mis_tis_truncate_fraction` (same reduction as the metrics). "
+        "ESS = (Σw)² / (n·Σw²) over the n kept tokens (1 = uniform weights). Mean weight: "
+        "`mis_is_ratio_mean_final` (after batch normalisation where the config has it).",
+    ]
+    prob = report["by_rollout_prob"]
+    lines += ["", "## Log-ratio δ = old − rollout by rollout probability", ""]
+    lines += ["| rollout p | tokens | mean δ | mean abs δ | p5 | p50 | p95 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for i, n in enumerate(prob["tokens"]):
+        if n:
+            lines.append(
+                f"| {_g(prob['p_low'][i], 2)}–{_g(prob['p_high'][i], 2)} | {int(n):,} | "
+                f"{_g(prob['mean'][i], 3)} | {_g(prob['mean_abs'][i], 3)} | "
+                f"{_g(prob['p05'][i], 2)} | {_g(prob['p50'][i], 2)} | {_g(prob['p95'][i], 2)} |"
+            )
+    lines += ["", "Quantiles are read off 20-per-decade log bins (±6% of the value)."]
+    lines += ["", "## Worst sequences (by |Σ δ|)", ""]
+    lines += ["| file | row | tokens | Σ δ | mean δ | max abs δ |", "|---|---:|---:|---:|---:|---:|"]
+    for s in report["worst_sequences"][:10]:
+        lines.append(
+            f"| {Path(s['file']).name} | {s['row']} | {s['tokens']} | {_g(s['log_ratio'])} | "
+            f"{_g(s['geometric_log_ratio'])} | {_g(s['max_abs_token_log_ratio'])} |"
+        )
+    lines += ["", "## Worst tokens (by |δ|)", ""]
+    lines += ["| file | row | position | old logp | rollout logp | δ |", "|---|---:|---:|---:|---:|---:|"]
+    for s in report["worst_tokens"][:10]:
+        lines.append(
+            f"| {Path(s['file']).name} | {s['row']} | {s['position']} | {_g(s['old_logp'])} | "
+            f"{_g(s['rollout_logp'])} | {_g(s['log_ratio'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _symlog(ax, axis="x"):
+    getattr(ax, f"set_{axis}scale")("symlog", linthresh=1e-6, linscale=0.5)
+
+
+def _hist_axes(ax, hist: dict, xlabel: str, title: str) -> None:
+    edges = np.clip(np.asarray(hist["edges"], float), -1e3, 1e3)
+    counts = np.asarray(hist["counts"], float)
+    ax.stairs(counts, edges, fill=True, alpha=0.6, color="C0")
+    _symlog(ax)
+    nz = np.flatnonzero(counts)
+    if nz.size:
+        lo, hi = edges[nz[0]], edges[nz[-1] + 1]
+        span = max(abs(lo), abs(hi), 1e-5)
+        ax.set_xlim(-span * 1.5, span * 1.5)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("count (log scale)")
+    ax.set_title(title)
+    ax.axvline(0, color="k", lw=0.6)
+    ax.grid(alpha=0.3)
+
+
+def _profile_axes(ax, x, profile: dict, xlabel: str, title: str, log_x=False) -> None:
+    x = np.asarray(x, float)
+    have = np.asarray(profile["tokens"], float) > 0
+    p05 = np.asarray(profile["p05"], float)
+    p95 = np.asarray(profile["p95"], float)
+    ax.fill_between(x[have], p05[have], p95[have], alpha=0.25, color="C0", label="δ 5–95%")
+    ax.plot(x[have], np.asarray(profile["p50"], float)[have], color="C0", lw=1, label="δ median")
+    ax.plot(x[have], np.asarray(profile["mean"], float)[have], color="C1", lw=1.5, label="mean δ")
+    ax.plot(
+        x[have], np.asarray(profile["mean_abs"], float)[have], color="C3", lw=1.5, label="mean |δ|"
+    )
+    _symlog(ax, "y")
+    if log_x:
+        ax.set_xscale("log")
+        ax.invert_xaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("log-ratio δ = old − rollout")
+    ax.set_title(title)
+    ax.axhline(0, color="k", lw=0.6)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _prob_x(report):
+    prob = report["by_rollout_prob"]
+    high = np.asarray(prob["p_high"], float)
+    low = np.maximum(np.asarray(prob["p_low"], float), 1e-9)
+    return np.sqrt(high * low)
+
+
+PANELS = {
+    "log_ratio_hist.png": lambda ax, r: _hist_axes(
+        ax, r["token_log_ratio_hist"], "token log-ratio δ = old − rollout (symlog)", "Token log-ratio"
+    ),
+    "seq_ratio_hist.png": lambda ax, r: _hist_axes(
+        ax,
+        r["seq_geometric_log_ratio_hist"],
+        "log geometric-mean ratio per sequence, mean δ (symlog)",
+        "Sequence geometric ratio",
+    ),
+    "log_ratio_vs_position.png": lambda ax, r: _profile_axes(
+        ax,
+        r["by_position"]["start"],
+        r["by_position"],
+        "token position (bucket start)",
+        "Log-ratio by position",
+    ),
+    "log_ratio_vs_prob.png": lambda ax, r: _profile_axes(
+        ax,
+        _prob_x(r),
+        r["by_rollout_prob"],
+        "rollout probability of the token (log, decreasing)",
+        "Log-ratio by rollout probability",
+        log_x=True,
+    ),
+}
+
+
+def plots(report: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, draw in PANELS.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+        draw(ax, report)
+        fig.tight_layout()
+        fig.savefig(out / name)
+        plt.close(fig)
+        paths.append(out / name)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), dpi=80)
+    for ax, draw in zip(axes.ravel(), PANELS.values(), strict=True):
+        draw(ax, report)
+    fig.suptitle(f"Mismatch diagnosis — recommended: {report['recommendation']['name']}")
+    fig.tight_layout()
+    fig.savefig(out / "overview.png")
+    plt.close(fig)
+    paths.append(out / "overview.png")
+    return paths
+
+
+def write(report: dict, out: Path) -> dict[str, Path]:
+    """Writes ``report.md``, ``report.json``, ``recommended.yaml`` and the plots to ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"report.md": out / "report.md", "report.json": out / "report.json"}
+    paths["report.md"].write_text(markdown(report))
+    paths["report.json"].write_text(json.dumps(report, indent=1))
+    rec = report["recommendation"]
+    yaml_path = out / "recommended.yaml"
+    header = f"# offpolicy-jax diagnose: {rec['name']} ({rec['severity']}).\n# {rec['reason']}.\n"
+    yaml_path.write_text(header + yaml.safe_dump(rec["config"], sort_keys=False))
+    paths["recommended.yaml"] = yaml_path
+    for path in plots(report, out):
+        paths[path.name] = path
+    return paths
