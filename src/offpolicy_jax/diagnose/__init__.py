@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from offpolicy_jax.diagnose import analysis, report
 from offpolicy_jax.diagnose.analysis import WHAT_IFS, Accumulator, WhatIf
 from offpolicy_jax.diagnose.readers import DEFAULT_COLUMNS, DiagnoseError, write_dump
@@ -73,26 +75,24 @@ def diagnose(
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     paths = readers.expand_inputs(inputs)
-    for path in paths:
-        readers.file_format(path)
+    columns = {"old": old_col, "rollout": rollout_col, "mask": mask_col}
+    counts = [readers.check(path, columns) for path in paths]  # fail before any work
     configs = [("metrics", analysis.METRICS_ONLY)]
     configs += [(w.name, w.build()) for w in WHAT_IFS if w.build() is not None]
-    acc = Accumulator(
-        configs, reduction, position_bin=position_bin, top_k=top_k, rows=chunk_rows
-    )
-    counts = [readers.count_rows(p) for p in paths]
+    acc = Accumulator(configs, reduction, position_bin=position_bin, top_k=top_k, rows=chunk_rows)
     total = sum(counts) if all(c is not None for c in counts) else None
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="seq", unit_scale=True, desc="diagnose", file=sys.stderr)
-    columns = {"old": old_col, "rollout": rollout_col, "mask": mask_col}
     try:
         for chunk in readers.iter_chunks(paths, rows=chunk_rows, columns=columns):
             acc.add(chunk)
+            if progress and bar is None:  # after the first chunk: bad input fails first
+                from tqdm import tqdm
+
+                bar = tqdm(
+                    total=total, unit="row", unit_scale=True, desc="diagnose", file=sys.stderr
+                )
             if bar is not None:
-                bar.update(int(chunk.row.size))
+                bar.update(int(np.unique(chunk.row).size))  # packed rows hold several
     finally:
         if bar is not None:
             bar.close()

@@ -193,7 +193,9 @@ def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
     }
     per_config = {}
     for name, config in configs:
-        stripped = dataclasses.replace(config, tis_batch_normalize=False) if config.use_tis else config
+        stripped = (
+            dataclasses.replace(config, tis_batch_normalize=False) if config.use_tis else config
+        )
         res = opj.compute_correction(old, rollout, mask, stripped, reduction=reduction)
         n_final = jnp.sum(res.mask, -1)
         kept = res.mask > 0

@@ -90,22 +90,52 @@ def file_format(path: Path) -> str:
     )
 
 
-def count_rows(path: Path) -> int | None:
-    """Rows in a file if cheap to know (Parquet metadata, npz header), else None."""
-    fmt = file_format(path)
-    try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
+def check(path: Path, columns: dict[str, str] | None = None) -> int | None:
+    """Fails early on an unreadable or empty file or a missing column; returns its rows.
 
-            return pq.ParquetFile(path).metadata.num_rows
-        if fmt == "npz":
+    The row count is returned where it is cheap (Parquet metadata, npz shapes) for the
+    progress bar, else None (JSONL).
+    """
+    columns = {**DEFAULT_COLUMNS, **(columns or {})}
+    fmt = file_format(path)
+    if os.path.getsize(path) == 0:
+        raise DiagnoseError(f"{str(path)!r}: empty file")
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            file = pq.ParquetFile(path)
+        except Exception as e:  # ArrowInvalid / OSError, with multi-line text
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DiagnoseError(f"cannot read {str(path)!r} as Parquet: {reason}") from None
+        _missing(path, columns, file.schema_arrow.names)
+        rows = file.metadata.num_rows
+    elif fmt == "npz":
+        try:
             with np.load(path) as data:
-                if NPZ_KEYS["mask"] in data.files:
-                    shape = data[NPZ_KEYS["mask"]].shape
-                    return int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    except Exception:  # the reader reports the real error with its context
+                _missing(path, NPZ_KEYS, data.files)
+                shape = data[NPZ_KEYS["mask"]].shape
+        except DiagnoseError:
+            raise
+        except Exception as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DiagnoseError(f"cannot read {str(path)!r} as .npz: {reason}") from None
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 and shape[-1] else 0
+    else:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), None)
+        if first is None:
+            raise DiagnoseError(f"{str(path)!r}: empty file (no sequences)")
+        try:
+            record = json.loads(first)
+        except json.JSONDecodeError as e:
+            raise DiagnoseError(f"{str(path)!r}: first line is not JSON ({e.msg})") from None
+        if isinstance(record, dict):
+            _missing(path, columns, list(record))
         return None
-    return None
+    if rows == 0:
+        raise DiagnoseError(f"{str(path)!r}: empty file (no sequences)")
+    return rows
 
 
 def iter_chunks(

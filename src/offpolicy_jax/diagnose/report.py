@@ -197,9 +197,20 @@ def markdown(report: dict) -> str:
             "metric (docs/semantics.md §0)."
         )
     rec = report["recommendation"]
-    lines += ["", "## Recommendation", "", f"**{rec['name']}** ({rec['severity']}): {rec['reason']}."]
+    lines += [
+        "",
+        "## Recommendation",
+        "",
+        f"**{rec['name']}** ({rec['severity']}): {rec['reason']}.",
+    ]
     lines += ["", "```yaml", yaml.safe_dump(rec["config"], sort_keys=False).rstrip(), "```"]
-    lines += ["", "## Mismatch metrics (`compute_correction`)", "", "| metric | value |", "|---|---|"]
+    lines += [
+        "",
+        "## Mismatch metrics (`compute_correction`)",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ]
     lines += [f"| `{k}` | {_g(v, 6)} |" for k, v in report["metrics"].items()]
     lines += ["", "## What-if: each standard correction on this dump", ""]
     lines += [
@@ -225,7 +236,10 @@ def markdown(report: dict) -> str:
     ]
     prob = report["by_rollout_prob"]
     lines += ["", "## Log-ratio δ = old − rollout by rollout probability", ""]
-    lines += ["| rollout p | tokens | mean δ | mean abs δ | p5 | p50 | p95 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "| rollout p | tokens | mean δ | mean abs δ | p5 | p50 | p95 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for i, n in enumerate(prob["tokens"]):
         if n:
             lines.append(
@@ -235,14 +249,20 @@ def markdown(report: dict) -> str:
             )
     lines += ["", "Quantiles are read off 20-per-decade log bins (±6% of the value)."]
     lines += ["", "## Worst sequences (by |Σ δ|)", ""]
-    lines += ["| file | row | tokens | Σ δ | mean δ | max abs δ |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        "| file | row | tokens | Σ δ | mean δ | max abs δ |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for s in report["worst_sequences"][:10]:
         lines.append(
             f"| {Path(s['file']).name} | {s['row']} | {s['tokens']} | {_g(s['log_ratio'])} | "
             f"{_g(s['geometric_log_ratio'])} | {_g(s['max_abs_token_log_ratio'])} |"
         )
     lines += ["", "## Worst tokens (by |δ|)", ""]
-    lines += ["| file | row | position | old logp | rollout logp | δ |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        "| file | row | position | old logp | rollout logp | δ |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for s in report["worst_tokens"][:10]:
         lines.append(
             f"| {Path(s['file']).name} | {s['row']} | {s['position']} | {_g(s['old_logp'])} | "
@@ -254,15 +274,35 @@ def markdown(report: dict) -> str:
 # --------------------------------------------------------------------------- plots
 
 
-def _symlog(ax, axis="x"):
-    getattr(ax, f"set_{axis}scale")("symlog", linthresh=1e-6, linscale=0.5)
+def _linthresh(report: dict, key: str = "token_log_ratio_hist") -> float:
+    """Linear range of the symlog axes: the decade of the 10th percentile of |δ|.
+
+    Mismatches span 1e-4 (precision) to 10 (stale policies), so a fixed linear range
+    either hides the bulk in the linear part or splits it into two mirrored humps.
+    """
+    hist = report[key]
+    counts = np.asarray(hist["counts"], float)
+    edges = np.abs(np.asarray(hist["edges"], float))
+    mid = len(counts) // 2
+    # |δ| histogram: fold the negative side onto the positive one.
+    folded = counts[mid:].copy()
+    folded[1:] += counts[:mid][::-1]
+    if folded.sum() == 0:
+        return 1e-3
+    idx = int(np.argmax(np.cumsum(folded) >= 0.1 * folded.sum()))
+    value = max(edges[mid + idx], 1e-6)
+    return float(10.0 ** np.floor(np.log10(value)))
 
 
-def _hist_axes(ax, hist: dict, xlabel: str, title: str) -> None:
+def _symlog(ax, linthresh, axis="x"):
+    getattr(ax, f"set_{axis}scale")("symlog", linthresh=linthresh, linscale=0.6)
+
+
+def _hist_axes(ax, hist: dict, xlabel: str, title: str, linthresh: float) -> None:
     edges = np.clip(np.asarray(hist["edges"], float), -1e3, 1e3)
     counts = np.asarray(hist["counts"], float)
     ax.stairs(counts, edges, fill=True, alpha=0.6, color="C0")
-    _symlog(ax)
+    _symlog(ax, linthresh)
     nz = np.flatnonzero(counts)
     if nz.size:
         lo, hi = edges[nz[0]], edges[nz[-1] + 1]
@@ -276,7 +316,7 @@ def _hist_axes(ax, hist: dict, xlabel: str, title: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def _profile_axes(ax, x, profile: dict, xlabel: str, title: str, log_x=False) -> None:
+def _profile_axes(ax, x, profile: dict, xlabel: str, title: str, linthresh, log_x=False):
     x = np.asarray(x, float)
     have = np.asarray(profile["tokens"], float) > 0
     p05 = np.asarray(profile["p05"], float)
@@ -287,7 +327,7 @@ def _profile_axes(ax, x, profile: dict, xlabel: str, title: str, log_x=False) ->
     ax.plot(
         x[have], np.asarray(profile["mean_abs"], float)[have], color="C3", lw=1.5, label="mean |δ|"
     )
-    _symlog(ax, "y")
+    _symlog(ax, linthresh, "y")
     if log_x:
         ax.set_xscale("log")
         ax.invert_xaxis()
@@ -296,7 +336,7 @@ def _profile_axes(ax, x, profile: dict, xlabel: str, title: str, log_x=False) ->
     ax.set_title(title)
     ax.axhline(0, color="k", lw=0.6)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, framealpha=0.8)
 
 
 def _prob_x(report):
@@ -308,13 +348,18 @@ def _prob_x(report):
 
 PANELS = {
     "log_ratio_hist.png": lambda ax, r: _hist_axes(
-        ax, r["token_log_ratio_hist"], "token log-ratio δ = old − rollout (symlog)", "Token log-ratio"
+        ax,
+        r["token_log_ratio_hist"],
+        "token log-ratio δ = old − rollout (symlog)",
+        "Token log-ratio",
+        _linthresh(r),
     ),
     "seq_ratio_hist.png": lambda ax, r: _hist_axes(
         ax,
         r["seq_geometric_log_ratio_hist"],
         "log geometric-mean ratio per sequence, mean δ (symlog)",
         "Sequence geometric ratio",
+        _linthresh(r, "seq_geometric_log_ratio_hist"),
     ),
     "log_ratio_vs_position.png": lambda ax, r: _profile_axes(
         ax,
@@ -322,6 +367,7 @@ PANELS = {
         r["by_position"],
         "token position (bucket start)",
         "Log-ratio by position",
+        _linthresh(r),
     ),
     "log_ratio_vs_prob.png": lambda ax, r: _profile_axes(
         ax,
@@ -329,6 +375,7 @@ PANELS = {
         r["by_rollout_prob"],
         "rollout probability of the token (log, decreasing)",
         "Log-ratio by rollout probability",
+        _linthresh(r),
         log_x=True,
     ),
 }

@@ -1,0 +1,250 @@
+"""``offpolicy-jax diagnose``: exact pooling, recommendation, readers, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("matplotlib")
+
+import offpolicy_jax as opj  # noqa: E402
+from offpolicy_jax.demo import cli  # noqa: E402
+from offpolicy_jax.diagnose import WHAT_IFS, DiagnoseError, diagnose, write_dump  # noqa: E402
+from offpolicy_jax.diagnose.analysis import METRICS_ONLY  # noqa: E402
+
+
+def make_dump(seed=0, batch=29, length=24, sigma=0.3, spike=0.02, drift=0.0, nan=True):
+    """Ragged lengths (some empty), log-normal-ish mismatch, spikes and one NaN token."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, length + 1, batch)
+    lengths[0] = length  # at least one full row
+    mask = np.arange(length)[None] < lengths[:, None]
+    old = -rng.exponential(1.0, (batch, length))
+    noise = rng.normal(0, sigma, (batch, length)) + drift * rng.normal(0, 1, (batch, 1))
+    spikes = np.where(rng.random((batch, length)) < spike, rng.normal(0, 8, (batch, length)), 0)
+    rollout = np.minimum(old + noise + spikes, -1e-6)
+    old, rollout = old.astype(np.float32), rollout.astype(np.float32)
+    if nan:
+        old[1, 0] = np.nan  # a NaN at a valid token: the sequence leaves every metric
+        mask[1, 0] = True
+        rollout[2, length - 1] = np.nan  # NaN at padding: harmless (row 2 is shorter)
+        mask[2, length - 1] = False
+    return old, rollout, mask
+
+
+def _check_equal(report, old, rollout, mask, reduction):
+    configs = {"metrics": METRICS_ONLY} | {w.name: w.build() for w in WHAT_IFS if w.build()}
+    for name, config in configs.items():
+        got = report["metrics"] if name == "metrics" else report["what_if"][name]["metrics"]
+        want = opj.compute_correction(old, rollout, mask, config, reduction=reduction).metrics
+        assert set(got) == set(want), name
+        for key, value in want.items():
+            np.testing.assert_allclose(
+                got[key], float(value), rtol=2e-6, atol=1e-6, err_msg=f"{name}: {key}"
+            )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["sequence", "token"])
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ".npz"])
+def test_chunked_report_equals_one_compute_correction(tmp_path, suffix, reduction):
+    old, rollout, mask = make_dump()
+    path = write_dump(tmp_path / f"dump{suffix}", old_logp=old, rollout_logp=rollout, mask=mask)
+    report = diagnose(path, reduction=reduction, chunk_rows=4)  # 8 chunks of ragged length
+    _check_equal(report, old, rollout, mask, reduction)
+    assert report["totals"]["nonfinite_tokens"] == 1
+    assert report["totals"]["nonfinite_sequences"] == 1
+    assert report["totals"]["tokens"] == int(mask.sum())
+
+
+@pytest.mark.slow
+def test_several_files_and_glob_pool_like_one_batch(tmp_path):
+    old, rollout, mask = make_dump(seed=1, batch=20)
+    write_dump(tmp_path / "a.parquet", old_logp=old[:7], rollout_logp=rollout[:7], mask=mask[:7])
+    write_dump(tmp_path / "b.parquet", old_logp=old[7:], rollout_logp=rollout[7:], mask=mask[7:])
+    report = diagnose(str(tmp_path / "*.parquet"), chunk_rows=4)
+    _check_equal(report, old, rollout, mask, "sequence")
+    worst = report["worst_tokens"][0]
+    delta = np.where(mask & np.isfinite(old) & np.isfinite(rollout), old - rollout, 0)
+    delta[1] = 0  # the NaN sequence is left out
+    row = int(np.argmax(np.abs(delta).max(-1)))
+    assert worst["file"].endswith("a.parquet" if row < 7 else "b.parquet")
+    assert worst["row"] == (row if row < 7 else row - 7)
+    assert worst["position"] == int(np.argmax(np.abs(delta[row])))
+
+
+@pytest.mark.slow
+def test_packed_rows_by_segment_ids_equal_unpacked(tmp_path):
+    old, rollout, mask = make_dump(seed=2, batch=6, length=10, nan=False)
+    # Row i of the packed dump holds sequences 2i (segment 1) and 2i + 1 (segment 2).
+    old_p, rollout_p, mask_p = (a.reshape(3, 20) for a in (old, rollout, mask))
+    segments = np.repeat([[1] * 10 + [2] * 10], 3, axis=0)
+    path = write_dump(
+        tmp_path / "packed.npz",
+        old_logp=old_p,
+        rollout_logp=rollout_p,
+        mask=mask_p,
+        segment_ids=segments,
+    )
+    report = diagnose(path, chunk_rows=2)
+    _check_equal(report, old, rollout, mask, "sequence")
+    assert report["totals"]["sequences"] == int((mask.sum(-1) > 0).sum())
+
+
+@pytest.mark.slow
+def test_recommendation_mild_vs_severe(tmp_path):
+    """Mild -> token TIS; severe -> geometric RS + veto (or mis.yaml), as the README says."""
+    common = dict(batch=64, length=64, nan=False)
+    mild = make_dump(seed=3, sigma=0.02, spike=0.0, **common)
+    severe = make_dump(seed=3, sigma=0.3, spike=0.01, **common)
+    names = {}
+    for label, (old, rollout, mask) in (("mild", mild), ("severe", severe)):
+        path = write_dump(tmp_path / f"{label}.npz", old_logp=old, rollout_logp=rollout, mask=mask)
+        out = tmp_path / f"out_{label}"
+        report = diagnose(path, out, chunk_rows=32)
+        rec = report["recommendation"]
+        names[label] = (rec["name"], rec["severity"])
+        loaded = opj.CorrectionConfig.from_yaml(str(out / "recommended.yaml"))
+        assert loaded.to_dict() == rec["config"]
+    assert names["mild"] == ("token_tis", "mild")
+    assert names["severe"][1] == "severe" and names["severe"][0] in ("geo_rs_veto", "mis")
+    assert opj.CorrectionConfig.from_yaml(str(tmp_path / "out_severe" / "recommended.yaml")).use_rs
+    negligible = make_dump(seed=4, sigma=1e-3, spike=0.0, **common)
+    old, rollout, mask = negligible
+    path = write_dump(tmp_path / "tiny.npz", old_logp=old, rollout_logp=rollout, mask=mask)
+    assert diagnose(path, chunk_rows=32)["recommendation"]["name"] == "metrics_only"
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def _cli(argv, capsys):
+    try:
+        status = cli.main(argv)
+    except SystemExit as e:
+        status = e.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.mark.slow
+def test_cli_writes_report_files_and_plots(tmp_path, capsys):
+    old, rollout, mask = make_dump(seed=5)
+    path = write_dump(tmp_path / "d.parquet", old_logp=old, rollout_logp=rollout, mask=mask)
+    out = tmp_path / "out"
+    status, stdout, _ = _cli(["diagnose", str(path), "--out", str(out), "--no-progress"], capsys)
+    assert status == 0
+    assert "## What-if" in stdout and "Recommended:" in stdout
+    names = {p.name for p in out.iterdir()}
+    assert {"report.md", "report.json", "recommended.yaml", "overview.png"} <= names
+    assert {"log_ratio_hist.png", "seq_ratio_hist.png"} <= names
+    assert {"log_ratio_vs_position.png", "log_ratio_vs_prob.png"} <= names
+    report = json.loads((out / "report.json").read_text())
+    assert "TODO" in (out / "report.md").read_text()  # IcePop / k3 placeholders
+    assert report["what_if"]["token_tis"]["table"]["ess"] <= 1.0
+
+
+@pytest.mark.slow
+def test_cli_custom_column_names(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"o": [[-1.0, -2.0], [-0.5]], "r": [[-1.1, -2.0], [-0.4]], "m": [[1, 1], [1]]})
+    pq.write_table(table, tmp_path / "c.parquet")
+    argv = ["diagnose", str(tmp_path / "c.parquet"), "--out", str(tmp_path / "o")]
+    argv += ["--old-col", "o", "--rollout-col", "r", "--mask-col", "m", "--no-progress"]
+    status, _, err = _cli(argv, capsys)
+    assert status == 0, err
+
+
+def _one_line_error(status, err):
+    assert status not in (0, None)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offpolicy-jax: error: "), err
+    return lines[0]
+
+
+def test_bad_input_missing_column(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"old_log_probs": [[-1.0]], "foo": [[1]]}), tmp_path / "m.parquet")
+    status, _, err = _cli(["diagnose", str(tmp_path / "m.parquet"), "--out", str(tmp_path)], capsys)
+    line = _one_line_error(status, err)
+    assert "'rollout_log_probs'" in line and "'old_log_probs', 'foo'" in line
+
+
+def test_bad_input_ragged_row(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    rows = [
+        {"old_log_probs": [-1.0, -2.0], "rollout_log_probs": [-1.0, -2.0], "response_mask": [1, 1]},
+        {"old_log_probs": [-1.0, -2.0], "rollout_log_probs": [-1.0], "response_mask": [1, 1]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    status, _, err = _cli(["diagnose", str(path), "--out", str(tmp_path / "o")], capsys)
+    line = _one_line_error(status, err)
+    assert "row 1" in line and "'rollout_log_probs' has 1" in line
+
+
+@pytest.mark.slow
+def test_bad_input_nan_at_valid_tokens_is_counted_not_fatal(tmp_path, capsys):
+    old, rollout, mask = make_dump(seed=6)
+    old[3, 0], mask[3, 0] = np.nan, True
+    path = write_dump(tmp_path / "n.npz", old_logp=old, rollout_logp=rollout, mask=mask)
+    out = tmp_path / "o"
+    status, stdout, _ = _cli(["diagnose", str(path), "--out", str(out), "--no-progress"], capsys)
+    assert status == 0
+    assert "2 valid tokens with NaN/inf log-probs in 2 sequences" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert all(np.isfinite(v) for v in report["metrics"].values())
+
+
+@pytest.mark.parametrize("kind", ["parquet_no_rows", "zero_bytes_jsonl", "zero_bytes_parquet"])
+def test_bad_input_empty_file(tmp_path, capsys, kind):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind == "parquet_no_rows":
+        path = tmp_path / "e.parquet"
+        list_f32 = pa.list_(pa.float32())
+        schema = pa.schema(
+            [
+                ("old_log_probs", list_f32),
+                ("rollout_log_probs", list_f32),
+                ("response_mask", list_f32),
+            ]
+        )
+        pq.write_table(schema.empty_table(), path)
+    else:
+        path = tmp_path / ("e.jsonl" if kind == "zero_bytes_jsonl" else "e.parquet")
+        path.write_bytes(b"")
+    status, _, err = _cli(["diagnose", str(path), "--out", str(tmp_path / "o")], capsys)
+    assert "empty file" in _one_line_error(status, err)
+
+
+def test_bad_input_unreadable_path(tmp_path, capsys):
+    missing = tmp_path / "nope.parquet"
+    status, _, err = _cli(["diagnose", str(missing), "--out", str(tmp_path / "o")], capsys)
+    assert "No such file" in _one_line_error(status, err)
+    status, _, err = _cli(["diagnose", str(tmp_path / "*.npz"), "--out", str(tmp_path)], capsys)
+    assert "no file matches" in _one_line_error(status, err)
+
+
+def test_write_dump_rejects_mismatched_shapes(tmp_path):
+    with pytest.raises(ValueError, match="one shape"):
+        write_dump(
+            tmp_path / "x.npz",
+            old_logp=np.zeros((2, 3)),
+            rollout_logp=np.zeros((2, 4)),
+            mask=np.ones((2, 3)),
+        )
+    with pytest.raises(DiagnoseError, match="unknown format"):
+        write_dump(
+            tmp_path / "x.csv",
+            old_logp=np.zeros((2, 3)),
+            rollout_logp=np.zeros((2, 3)),
+            mask=np.ones((2, 3)),
+        )
