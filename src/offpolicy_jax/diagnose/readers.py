@@ -228,7 +228,10 @@ def _parquet_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[
     import pyarrow.parquet as pq
 
     try:
-        file = pq.ParquetFile(path)
+        # pre_buffer=False: with pre-buffering, iter_batches keeps every column chunk it
+        # has read in Arrow's memory pool until the file is closed, so memory grew with
+        # the dump (2.6 GB peak RSS on a 2 GB file); without it, it stays flat.
+        file = pq.ParquetFile(path, pre_buffer=False)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError with multi-line text
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         if os.path.getsize(path) == 0:

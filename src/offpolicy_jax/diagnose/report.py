@@ -298,10 +298,13 @@ def _symlog(ax, linthresh, axis="x"):
     getattr(ax, f"set_{axis}scale")("symlog", linthresh=linthresh, linscale=0.6)
 
 
-def _hist_axes(ax, hist: dict, xlabel: str, title: str, linthresh: float) -> None:
+def _hist_axes(ax, hist: dict, xlabel: str, title: str, linthresh: float, unit: str) -> None:
     edges = np.clip(np.asarray(hist["edges"], float), -1e3, 1e3)
     counts = np.asarray(hist["counts"], float)
-    ax.stairs(counts, edges, fill=True, alpha=0.6, color="C0")
+    # Density per unit of δ, not counts per bin: the bins are logarithmic, so raw counts
+    # would vanish near 0 and draw one bell as two humps.
+    density = counts / np.diff(edges)
+    ax.stairs(density, edges, fill=True, alpha=0.6, color="C0")
     _symlog(ax, linthresh)
     nz = np.flatnonzero(counts)
     if nz.size:
@@ -310,7 +313,7 @@ def _hist_axes(ax, hist: dict, xlabel: str, title: str, linthresh: float) -> Non
         ax.set_xlim(-span * 1.5, span * 1.5)
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("count (log scale)")
+    ax.set_ylabel(f"{unit} per unit of δ (log scale)")
     ax.set_title(title)
     ax.axvline(0, color="k", lw=0.6)
     ax.grid(alpha=0.3)
@@ -353,6 +356,7 @@ PANELS = {
         "token log-ratio δ = old − rollout (symlog)",
         "Token log-ratio",
         _linthresh(r),
+        "tokens",
     ),
     "seq_ratio_hist.png": lambda ax, r: _hist_axes(
         ax,
@@ -360,6 +364,7 @@ PANELS = {
         "log geometric-mean ratio per sequence, mean δ (symlog)",
         "Sequence geometric ratio",
         _linthresh(r, "seq_geometric_log_ratio_hist"),
+        "sequences",
     ),
     "log_ratio_vs_position.png": lambda ax, r: _profile_axes(
         ax,
