@@ -248,3 +248,29 @@ def test_write_dump_rejects_mismatched_shapes(tmp_path):
             rollout_logp=np.zeros((2, 3)),
             mask=np.ones((2, 3)),
         )
+
+
+def test_parquet_streaming_memory_stays_flat(tmp_path):
+    """Arrow's pool holds about one row group at a time, not the whole file read so far."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from offpolicy_jax.diagnose import readers
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "big.parquet"
+    schema = pa.schema([(c, pa.list_(pa.float32())) for c in readers.DEFAULT_COLUMNS.values()])
+    rows, length, groups = 500, 200, 30
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * length)
+    with pq.ParquetWriter(path, schema) as writer:
+        for _ in range(groups):
+            values = [rng.normal(size=rows * length).astype(np.float32) for _ in range(3)]
+            lists = [pa.ListArray.from_arrays(offsets, pa.array(v)) for v in values]
+            writer.write_table(pa.Table.from_arrays(lists, schema=schema))
+    group_bytes = 3 * rows * length * 4  # 1.2 MB; the file holds 36 MB
+    pool = pa.default_memory_pool()
+    peak = 0
+    for chunk in readers.iter_chunks([path], rows=rows):
+        assert chunk.old.shape == (rows, length)
+        peak = max(peak, pool.bytes_allocated())
+    assert peak < 12 * group_bytes  # pre-buffered reading reached ~36 MB here
