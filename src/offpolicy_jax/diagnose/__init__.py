@@ -80,7 +80,8 @@ def diagnose(
     configs = [("metrics", analysis.METRICS_ONLY)]
     configs += [(w.name, w.build()) for w in WHAT_IFS if w.build() is not None]
     acc = Accumulator(configs, reduction, position_bin=position_bin, top_k=top_k, rows=chunk_rows)
-    total = sum(counts) if all(c is not None for c in counts) else None
+    known = [c for c in counts if c is not None]
+    total = sum(known) if len(known) == len(counts) else None
     bar = None
     try:
         for chunk in readers.iter_chunks(paths, rows=chunk_rows, columns=columns):

@@ -30,6 +30,7 @@ import functools
 import heapq
 from collections.abc import Iterable
 from importlib import resources
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -210,7 +211,7 @@ def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
             "sum_w2": jnp.sum(jnp.where(kept, jnp.square(res.weights), 0.0)),
         }
         if config.use_tis and config.tis_batch_normalize:
-            how = normalizer_reduction(config.tis_level)
+            how: Any = normalizer_reduction(config.tis_level)  # "token" or "sequence"
             if how != reduction:  # μ averages in its own reduction (§3.6, D4)
                 other = opj.compute_correction(old, rollout, mask, stripped, reduction=how)
                 entry["mu_mean"] = other.metrics["mis_is_ratio_mean_after_tis_rs"]

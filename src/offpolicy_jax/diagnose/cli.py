@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from offpolicy_jax.diagnose.readers import DEFAULT_COLUMNS
 
@@ -50,7 +52,7 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace, fail) -> int:
+def run(args: argparse.Namespace, fail: Callable[[str], NoReturn]) -> int:
     """Runs the subcommand; ``fail(message)`` prints one line and exits non-zero."""
     from offpolicy_jax.diagnose import DiagnoseError, diagnose
 
@@ -69,9 +71,9 @@ def run(args: argparse.Namespace, fail) -> int:
             progress=not args.no_progress,
         )
     except DiagnoseError as e:
-        fail(str(e))
+        return fail(str(e))
     except OSError as e:
-        fail(f"cannot write to {str(out)!r}: {e.strerror or e}")
+        return fail(f"cannot write to {str(out)!r}: {e.strerror or e}")
     sys.stdout.write((out / "report.md").read_text())
     rec = result["recommendation"]
     print(f"Recommended: {rec['name']} -> {out / 'recommended.yaml'}; wrote {out}/")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -53,9 +54,10 @@ def recommend(metrics: dict[str, float], what_if: dict[str, dict]) -> dict:
     else:
         geo = what_if.get("geo_rs_veto", {}).get("table", {})
         share = geo.get("rejected_seq_share", 1.0)
+        trigger = f"k3 >= {SEVERE_K3:g}" if k3 >= SEVERE_K3 else "catastrophic tokens present"
         why = (
-            f"severe mismatch ({facts}; k3 >= {SEVERE_K3:g} or catastrophic tokens present): "
-            "token ratios compound over a sequence, so sequences that drifted are rejected"
+            f"severe mismatch ({facts}; {trigger}): token ratios compound over a sequence, "
+            "so sequences that drifted are rejected"
         )
         severity = "severe"
         if share <= MAX_REJECTED_SEQ_SHARE:
@@ -72,6 +74,7 @@ def recommend(metrics: dict[str, float], what_if: dict[str, dict]) -> dict:
                 "single tokens outside [0.5, 2] and vetoes catastrophic sequences"
             )
     config = next(w for w in analysis.WHAT_IFS if w.name == name).build()
+    assert config is not None  # the recommended rows are built-in configs
     return {"name": name, "severity": severity, "reason": reason, "config": config.to_dict()}
 
 
@@ -106,7 +109,7 @@ def _profile(hist, sums, abs_sums) -> dict:
     }
 
 
-def _jsonable(x):
+def _jsonable(x) -> Any:
     if isinstance(x, dict):
         return {k: _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -131,7 +134,7 @@ def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
     what_if = {}
     for w in analysis.WHAT_IFS:
         built = w.build()
-        entry = {"description": w.description}
+        entry: dict[str, Any] = {"description": w.description}
         if built is None:
             entry["todo"] = True
         else:
