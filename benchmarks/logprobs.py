@@ -126,7 +126,8 @@ def render(rows: list[dict], command: str) -> str:
     lines += [
         "",
         "temp = XLA's compiled temporary buffers of the jitted `value_and_grad` "
-        "(`memory_analysis().temp_size_in_bytes`); times are medians after one warm-up.",
+        "(`memory_analysis().temp_size_in_bytes`); times are medians after one warm-up. "
+        f"1-minute load average at the end of the run: {os.getloadavg()[0]:.1f}.",
         "",
     ]
     return "\n".join(lines)
