@@ -35,7 +35,8 @@ another order; such cases are measure-zero for real logits.
 Non-finite outputs (documented, never silent):
 
 * a token **outside the support** gets ``−inf`` (the sampler could not have drawn it;
-  ``compute_correction`` rejects the sequence as non-finite, ``mis_nonfinite_seq_fraction``);
+  ``compute_correction`` rejects the sequence as non-finite, ``mis_nonfinite_seq_fraction``,
+  docs/semantics.md §0);
 * a token id **out of range** (``< 0`` or ``>= V``) gets ``NaN``: invalid input, which
   the correction rejects the same way. Masked positions may hold any id: mask the
   result with ``jnp.where(mask, logp, 0)`` and the gradient there is exactly 0.
