@@ -10,6 +10,7 @@ and sharding safe.
 from offpolicy_jax._reduce import MeanParts, MeshAxes
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, compute_correction
+from offpolicy_jax.logprobs import token_logprobs, token_logprobs_from_hidden
 from offpolicy_jax.losses import LossParts, aggregate, policy_loss, policy_loss_parts
 from offpolicy_jax.metrics import finalize as finalize_metrics
 
@@ -28,4 +29,6 @@ __all__ = [
     "finalize_metrics",
     "policy_loss",
     "policy_loss_parts",
+    "token_logprobs",
+    "token_logprobs_from_hidden",
 ]
