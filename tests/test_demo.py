@@ -21,7 +21,7 @@ pytest.importorskip("matplotlib")
 from offpolicy_jax.demo import cli, engine, task, train
 from offpolicy_jax.demo.model import round_mantissa
 
-TINY_ALGOS = ("reference", "ppo", "decoupled_mis")
+TINY_ALGOS = ("ppo:no-mismatch", "ppo", "decoupled_ppo+is", "decoupled_ppo+mis")
 
 
 def fast_compile_env() -> dict[str, str]:
@@ -32,11 +32,9 @@ def fast_compile_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """The console command, as a user runs it, at a tiny size."""
-    out = tmp_path_factory.mktemp("demo") / "out"
-    proc = subprocess.run(
+def run_cli(out: Path, *flags: str) -> subprocess.CompletedProcess:
+    """``offpolicy-jax demo --tiny --no-progress --out OUT FLAGS...`` in a child process."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -44,12 +42,7 @@ def tiny_run(tmp_path_factory):
             "demo",
             "--tiny",
             "--no-progress",
-            "--steps",
-            "4",
-            "--seeds",
-            "2",
-            "--algorithms",
-            ",".join(TINY_ALGOS),
+            *flags,
             "--out",
             str(out),
         ],
@@ -59,6 +52,13 @@ def tiny_run(tmp_path_factory):
         env=fast_compile_env(),
         check=False,
     )
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The console command, as a user runs it, at a tiny size."""
+    out = tmp_path_factory.mktemp("demo") / "out"
+    proc = run_cli(out, "--steps", "4", "--seeds", "2", "--algorithms", ",".join(TINY_ALGOS))
     assert proc.returncode == 0, proc.stderr
     return out, proc.stdout
 
@@ -74,13 +74,27 @@ def test_tiny_demo_writes_table_plot_and_logs(tiny_run):
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(TINY_ALGOS) * 2 * 4
-    assert list(rows[0]) == ["algorithm", "seed", "step", *train_metrics()]
+    assert list(rows[0])[:3] == ["algorithm", "seed", "step"]
+    assert list(rows[0])[3 : 3 + len(train_metrics())] == train_metrics()
+    # Every metric the loss returns is a column, and is filled for the rows that return it.
+    assert {c for c in rows[0] if c.startswith("loss/")} == {
+        f"loss/{k}" for k in train.loss_metric_keys([train.ALGORITHMS[a] for a in TINY_ALGOS])
+    }
+    for name in TINY_ALGOS:
+        keys = train.loss_metric_keys([train.ALGORITHMS[name]])
+        mine = [r for r in rows if r["algorithm"] == name]
+        assert all(np.isfinite(float(r[f"loss/{k}"])) for r in mine for k in keys), name
+        others = set(rows[0]) - {f"loss/{k}" for k in keys}
+        assert all(r[c] == "nan" for r in mine for c in others if c.startswith("loss/"))
     assert {r["algorithm"] for r in rows} == set(TINY_ALGOS)
     for r in rows:
         assert 0.0 <= float(r["reward"]) <= 1.0
         k3 = float(r["mis_k3_kl"])
         assert np.isfinite(k3) and k3 > -1e-6  # K3 >= 0, up to float32 rounding
         assert 0.0 <= float(r["rejected_fraction"]) <= 1.0
+        assert float(r["is_weight_max"]) >= float(r["is_weight_mean"]) > 0.0
+        assert 0.0 <= float(r["is_weight_above_2"]) <= 1.0
+        assert float(r["grad_norm"]) >= 0.0
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["steps"] == 4 and summary["config"]["seeds"] == 2
@@ -113,7 +127,9 @@ def test_tiny_demo_uses_common_seeds_and_a_clean_reference(tiny_run):
         rewards = {by[(a, seed, "1")]["reward"] for a in TINY_ALGOS}
         assert len(rewards) == 1
     # The reference engine has no mismatch: log-probs equal up to float32 rounding.
-    assert all(float(r["mis_k3_kl"]) < 1e-6 for r in rows if r["algorithm"] == "reference")
+    reference = [r for r in rows if r["algorithm"] == "ppo:no-mismatch"]
+    assert all(float(r["mis_k3_kl"]) < 1e-6 for r in reference)
+    assert all(abs(float(r["is_weight_max"]) - 1) < 1e-4 for r in reference)
     assert any(float(r["mis_k3_kl"]) > 1e-4 for r in rows if r["algorithm"] == "ppo")
 
 
@@ -184,6 +200,7 @@ BAD = {
     "zero steps": ["demo", "--steps", "0"],
     "non-integer seeds": ["demo", "--seeds", "two"],
     "unknown mismatch": ["demo", "--mismatch", "cosmic-rays"],
+    "unknown preset": ["demo", "--preset", "explode"],
     "negative severity": ["demo", "--severity", "-1"],
     "staleness beyond the engine's weight copies": ["demo", "--severity", "1e6"],
     "threshold above 1": ["demo", "--threshold", "1.5"],
@@ -230,8 +247,9 @@ def test_console_entry_point_bad_input_has_no_traceback():
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("offpolicy-jax")]
     assert lines == [
         (
-            "offpolicy-jax: error: unknown algorithm 'nope' (choose from reference, "
-            "ppo, bypass_ppo, decoupled_tis, decoupled_mis, reinforce_is)"
+            "offpolicy-jax: error: unknown algorithm 'nope' (choose from "
+            + ", ".join(train.ALGORITHMS)
+            + ")"
         )
     ]
 
@@ -253,10 +271,100 @@ def test_readme_results_table_has_the_default_commands_shape():
 
     cfg = DemoConfig()
     zeros = np.zeros((cfg.steps, cfg.seeds))
-    fake = History(cfg, {a: dict.fromkeys(report.METRICS, zeros) for a in cfg.algorithms}, 0.0)
+    columns = {**dict.fromkeys(report.METRICS, zeros)}
+    fake = History(cfg, {a: columns for a in cfg.algorithms}, 0.0)
     header = report.format_table(fake, report.summarize(fake)).splitlines()[0]
     lines = section.splitlines()
     i = lines.index(header)
-    labels = [ln.split("|")[1].strip() for ln in lines[i + 2 : i + 2 + len(cfg.algorithms)]]
-    assert labels == [train.ALGORITHMS[a].label for a in cfg.algorithms]
+    names = [ln.split("|")[1].strip() for ln in lines[i + 2 : i + 2 + len(cfg.algorithms)]]
+    assert names == [f"`{a}`" for a in cfg.algorithms]
     assert (readme.parent / "docs" / "demo.png").is_file()
+
+
+# --------------------------------------------------------------------------- presets, names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["default", "collapse"])
+def test_each_preset_runs_at_a_tiny_size(preset, tmp_path):
+    """Both presets, all their rows, a few steps: the command works and writes every row."""
+    from offpolicy_jax.demo.experiment import PRESETS
+
+    proc = run_cli(tmp_path, "--preset", preset, "--steps", "3")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["config"]["preset"] == preset
+    assert [r["algorithm"] for r in summary["results"]] == list(PRESETS[preset].algorithms)
+    assert summary["config"]["mismatch"] == dataclasses_asdict(PRESETS[preset].mismatch)
+    for r in summary["results"]:
+        assert np.isfinite(r["final_reward_mean"]) and np.isfinite(r["peak_grad_norm"])
+
+
+def dataclasses_asdict(x):
+    import dataclasses
+
+    return dataclasses.asdict(x)
+
+
+def test_version(capsys):
+    import offpolicy_jax
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"offpolicy-jax {offpolicy_jax.__version__}"
+
+
+def test_rows_are_library_loss_configs_named_by_algorithm():
+    import offpolicy_jax as opj
+
+    for name, algo in train.ALGORITHMS.items():
+        assert isinstance(algo.loss, opj.LossConfig)
+        assert name.split(":")[0].split("+")[0] == algo.loss.algorithm
+    untruncated = train.ALGORITHMS["decoupled_ppo+is"].loss.correction
+    assert isinstance(untruncated, opj.VanillaTIS) and untruncated.clip == train.NO_CAP
+    for c in train.TIS_CAPS:
+        tis = train.ALGORITHMS[f"decoupled_ppo+tis{c:g}"].loss.correction
+        assert (tis.clip_low, tis.clip) == (0.0, c)
+
+
+def test_untruncated_row_weights_are_the_full_ratio():
+    """``decoupled_ppo+is`` is TIS without a cap: a token with ratio e^8 keeps weight e^8
+    (the loss equals the hand-computed −w·A at ratio 1), while TIS at 2 caps it."""
+    import offpolicy_jax as opj
+
+    old = jnp.zeros((1, 3))
+    rollout = jnp.array([[-8.0, 0.0, 0.0]])
+    adv, mask = jnp.ones(1), jnp.ones((1, 3))
+    loss, _ = opj.policy_loss(
+        old, old, rollout, adv, mask, train.ALGORITHMS["decoupled_ppo+is"].loss
+    )
+    np.testing.assert_allclose(loss, -(np.exp(8.0) + 2) / 3, rtol=1e-5)
+    loss2, _ = opj.policy_loss(
+        old, old, rollout, adv, mask, train.ALGORITHMS["decoupled_ppo+tis2"].loss
+    )
+    np.testing.assert_allclose(loss2, -(2.0 + 2) / 3, rtol=1e-6)
+
+
+def test_old_row_names_still_work():
+    from offpolicy_jax.demo.experiment import DemoConfig
+
+    cfg = DemoConfig(algorithms=("reference", "decoupled_tis", "decoupled_mis", "reinforce_is"))
+    assert cfg.algorithms == (
+        "ppo:no-mismatch",
+        "decoupled_ppo+tis2",
+        "decoupled_ppo+mis",
+        "reinforce_is+mis",
+    )
+
+
+def test_collapsed_means_fell_and_did_not_recover():
+    from offpolicy_jax.demo import report
+
+    steps = 200
+    rise = np.minimum(np.arange(steps) / 50, 1.0)
+    fall = np.where(np.arange(steps) < 100, rise, 0.3)
+    dip = np.where((np.arange(steps) > 80) & (np.arange(steps) < 120), 0.3, rise)  # recovers
+    slow = rise * 0.5  # never learns: not a collapse
+    got = report.collapsed(np.stack([rise, fall, dip, slow], axis=1))
+    assert got.tolist() == [False, True, False, False]

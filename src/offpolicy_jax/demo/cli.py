@@ -46,9 +46,12 @@ _positive = _typed(float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from offpolicy_jax import __version__
+    from offpolicy_jax.demo.experiment import PRESETS
     from offpolicy_jax.demo.train import ALGORITHMS, DEFAULT_SEVERITY, MISMATCH_SOURCES
 
     parser = _Parser(prog=PROG, description="offpolicy-jax command line.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
@@ -60,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
         "plot and per-step logs are written to --out.",
     )
     demo.add_argument(
+        "--preset",
+        default="default",
+        choices=tuple(PRESETS),
+        help="named settings, which the other flags override: default (the comparison of "
+        "README.md's table), collapse (a setting where untruncated or uncorrected training "
+        "collapses; see README.md) (default: default)",
+    )
+    demo.add_argument(
         "--out",
         default="demo_out",
         metavar="DIR",
@@ -68,20 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--steps", type=_positive_int, default=None, help="training steps per run (default 300)"
     )
-    demo.add_argument(
-        "--seeds", type=_positive_int, default=None, help="seeds per algorithm (default 3)"
-    )
+    demo.add_argument("--seeds", type=_positive_int, default=None, help="seeds per row (default 3)")
     demo.add_argument(
         "--algorithms",
         default=None,
         metavar="LIST",
-        help="comma-separated subset of: " + ", ".join(ALGORITHMS) + " (default: all)",
+        help="comma-separated rows, named algorithm[+correction]: "
+        + ", ".join(ALGORITHMS)
+        + " (default: the preset's)",
     )
     demo.add_argument(
         "--mismatch",
-        default="stale",
+        default=None,
         choices=MISMATCH_SOURCES,
-        help="source of the mismatch (default: stale)",
+        help="source of the mismatch (default: the preset's, stale)",
     )
     demo.add_argument(
         "--severity",
@@ -96,11 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--threshold",
         type=_fraction,
-        default=0.9,
+        default=None,
         help="reward threshold for the steps-to-threshold column (default 0.9)",
     )
     demo.add_argument(
-        "--lr", type=_positive, default=None, help="Adam learning rate (default 1e-3)"
+        "--lr",
+        type=_positive,
+        default=None,
+        help="Adam learning rate (default: the preset's, 1e-3 for default)",
     )
     demo.add_argument(
         "--tiny",
@@ -130,11 +144,7 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
     from offpolicy_jax.demo import experiment, report
     from offpolicy_jax.demo.train import DEFAULT_SEVERITY, Mismatch
 
-    algorithms = experiment.DEFAULT_ALGORITHMS
-    if args.algorithms is not None:
-        algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
-    severity = DEFAULT_SEVERITY[args.mismatch] if args.severity is None else args.severity
-    config = experiment.DemoConfig()
+    config = dataclasses.replace(experiment.PRESETS[args.preset], preset=args.preset)
     if args.tiny:
         config = dataclasses.replace(
             config,
@@ -150,20 +160,25 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
                 eval_prompts=8,
             ),
         )
-    overrides = {"steps": args.steps, "seeds": args.seeds}
+    changes: dict = {"steps": args.steps, "seeds": args.seeds, "threshold": args.threshold}
+    if args.algorithms is not None:
+        changes["algorithms"] = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
+    if args.mismatch is not None or args.severity is not None:
+        source = args.mismatch or config.mismatch.source
+        if args.severity is not None:
+            severity = args.severity
+        elif source == config.mismatch.source:
+            severity = config.mismatch.severity
+        else:
+            severity = DEFAULT_SEVERITY[source]
+        changes["mismatch"] = Mismatch(source, severity)
+    if args.lr is not None:
+        changes["train"] = dataclasses.replace(config.train, learning_rate=args.lr)
     try:
-        config = dataclasses.replace(
-            config,
-            algorithms=algorithms,
-            threshold=args.threshold,
-            mismatch=Mismatch(args.mismatch, severity),
-            train=config.train
-            if args.lr is None
-            else dataclasses.replace(config.train, learning_rate=args.lr),
-            **{k: v for k, v in overrides.items() if v is not None},
-        )
+        config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
     except ValueError as e:
         _fail(str(e))
+    algorithms = config.algorithms
     out = Path(args.out)
     _check_writable(out)
 

@@ -13,6 +13,7 @@ import numpy as np
 from offpolicy_jax.demo import train
 from offpolicy_jax.demo.train import ALGORITHMS, Mismatch, TrainConfig
 
+#: The default preset's rows: every row of the comparison.
 DEFAULT_ALGORITHMS = tuple(ALGORITHMS)
 
 
@@ -27,8 +28,12 @@ class DemoConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     threshold: float = 0.9
     chunk: int = 10
+    #: The name of the :data:`PRESETS` entry this config started from (for the reports).
+    preset: str = "default"
 
     def __post_init__(self):
+        # Older row names (``reference``, ``decoupled_tis``, ...) name the same rows.
+        object.__setattr__(self, "algorithms", tuple(train.resolve(a) for a in self.algorithms))
         if self.steps < 1:
             raise ValueError(f"steps must be a positive integer, got {self.steps}")
         if self.seeds < 1:
@@ -60,6 +65,13 @@ class DemoConfig:
             raise ValueError(f"learning rate must be positive, got {self.train.learning_rate}")
         if self.train.prompts_per_step % self.train.minibatches:
             raise ValueError("prompts_per_step must be a multiple of minibatches")
+
+
+#: Named settings of the demo (``offpolicy-jax demo --preset NAME``); flags override them.
+#: README.md reports both, and ``benchmarks/demo_collapse_sweep.py`` how "collapse" was found.
+PRESETS: dict[str, DemoConfig] = {
+    "default": DemoConfig(),
+}
 
 
 @dataclasses.dataclass

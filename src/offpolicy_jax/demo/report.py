@@ -11,18 +11,18 @@ from pathlib import Path
 import numpy as np
 
 from offpolicy_jax.demo.experiment import History
-from offpolicy_jax.demo.train import ALGORITHMS
+from offpolicy_jax.demo.train import ALGORITHMS, DIAGNOSTIC_CAP, STEP_METRICS, TIS_CAPS
 
-#: Per-step metrics written to metrics.csv, in column order.
-METRICS = (
-    "policy_reward",
-    "policy_exact_match",
-    "reward",
-    "mis_k3_kl",
-    "rejected_fraction",
-    "pg_clipfrac",
-    "grad_norm",
-)
+#: The demo's own per-step metrics, first in metrics.csv; every metric the loss returns
+#: follows as ``loss/<key>`` (see :func:`metric_columns`).
+METRICS = STEP_METRICS
+
+
+def metric_columns(history: History) -> list[str]:
+    """The per-step columns of metrics.csv: :data:`METRICS`, then ``loss/<key>`` for every
+    key ``opj.policy_loss`` returns for any row (empty where that row's loss lacks it)."""
+    names = set().union(*(m.keys() for m in history.metrics.values()))
+    return list(METRICS) + sorted(k for k in names if k not in METRICS)
 
 
 def smooth(x: np.ndarray, window: int) -> np.ndarray:
@@ -37,6 +37,24 @@ def smooth(x: np.ndarray, window: int) -> np.ndarray:
 def window(steps: int) -> int:
     """Smoothing window for curves and for the threshold test: 5% of the run, 1–20 steps."""
     return int(min(20, max(1, steps // 20)))
+
+
+#: A seed has collapsed when its trained policy's final reward (mean of the last 10% of
+#: steps) lies this far below the peak of its smoothed reward curve: it fell, and did not
+#: recover.
+COLLAPSE_DROP = 0.25
+
+
+def collapsed(policy_reward: np.ndarray) -> np.ndarray:
+    """Per seed, whether the reward collapsed (:data:`COLLAPSE_DROP`), ``bool [seeds]``.
+
+    Args:
+      policy_reward: ``[steps, seeds]`` reward of the trained policy per step.
+    """
+    steps = len(policy_reward)
+    peak = smooth(policy_reward, window(steps)).max(axis=0)
+    final = policy_reward[-max(1, steps // 10) :].mean(axis=0)
+    return final <= peak - COLLAPSE_DROP
 
 
 def summarize(history: History) -> list[dict]:
@@ -61,9 +79,12 @@ def summarize(history: History) -> list[dict]:
                 "steps_to_threshold_per_seed": first,
                 "steps_to_threshold_mean": float(np.mean(hit)) if hit else None,
                 "seeds_reaching_threshold": len(hit),
+                "collapsed_seeds": int(collapsed(m["policy_reward"]).sum()),
                 "final_rollout_reward_mean": float(rollout.mean()),
                 "final_rollout_reward_std": _std(rollout),
                 "peak_mis_k3_kl": float(np.nanmax(m["mis_k3_kl"].mean(axis=1))),
+                "peak_is_weight": float(np.nanmax(m["is_weight_max"])),
+                "peak_grad_norm": float(np.nanmax(m["grad_norm"])),
                 "rejected_fraction": float(np.nanmean(m["rejected_fraction"])),
             }
         )
@@ -86,40 +107,83 @@ def _steps_cell(row: dict, seeds: int) -> str:
     )
 
 
+def _big(x: float) -> str:
+    return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.1e}"
+
+
 def format_table(history: History, rows: list[dict]) -> str:
     """The results as a Markdown table, with a note on how each column is computed."""
     cfg = history.config
     tail = max(1, cfg.steps // 10)
     header = (
-        f"| algorithm | final reward (mean ± std, {cfg.seeds} seeds) "
-        f"| steps to reward ≥ {cfg.threshold:g} | final rollout reward | peak mis_k3_kl "
-        "| rejected tokens |"
+        f"| row | final reward (mean ± std, {cfg.seeds} seeds) "
+        f"| steps to reward ≥ {cfg.threshold:g} | collapsed seeds | final rollout reward "
+        "| peak mis_k3_kl | peak IS weight | peak grad norm | rejected tokens |"
     )
-    lines = [header, "|---|---|---|---|---|---|"]
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['label']} | {r['final_reward_mean']:.3f} ± {r['final_reward_std']:.3f} "
-            f"| {_steps_cell(r, cfg.seeds)} "
+            f"| `{r['algorithm']}` "
+            f"| {r['final_reward_mean']:.3f} ± {r['final_reward_std']:.3f} "
+            f"| {_steps_cell(r, cfg.seeds)} | {r['collapsed_seeds']}/{cfg.seeds} "
             f"| {r['final_rollout_reward_mean']:.3f} ± {r['final_rollout_reward_std']:.3f} "
-            f"| {r['peak_mis_k3_kl']:.3g} | {100 * r['rejected_fraction']:.1f}% |"
+            f"| {r['peak_mis_k3_kl']:.3g} | {_big(r['peak_is_weight'])} "
+            f"| {_big(r['peak_grad_norm'])} | {100 * r['rejected_fraction']:.1f}% |"
         )
     lines += [
         "",
         (
+            "Rows: `algorithm[+correction]` of `opj.LossConfig`: `is` = decoupled_ppo with the "
+            "untruncated weight π_old/π_rollout, `tis<C>` = that weight truncated at C "
+            "(`VanillaTIS(clip_low=0, clip=C)`), `mis` = the shipped mis.yaml; "
+            "`ppo:no-mismatch` = ppo with an engine that computes exactly like the trainer. "
             "Reward: fraction of digits right, of the trained policy itself (float32, temperature "
             f"1, fresh prompts); final = mean over the last {tail} steps. Steps to threshold: "
-            f"first step whose {window(cfg.steps)}-step moving average reaches {cfg.threshold:g} (mean "
-            "over the seeds that reach it). Rollout reward: the same, of the responses the rollout "
-            "engine sampled for training. Peak mis_k3_kl: largest per-step seed-mean K3 KL between "
-            "the engine's and the trainer's log-probs. Rejected tokens: share of tokens the "
-            "algorithm's correction drops, averaged over training."
+            f"first step whose {window(cfg.steps)}-step moving average reaches {cfg.threshold:g} "
+            "(mean over the seeds that reach it). Collapsed: seeds whose final reward is "
+            f"{COLLAPSE_DROP:g} or more below the peak of their moving average. Rollout reward: "
+            "the same, of the responses the rollout engine sampled for training. Peak "
+            "mis_k3_kl: largest per-step seed-mean K3 KL between the engine's and the trainer's "
+            "log-probs. Peak IS weight: largest per-token π_old/π_rollout of any step and seed "
+            "(before any cap; the library clamps the log-ratio at ±20). Peak grad norm: largest "
+            "per-step gradient norm before clipping (at 1). Rejected tokens: share of tokens "
+            "the row's correction drops, averaged over training."
         ),
     ]
     return "\n".join(lines)
 
 
+def _style(name: str) -> dict:
+    """Colour by family, so that a reader finds rows across panels: greys for the
+    uncorrected baselines, red for untruncated IS, blues (darker = larger C) for TIS."""
+    algo = ALGORITHMS[name]
+    if not algo.mismatch:
+        return {"color": "0.25", "ls": "--"}
+    fixed = {
+        "ppo": "#e08a00",
+        "bypass_ppo": "#8c564b",
+        "decoupled_ppo+is": "#d62728",
+        "decoupled_ppo+mis": "#2ca02c",
+        "reinforce_is+mis": "#9467bd",
+    }
+    if name in fixed:
+        return {"color": fixed[name], "ls": "-"}
+    caps = sorted(TIS_CAPS)
+    cap = algo.loss.correction.clip
+    shade = caps.index(cap) / max(1, len(caps) - 1) if cap in caps else 0.5
+    return {"color": plt_blues(0.45 + 0.5 * shade), "ls": "-"}
+
+
+def plt_blues(x: float):
+    import matplotlib
+
+    return matplotlib.colormaps["Blues"](x)
+
+
 def plot(history: History, path: Path) -> None:
-    """Rewards and mismatch KL over training, one line per algorithm (mean over seeds)."""
+    """Rewards, mismatch and the per-step diagnostics, one line per row (mean over seeds),
+    bands from the min to the max over seeds. A row whose seeds collapsed says so in the
+    legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,66 +192,82 @@ def plot(history: History, path: Path) -> None:
     cfg = history.config
     w = window(cfg.steps)
     steps = np.arange(1, cfg.steps + 1)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2), layout="constrained")
+    fig, axes = plt.subplots(2, 3, figsize=(17, 10), layout="constrained")
+    # (key, y label, title, scale, band over seeds)
     panels = [
-        ("policy_reward", "reward of the trained policy", "Trained policy (float32 sampling)"),
-        ("reward", "reward of the engine's rollouts", "Rollouts used for training"),
-        ("mis_k3_kl", "mis_k3_kl (engine vs trainer, symlog)", "Training–inference mismatch"),
+        ("policy_reward", "reward (fraction of digits right)", "Trained policy (float32)", "lin"),
+        ("reward", "reward of the engine's rollouts", "Rollouts used for training", "lin"),
+        ("mis_k3_kl", "mis_k3_kl (symlog)", "Mismatch: K3 KL, engine vs trainer", "symlog"),
+        ("grad_norm", "gradient norm before clipping (log)", "Gradient norm", "log"),
+        ("is_weight_max", "max π_old/π_rollout over tokens (log)", "Largest IS weight", "log"),
+        (
+            "is_weight_above_2",
+            "fraction of tokens",
+            f"Tokens with π_old/π_rollout > {DIAGNOSTIC_CAP:g}",
+            "lin0",
+        ),
     ]
-    for i, (name, m) in enumerate(history.metrics.items()):
-        style = {
-            "color": f"C{i}",
-            "lw": 1.8,
-            "ls": "--" if name == "reference" else "-",
-            "label": ALGORITHMS[name].label,
-        }
-        for ax, (key, _, _) in zip(axes, panels, strict=True):
-            if key == "mis_k3_kl":
-                ax.plot(steps, smooth(m[key].mean(axis=1), w), **style)
-                continue
+    flat = axes.ravel()
+    for name, m in history.metrics.items():
+        style = _style(name)
+        bad = int(collapsed(m["policy_reward"]).sum())
+        label = name + (f"  (collapsed: {bad}/{cfg.seeds} seeds)" if bad else "")
+        lw = 2.6 if bad else 1.6
+        for ax, (key, _, _, scale) in zip(flat, panels, strict=True):
             r = smooth(m[key], w)
-            ax.plot(steps, r.mean(axis=1), **style)
-            if r.shape[1] > 1:
+            if scale == "log":
+                r = np.exp(smooth(np.log(np.maximum(m[key], 1e-12)), w))
+                line = np.exp(np.log(r).mean(axis=1))
+            else:
+                line = r.mean(axis=1)
+            ax.plot(steps, line, lw=lw, label=label, **style)
+            if r.shape[1] > 1 and key in ("policy_reward", "reward"):
                 ax.fill_between(
-                    steps, r.min(axis=1), r.max(axis=1), color=style["color"], alpha=0.12, lw=0
+                    steps, r.min(axis=1), r.max(axis=1), color=style["color"], alpha=0.10, lw=0
                 )
-    for ax, (key, ylabel, title) in zip(axes, panels, strict=True):
+    for ax, (_, ylabel, title, scale) in zip(flat, panels, strict=True):
         ax.set(xlabel="training step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
-        if key == "mis_k3_kl":
-            ax.set_yscale("symlog", linthresh=1e-5)
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_ylim(bottom=0)
+        elif scale == "log":
+            ax.set_yscale("log")
+        elif scale == "lin0":
             ax.set_ylim(bottom=0)
         else:
             ax.axhline(cfg.threshold, color="0.5", lw=0.8, ls=":")
             ax.set_ylim(0, 1.02)
-    handles, labels = axes[0].get_legend_handles_labels()
+    handles, labels = flat[0].get_legend_handles_labels()
     fig.legend(
         handles,
         labels,
         loc="outside lower center",
-        ncol=len(labels) if len(labels) <= 3 else (len(labels) + 1) // 2,
-        fontsize=10,
+        ncol=min(len(labels), 4),
+        fontsize=11,
         frameon=False,
     )
     mm = cfg.mismatch
     fig.suptitle(
-        f"offpolicy-jax demo: reverse-digits GRPO, mismatch = {mm.source} (severity "
-        f"{mm.severity:g}), {cfg.seeds} seeds × {cfg.steps} steps\n"
-        f"lines: mean over seeds ({w}-step moving average); bands: min–max over seeds",
-        fontsize=11,
+        f"offpolicy-jax demo ({cfg.preset} preset): reverse-digits GRPO, mismatch = {mm.source} "
+        f"(severity {mm.severity:g}), lr {cfg.train.learning_rate:g}, {cfg.seeds} seeds × "
+        f"{cfg.steps} steps\nlines: mean over seeds ({w}-step moving average; geometric mean "
+        "on log panels); bands: min–max over seeds; thick lines: rows with a collapsed seed",
+        fontsize=12,
     )
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
 def write_metrics_csv(history: History, path: Path) -> None:
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(("algorithm", "seed", "step") + METRICS)
+        columns = metric_columns(history)
+        out.writerow(["algorithm", "seed", "step", *columns])
         for name, m in history.metrics.items():
             for seed in range(history.config.seeds):
                 for t in range(history.config.steps):
-                    out.writerow([name, seed, t + 1] + [_num(m[k][t, seed]) for k in METRICS])
+                    out.writerow([name, seed, t + 1] + [_num(m[k][t, seed]) for k in columns])
 
 
 def _num(x: float) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -39,9 +40,23 @@ MIS = opj.CorrectionConfig.from_yaml(
 )
 
 
+#: The caps C of the truncated-IS sweep (Yao et al. 2025 use C = 2).
+TIS_CAPS = (1.5, 2.0, 5.0, 10.0)
+#: "No cap" for ``VanillaTIS``, whose config requires a finite ``clip``: the largest
+#: float32, so ``min(w, cap) = w`` for every finite weight: the untruncated ("vanilla") IS.
+NO_CAP = float(np.finfo(np.float32).max)
+#: The C of the ``is_weight_above_2`` diagnostic: the paper's cap, the same for every row.
+DIAGNOSTIC_CAP = 2.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """One line of the comparison: a loss configuration, and whether the engine mismatches."""
+    """One row of the comparison: a library ``LossConfig``, and whether the engine mismatches.
+
+    ``name`` is ``algorithm[+correction]`` in the library's words (``is`` = untruncated
+    importance weight, ``tis<C>`` = weight truncated at C, ``mis`` = the shipped
+    mis.yaml); the row without mismatch is ``ppo:no-mismatch``.
+    """
 
     name: str
     label: str
@@ -49,31 +64,53 @@ class Algorithm:
     mismatch: bool = True
 
 
+def _tis(cap: float) -> opj.LossConfig:
+    return opj.LossConfig(
+        algorithm="decoupled_ppo", correction=opj.VanillaTIS(clip_low=0.0, clip=cap)
+    )
+
+
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("reference", "no mismatch (ppo)", opj.LossConfig(algorithm="ppo"), False),
+        Algorithm(
+            "ppo:no-mismatch",
+            "ppo, engine without mismatch (reference)",
+            opj.LossConfig(algorithm="ppo"),
+            False,
+        ),
         Algorithm("ppo", "ppo, mismatch ignored", opj.LossConfig(algorithm="ppo")),
         Algorithm("bypass_ppo", "bypass_ppo", opj.LossConfig(algorithm="bypass_ppo")),
-        Algorithm(
-            "decoupled_tis",
-            "decoupled_ppo + VanillaTIS",
-            opj.LossConfig(
-                algorithm="decoupled_ppo", correction=opj.VanillaTIS(clip_low=0.0, clip=2.0)
-            ),
+        Algorithm("decoupled_ppo+is", "decoupled_ppo + IS, no cap", _tis(NO_CAP)),
+        *(
+            Algorithm(f"decoupled_ppo+tis{c:g}", f"decoupled_ppo + TIS, C = {c:g}", _tis(c))
+            for c in TIS_CAPS
         ),
         Algorithm(
-            "decoupled_mis",
+            "decoupled_ppo+mis",
             "decoupled_ppo + MIS (mis.yaml)",
             opj.LossConfig(algorithm="decoupled_ppo", correction=MIS),
         ),
         Algorithm(
-            "reinforce_is",
+            "reinforce_is+mis",
             "reinforce_is + MIS (mis.yaml)",
             opj.LossConfig(algorithm="reinforce_is", correction=MIS),
         ),
     )
 }
+
+#: Names of earlier versions of the demo, still accepted (``--algorithms reference,...``).
+ALIASES = {
+    "reference": "ppo:no-mismatch",
+    "decoupled_tis": "decoupled_ppo+tis2",
+    "decoupled_mis": "decoupled_ppo+mis",
+    "reinforce_is": "reinforce_is+mis",
+}
+
+
+def resolve(name: str) -> str:
+    """The row name for ``name`` or one of its older :data:`ALIASES`."""
+    return ALIASES.get(name, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,20 +209,55 @@ def init_state(cfg: TrainConfig, mismatch: Mismatch, seeds: Sequence[int]):
     return graphdef, jax.jit(jax.vmap(init))(jnp.asarray(seeds))
 
 
+#: Per-step metrics of the demo itself (the loss's own metrics follow as ``loss/<key>``).
+STEP_METRICS = (
+    "policy_reward",
+    "policy_exact_match",
+    "reward",
+    "mis_k3_kl",
+    "rejected_fraction",
+    "grad_norm",
+    "is_weight_max",
+    "is_weight_mean",
+    "is_weight_above_2",
+)
+
+#: The monitor: the untruncated per-token weight π_old / π_rollout as the library computes
+#: it (log-ratio clamped to ±20), and the §4 mismatch metrics. Metrics only for the run.
+_MONITOR = opj.CorrectionConfig(use_tis=True, tis_mode="truncate", tis_upper_bound=NO_CAP)
+
+
+def loss_metric_keys(algorithms: Sequence[Algorithm]) -> tuple[str, ...]:
+    """The union of the metric keys ``opj.policy_loss`` returns for these algorithms,
+    sorted (the key set depends on the config only, so an abstract evaluation finds it)."""
+    x = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    a = jax.ShapeDtypeStruct((2,), jnp.float32)
+    keys: set[str] = set()
+    for alg in algorithms:
+        _, met = jax.eval_shape(
+            lambda lp, adv, lcfg=alg.loss: opj.policy_loss(lp, lp, lp, adv, lp, lcfg), x, a
+        )
+        keys |= set(met)
+    return tuple(sorted(keys))
+
+
 def make_train_step(
     graphdef: nnx.GraphDef, cfg: TrainConfig, algorithms: Sequence[Algorithm], mismatch: Mismatch
 ) -> Callable:
     """``train_step(state, key, algo_index, mismatched) -> (state, metrics)`` for one run
     (vmap it over runs). ``algo_index`` picks ``algorithms[algo_index].loss``;
-    ``mismatched`` turns the engine's mismatch on."""
+    ``mismatched`` turns the engine's mismatch on. ``metrics`` holds
+    :data:`STEP_METRICS` and every metric of the loss as ``loss/<key>`` (mean over the
+    minibatches; NaN for a key that this run's loss does not return)."""
     tx = make_optimizer(cfg)
     numerics, stale = mismatch.numerics(), mismatch.staleness()
     n, g, mbs = cfg.prompt_len, cfg.group_size, cfg.minibatches
-    # Runs that share a loss share a switch branch (e.g. reference and ppo).
+    # Runs that share a loss share a switch branch (e.g. ppo:no-mismatch and ppo).
     loss_configs = list(dict.fromkeys(a.loss for a in algorithms))
     loss_index = jnp.array([loss_configs.index(a.loss) for a in algorithms], jnp.int32)
-    # The correction each algorithm applies, run once per batch to monitor the mismatch
-    # and count rejected tokens (use_tis=False: metrics only, nothing rejected).
+    loss_keys = loss_metric_keys(algorithms)
+    # The rejection each algorithm's correction applies, run once per batch to count the
+    # tokens it drops (a VanillaTIS or no correction drops none).
     applied = [
         a.loss.correction
         if isinstance(a.loss.correction, opj.CorrectionConfig)
@@ -202,7 +274,8 @@ def make_train_step(
             loss, met = opj.policy_loss(
                 logp, old_logp if needs_old else None, rollout_logp, adv, mask, lcfg
             )
-            return loss, met.get("pg_clipfrac", jnp.float32(jnp.nan))
+            nan = jnp.float32(jnp.nan)
+            return loss, {k: met.get(k, nan).astype(jnp.float32) for k in loss_keys}
 
         return loss
 
@@ -214,12 +287,22 @@ def make_train_step(
             loss_index[algo_index], losses, logp, old_logp, rollout_logp, adv, mask
         )
 
-    def monitor(algo_index, old_logp, rollout_logp, mask):
+    def rejected(algo_index, old_logp, rollout_logp, mask):
         def run(c):
             res = opj.compute_correction(old_logp, rollout_logp, mask, c, reduction="token")
-            return res.metrics["mis_k3_kl"], (mask.sum() - res.mask.sum()) / mask.sum()
+            return (mask.sum() - res.mask.sum()) / mask.sum()
 
         return jax.lax.switch(monitor_index[algo_index], [lambda c=c: run(c) for c in monitors])
+
+    def diagnostics(old_logp, rollout_logp, mask):
+        res = opj.compute_correction(old_logp, rollout_logp, mask, _MONITOR, reduction="token")
+        valid = mask > 0
+        return {
+            "mis_k3_kl": res.metrics["mis_k3_kl"],
+            "is_weight_max": jnp.max(jnp.where(valid, res.weights, 0.0)),
+            "is_weight_mean": res.metrics["mis_tis_weight_before_bound"],
+            "is_weight_above_2": jnp.sum(valid & (res.weights > DIAGNOSTIC_CAP)) / jnp.sum(valid),
+        }
 
     def train_step(state, key, algo_index, mismatched):
         params = state["params"]
@@ -238,20 +321,19 @@ def make_train_step(
         tokens = task.join(prompts, responses)
         old_logp = jax.lax.stop_gradient(token_logp(graphdef, params, tokens, n))
         mask = jnp.ones_like(old_logp)
-        k3, rejected = monitor(algo_index, old_logp, rollout_logp, mask)
 
         def update(carry, mb):
             params, opt = carry
-            (_, clipfrac), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            (_, loss_met), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                 params, algo_index, *mb
             )
             updates, opt = tx.update(grads, opt, params)
-            return (optax.apply_updates(params, updates), opt), (clipfrac, optax.tree.norm(grads))
+            return (optax.apply_updates(params, updates), opt), (loss_met, optax.tree.norm(grads))
 
         # Minibatches are whole groups, in order: one PPO epoch over the batch.
         batch = (tokens, old_logp, rollout_logp, group_advantages(rewards, g), mask)
         batch = jax.tree.map(lambda x: x.reshape((mbs, -1) + x.shape[1:]), batch)
-        (params, opt), (clipfrac, grad_norm) = jax.lax.scan(update, (params, state["opt"]), batch)
+        (params, opt), (loss_met, grad_norm) = jax.lax.scan(update, (params, state["opt"]), batch)
         # The trained policy itself, sampled with exact float32 numerics on fresh prompts:
         # the model you would ship, free of the engine's distortion and lag.
         eval_prompts = task.sample_prompts(k_eval_prompt, cfg.eval_prompts, n)
@@ -263,13 +345,14 @@ def make_train_step(
         if stale:
             ring = jax.tree.map(lambda r, p: r.at[slot].set(p), ring, params)
         metrics = {
-            "reward": rewards.mean(),
             "policy_reward": eval_rewards.mean(),
             "policy_exact_match": (eval_rewards == 1.0).mean(),
-            "mis_k3_kl": k3,
-            "rejected_fraction": rejected,
-            "pg_clipfrac": clipfrac.mean(),
+            "reward": rewards.mean(),
+            "rejected_fraction": rejected(algo_index, old_logp, rollout_logp, mask),
+            # Before clipping: the size of the raw update direction.
             "grad_norm": grad_norm.mean(),
+            **diagnostics(old_logp, rollout_logp, mask),
+            **{f"loss/{k}": v.mean() for k, v in loss_met.items()},
         }
         return {"params": params, "opt": opt, "ring": ring, "step": state["step"] + 1}, metrics
 
