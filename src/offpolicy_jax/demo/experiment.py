@@ -71,6 +71,21 @@ class DemoConfig:
 #: README.md reports both, and ``benchmarks/demo_collapse_sweep.py`` how "collapse" was found.
 PRESETS: dict[str, DemoConfig] = {
     "default": DemoConfig(),
+    # The sweep's setting where rewards fell and stayed down (README.md, "collapse"):
+    # an engine 128 updates stale, 3x the default learning rate, twice as long.
+    "collapse": DemoConfig(
+        steps=600,
+        algorithms=(
+            "ppo:no-mismatch",
+            "ppo",
+            "decoupled_ppo+is",
+            "decoupled_ppo+tis1.5",
+            "decoupled_ppo+tis2",
+        ),
+        mismatch=Mismatch("stale", 128),
+        train=TrainConfig(learning_rate=3e-3),
+        preset="collapse",
+    ),
 }
 
 

@@ -37,6 +37,9 @@ GRID = (
     ("precision", 7, 3e-3, 300),
     ("sampling", 4, 3e-3, 300),
     ("stale", 64, 1e-2, 300),
+    # Longer runs of the settings where ppo's reward peaked and fell (indices 2, 3).
+    ("stale", 128, 3e-3, 600),
+    ("stale", 256, 3e-3, 600),
 )
 
 
