@@ -13,6 +13,7 @@ import math
 import os
 import pathlib
 from collections.abc import Callable, Mapping
+from importlib import resources
 from typing import Any, Literal
 
 import yaml
@@ -223,6 +224,25 @@ class CorrectionConfig:
     def from_yaml(cls, source: str | os.PathLike[str]) -> CorrectionConfig:
         """Builds a config from a YAML file path or YAML text (read with ``yaml.safe_load``)."""
         return cls.from_dict(_load_yaml_mapping(source, "CorrectionConfig"))
+
+    @classmethod
+    def preset(cls, name: str) -> CorrectionConfig:
+        """A configuration shipped with the package: ``"mis"`` is the reference ``mis.yaml``.
+
+        Examples:
+          >>> import offpolicy_jax as opj
+          >>> cfg = opj.CorrectionConfig.preset("mis")
+          >>> cfg.use_tis, cfg.tis_mode, cfg.rs_veto_threshold
+          (True, 'truncate', 0.0001)
+        """
+        available = sorted(
+            p.name[: -len(".yaml")]
+            for p in resources.files("offpolicy_jax").joinpath("configs").iterdir()
+            if p.name.endswith(".yaml")
+        )
+        if name not in available:
+            raise ValueError(f"preset must be one of {available}, got {name!r}")
+        return cls.from_yaml(resources.files("offpolicy_jax") / "configs" / f"{name}.yaml")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
