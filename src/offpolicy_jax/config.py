@@ -120,7 +120,7 @@ def _load_yaml_mapping(source: str | os.PathLike[str], owner: str) -> dict[str, 
 class CorrectionConfig:
     """Rollout-correction settings: the keys of the reference ``mis.yaml``.
 
-    See ``semantics.md`` §1. ``use_tis=False`` computes the mismatch metrics only.
+    See docs/semantics.md §1. ``use_tis=False`` computes the mismatch metrics only.
 
     Attributes:
       use_tis: apply importance weights (and rejection); False = metrics only.
@@ -186,7 +186,7 @@ class CorrectionConfig:
                     f"rs_lower_bound = {self.rs_lower!r} >= rs_upper_bound = {self.rs_upper!r}"
                 )
 
-    # Resolved bounds (semantics.md §1: the nulls fall back in this order).
+    # Resolved bounds (docs/semantics.md §1: the nulls fall back in this order).
     @property
     def upper_bound(self) -> float:
         return self.tis_upper_bound
@@ -284,7 +284,7 @@ Correction = CorrectionConfig | VanillaTIS | CorrectionFn | None
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Settings of :func:`~offpolicy_jax.policy_loss` (semantics.md §5).
+    """Settings of :func:`~offpolicy_jax.policy_loss` (docs/semantics.md §5).
 
     Attributes:
       algorithm: ``"ppo"`` (old log-probs as the ratio denominator), ``"bypass_ppo"``

@@ -101,7 +101,7 @@ def compute_correction(
     ``w = exp(clip(agg(δ), −20, 20))`` at ``config.tis_level``, bounded by
     ``config.tis_mode``; rejection sampling and the veto shrink the mask;
     optional batch normalisation makes the mean kept weight 1. See
-    semantics.md §3 for every rule and metric.
+    docs/semantics.md §3 for every rule and metric.
 
     Args:
       old_logp: ``[..., T]`` log π_old of the sampled tokens (training engine).
@@ -121,6 +121,17 @@ def compute_correction(
       A :class:`CorrectionResult` with float32 ``weights`` and ``mask`` of the
       input's shape (weights stop-gradient, 0 where ``mask`` is 0) and a dict of
       float32 scalar ``metrics``.
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, offpolicy_jax as opj
+      >>> old = jnp.log(jnp.array([[0.5, 0.9, 0.2], [0.4, 0.4, 0.1]]))
+      >>> rollout = jnp.log(jnp.array([[0.5, 0.3, 0.2], [0.4, 0.5, 0.9]]))
+      >>> mask = jnp.array([[1, 1, 1], [1, 1, 0]], bool)
+      >>> res = opj.compute_correction(old, rollout, mask, opj.CorrectionConfig(use_tis=True))
+      >>> np.round(np.asarray(res.weights, float), 2).tolist()  # min(π_old/π_rollout, 2)
+      [[1.0, 2.0, 1.0], [1.0, 0.8, 0.0]]
+      >>> round(float(res.metrics["mis_tis_truncate_fraction"]), 4)  # (1/3 + 0) / 2
+      0.1667
     """
     if not isinstance(config, CorrectionConfig):
         raise TypeError(f"config must be a CorrectionConfig, got {type(config).__name__}")

@@ -3,7 +3,7 @@
 Per-token terms come from ``surrogates``, IS weights and the rejection mask from
 ``compute_correction`` (or ``VanillaTIS`` / a user callable), and the
 aggregation below turns them into a scalar as a (numerator, denominator) pair,
-so that micro-batches and devices pool exactly (semantics.md §5).
+so that micro-batches and devices pool exactly (docs/semantics.md §5).
 
 =================  ======================================  =====================
 algorithm          per-token loss                          ratio denominator d
@@ -241,8 +241,8 @@ def policy_loss_terms(
       ...     kl = jnp.exp(d) - d - 1
       ...     kl = opj.aggregate(kl, t.mask, t.denominator_mask, cfg.aggregation)
       ...     return t.parts.value() + 0.1 * kl.value()
-      >>> round(float(loss_fn(logp)), 4)
-      0.0266
+      >>> round(float(loss_fn(logp)), 4)  # PPO part 0 (ratio 1, advantages ±1) + 0.1 · KL
+      0.0138
       >>> jax.grad(loss_fn)(logp).shape
       (2, 3)
     """
@@ -436,7 +436,7 @@ def policy_loss(
     axis_names: AxisNames = None,
     correction_result: CorrectionResult | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Policy-gradient loss with rollout correction (semantics.md §5).
+    """Policy-gradient loss with rollout correction (docs/semantics.md §5).
 
     ``ppo``: ``ℓ(θ; π_old)``; ``bypass_ppo``: ``ℓ(θ; π_rollout)``;
     ``decoupled_ppo``: ``w(π_old/π_rollout) · ℓ(θ; π_old)`` on the corrected mask;
@@ -461,6 +461,21 @@ def policy_loss(
     Returns:
       ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing
       is left to train on) and a dict of float32 scalar metrics.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, offpolicy_jax as opj
+      >>> logp = jnp.log(jnp.array([[0.5, 0.4, 0.9], [0.3, 0.2, 0.7]]))
+      >>> old = logp - 0.1
+      >>> rollout = logp - jnp.array([[0.1, 0.2, 0.1], [0.1, 3.0, 0.1]])
+      >>> mask = jnp.array([[1, 1, 0], [1, 1, 1]], bool)
+      >>> cfg = opj.LossConfig(algorithm="decoupled_ppo",
+      ...                      correction=opj.CorrectionConfig.preset("mis"))
+      >>> loss, metrics = opj.policy_loss(logp, old, rollout, jnp.array([1.0, -1.0]), mask, cfg)
+      >>> round(float(loss), 4), round(float(metrics["mis_rs_mask_fraction_high"]), 4)
+      (-0.0283, 0.1667)
+      >>> jax.grad(lambda lp: opj.policy_loss(lp, old, rollout, 1.0 + 0 * lp, mask, cfg)[0])(
+      ...     logp).shape
+      (2, 3)
     """
     loss, parts = policy_loss_parts(
         logp,

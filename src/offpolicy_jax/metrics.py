@@ -1,4 +1,4 @@
-"""Monitoring metrics of the training–inference mismatch (semantics.md §4, §7).
+"""Monitoring metrics of the training–inference mismatch (docs/semantics.md §4, §7).
 
 Every metric is a per-token value, or a per-sequence value broadcast to its
 tokens, reduced over a *population* (a float mask) with the caller's reduction:

@@ -1,4 +1,4 @@
-"""Batch normalisation of importance weights (semantics.md §3.6).
+"""Batch normalisation of importance weights (docs/semantics.md §3.6).
 
 ``w ← w / μ`` so that the mean weight over what stays in the loss is 1. At the
 token level ``μ = Σ w m' / Σ m'``; at the sequence and geometric levels (D4) ``μ``

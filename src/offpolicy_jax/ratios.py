@@ -1,7 +1,7 @@
 """Log-ratios, their aggregation to a level, and the two exponentials of the library.
 
 The importance ratio of the rollout correction is ``π_old / π_rollout``; in log
-space ``δ_t = o_t − b_t``. Levels (semantics.md §2):
+space ``δ_t = o_t − b_t``. Levels (docs/semantics.md §2):
 
 * token:     ``λ_t = δ_t``
 * sequence:  ``λ = Σ_s δ_s m_s``          (log of the product of ratios)

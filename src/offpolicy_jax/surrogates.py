@@ -1,7 +1,7 @@
 """Per-token policy-gradient terms: the PPO surrogate, the REINFORCE term, VanillaTIS.
 
 These are the only places where ``logp`` (π_θ) is differentiated. Gradients at
-ties follow the reference (semantics.md §5): a clamp passes the full gradient on
+ties follow the reference (docs/semantics.md §5): a clamp passes the full gradient on
 its closed interval, and at ``L1 == L2`` the unclipped gradient flows. Both are
 written with ``where``, because the JVPs of ``jnp.clip`` / ``jnp.maximum`` split
 a tie 50/50 and would give half the gradient there.
@@ -68,14 +68,14 @@ def ppo_surrogate(
 
     Examples:
       >>> import jax, jax.numpy as jnp, offpolicy_jax as opj
-      >>> lp = jnp.log(jnp.array([0.6, 0.3, 0.5]))
+      >>> lp = jnp.log(jnp.array([0.7, 0.3, 0.5]))
       >>> old = jnp.log(jnp.array([0.5, 0.5, 0.5]))
       >>> t = opj.ppo_surrogate(lp, old, jnp.array([1.0, 1.0, jnp.nan]),
       ...                       where=jnp.array([True, True, False]), clip_eps=0.2)
-      >>> [round(float(x), 3) for x in t.loss]
+      >>> [round(float(x), 3) + 0.0 for x in t.loss]  # ratio 1.4 clipped to 1.2
       [-1.2, -0.6, 0.0]
       >>> [bool(c) for c in t.clipped]
-      [False, True, False]
+      [True, False, False]
     """
     logp = jnp.asarray(logp, jnp.float32)
     valid = jnp.ones(logp.shape, bool) if where is None else jnp.asarray(where) > 0

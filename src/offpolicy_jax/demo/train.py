@@ -202,7 +202,7 @@ def make_train_step(
             loss, met = opj.policy_loss(
                 logp, old_logp if needs_old else None, rollout_logp, adv, mask, lcfg
             )
-            return loss, met.get("pg_clipfrac", jnp.float32(jnp.nan))
+            return loss, met.get("pg_clipfrac", jnp.float32(0.0))
 
         return loss
 
