@@ -232,9 +232,10 @@ class Rows:
         results = dict(zip(names, _fusion.reduce_columns(ops, operands), strict=True))
         if self.axes.token:
             for op, collective in _COLLECTIVE.items():
-                same = {n: results[n] for n in names if columns[n].op == op}
+                same = [n for n in names if columns[n].op == op]  # names need not sort
                 if same:
-                    results.update(collective(same, self.axes.token))
+                    combined = collective([results[n] for n in same], self.axes.token)
+                    results.update(zip(same, combined, strict=True))
         return results
 
     def broadcast(self, per_seq: jax.Array) -> jax.Array:
