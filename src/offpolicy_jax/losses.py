@@ -354,9 +354,11 @@ def policy_loss_terms(
             jnp.where(logp_ok, 0.0, 1.0), sums["mask_count"], reduction
         )
         ok = ok & logp_ok
+    # Such sequences are rejected like any other: they leave m' (the loss, its metrics)
+    # and stay in m'' = m under rejected_in_denominator, as in the correction's path.
     count = jnp.where(ok, sums["count"], 0.0)
     mask_count = jnp.where(ok, sums["mask_count"], 0.0)
-    denominator = mask_count if config.rejected_in_denominator else count
+    denominator = sums["mask_count"] if config.rejected_in_denominator else count
     loss_sum = jnp.where(ok, sums["loss"], 0.0)
     means["pg_loss"] = aggregation_terms(loss_sum, denominator, config.aggregation)
     for key in ("pg_clipfrac", "ppo_kl", "train_rollout_logprob_abs_diff"):
@@ -367,7 +369,7 @@ def policy_loss_terms(
     parts.update(layout.batch_means(means))
     keep = layout.broadcast(ok)
     final_mask = jnp.where(keep, final_mask, 0.0)
-    denominator_mask = jnp.where(keep, mask, 0.0) if config.rejected_in_denominator else final_mask
+    denominator_mask = mask if config.rejected_in_denominator else final_mask
     return PolicyLossTerms(
         loss=jnp.where(final_mask > 0, per_token, 0.0),
         mask=final_mask,
