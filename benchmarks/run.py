@@ -233,9 +233,38 @@ def markdown(report: dict) -> str:
                 f"| {r['ns_per_token']:.2f} | {r['ns_per_token'] / smallest:.2f} "
                 f"| {r['floor_ns_per_token']:.2f} |"
             )
+    ragged = ragged_rows(report)
+    if ragged:
+        lines += [
+            "",
+            "## Ragged lengths (time per token vs the nearest multiple of 128; target <= 1.25)",
+            "",
+            "| computation | [B, T] | ns/token | aligned [B, T] | ns/token | **ratio** |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r, a in ragged:
+            lines.append(
+                f"| {name} | {r['batch']} x {r['length']} | {r['ns_per_token']:.2f} "
+                f"| {a['batch']} x {a['length']} | {a['ns_per_token']:.2f} "
+                f"| **{r['ns_per_token'] / a['ns_per_token']:.2f}** |"
+            )
     lines += ["", "## Targets (on the largest size, `policy_loss` forward + backward)", ""]
     lines += [f"- {t}" for t in targets(report)]
     return "\n".join(lines) + "\n"
+
+
+def ragged_rows(report: dict) -> list[tuple[str, dict, dict]]:
+    """Each row whose T is not a multiple of 128, with its aligned neighbour, if measured."""
+    out = []
+    for r in report["results"]:
+        if r["length"] % 128 == 0:
+            continue
+        aligned = workloads.nearest_aligned(r["length"])
+        for a in report["results"]:
+            same = (a["computation"], a["batch"]) == (r["computation"], r["batch"])
+            if same and a["length"] == aligned:
+                out.append((r["computation"], r, a))
+    return out
 
 
 def targets(report: dict) -> list[str]:
@@ -312,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"smoke test: sizes {TINY_SIZES}, 2 repeats, 1 warm-up and compile",
     )
+    parser.add_argument(
+        "--ragged",
+        action="store_true",
+        help=f"sizes {workloads.RAGGED_SIZES}: odd and prime T beside the nearest multiple "
+        "of 128 (time per token within 1.25x)",
+    )
     parser.add_argument("--no-op-by-op", action="store_true", help="skip the op-by-op JAX variant")
     parser.add_argument("--no-numpy", action="store_true", help="skip the NumPy oracle")
     parser.add_argument("--note", default="", help="free text added to results.md")
@@ -330,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         # Threads inherit the affinity of the thread that starts them, and JAX starts
         # XLA's thread pool on first use, below: so pinning here pins all of it.
         os.sched_setaffinity(0, set(available[: args.cpus]))
+    if args.ragged:
+        args.sizes = workloads.RAGGED_SIZES
     if args.tiny:
         args.sizes, args.repeats, args.warmup, args.compile_repeats = TINY_SIZES, 2, 1, 1
     sizes = parse_sizes(args.sizes)

@@ -78,6 +78,17 @@ def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]
     }
 
 
+# Token counts that are not a multiple of the CPU fusion's chunk (odd, prime), each
+# beside the nearest multiple of 128: time per token must stay within 1.25x of it
+# (issue 17 #5, a 7x cliff at T = 131071 before the remainder path).
+RAGGED_SIZES = "8x131071,8x131072,64x8191,64x8192,256x4093,256x4096"
+
+
+def nearest_aligned(length: int, multiple: int = 128) -> int:
+    """The multiple of ``multiple`` nearest to ``length`` (at least ``multiple``)."""
+    return max(multiple, round(length / multiple) * multiple)
+
+
 LOSS_INPUTS = ("logp", "old_logp", "rollout_logp", "advantages", "mask")
 CORRECTION_INPUTS = ("old_logp", "rollout_logp", "mask")
 

@@ -1,6 +1,6 @@
-"""``_reduce.seq_reduce``: the fused per-sequence reductions equal the plain ones.
+"""``_reduce.Rows.reduce``: the fused per-sequence reductions equal the plain ones.
 
-Every reduction of the library goes through ``seq_reduce``; its fast path (one
+Every reduction of the library goes through ``Rows.reduce``; its fast path (one
 variadic reduce over chunks of tokens, columns split into groups) must give the
 same numbers, gradients and NaN-safety as reducing each column on its own.
 """
@@ -31,7 +31,7 @@ def _fused(values, population):
     columns = {
         f"c{i}": _reduce.Column(OPS[i % 3], values[i], population) for i in range(len(values))
     }
-    return _reduce.seq_reduce(columns, MeshAxes())
+    return _reduce.Rows(MeshAxes()).reduce(columns)
 
 
 def _expected(op, value, population):
@@ -45,7 +45,9 @@ def _expected(op, value, population):
 
 # Small inputs take one plain loop; (64, 256) x 8+ columns the chunked, grouped path
 # (256 tokens split evenly over up to 8 devices in chunks of 4).
-@pytest.mark.parametrize("shape", [(6, 64), (2, 3, 40), (5, 13), (4, 4), (3, 0), (64, 256)])
+@pytest.mark.parametrize(
+    "shape", [(6, 64), (2, 3, 40), (5, 13), (4, 4), (3, 0), (64, 256), (64, 257), (16, 1031)]
+)
 @pytest.mark.parametrize("n", [1, 3, 8, 20])
 def test_matches_plain_reductions(shape, n):
     rng = np.random.default_rng(n * 100 + shape[-1])
@@ -60,14 +62,13 @@ def test_matches_plain_reductions(shape, n):
 def test_broadcast_values_and_counts():
     population = jnp.asarray([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     per_seq = jnp.asarray([[2.0], [3.0]])
-    got = _reduce.seq_reduce(
+    got = _reduce.Rows().reduce(
         {
             "n": _reduce.count(population),
             "hits": _reduce.count_where(jnp.arange(4) >= 2, population),
             "per_seq": _reduce.total(per_seq, population),
             "scalar": _reduce.total(1.5, population),
         },
-        MeshAxes(),
     )
     np.testing.assert_array_equal(got["n"], [3.0, 0.0])
     np.testing.assert_array_equal(got["hits"], [1.0, 0.0])
@@ -82,13 +83,12 @@ def test_gradient_matches_plain_sums():
     scale = jnp.arange(1.0, 5.0)
 
     def fused(x):
-        sums = _reduce.seq_reduce(
+        sums = _reduce.Rows().reduce(
             {
                 "a": _reduce.total(jnp.sin(x), population),
                 "b": _reduce.total(x * x, population),
                 "m": _reduce.maximum(x, population),
             },
-            MeshAxes(),
         )
         return jnp.sum(scale * sums["a"] + sums["b"] ** 2 + sums["m"])
 
@@ -110,9 +110,8 @@ def test_vmap():
     population = jnp.ones((3, 5, 24), jnp.float32)
 
     def sums(x, p):
-        out = _reduce.seq_reduce(
+        out = _reduce.Rows().reduce(
             {"s": _reduce.total(x, p), "n": _reduce.count(p), "lo": _reduce.minimum(x, p)},
-            MeshAxes(),
         )
         return out["s"], out["n"], out["lo"]
 
@@ -181,7 +180,7 @@ def test_fast_path_policy_loss_matches_numpy_reference(level):
 
 
 def test_custom_derivatives_keep_forward_mode_and_second_order():
-    """seq_reduce and the PPO surrogate define their derivatives; jvp, grad and HVP agree."""
+    """Rows.reduce and the PPO surrogate define their derivatives; jvp, grad and HVP agree."""
     rng = np.random.default_rng(3)
     logp, old, rollout, adv, mask = _ragged(rng, 8, 64)
     config = opj.LossConfig(
@@ -200,3 +199,22 @@ def test_custom_derivatives_keep_forward_mode_and_second_order():
     np.testing.assert_allclose(forward, jnp.vdot(grad, direction), rtol=1e-4, atol=1e-6)
     hvp = jax.jvp(jax.grad(loss), (logp,), (direction,))[1]
     assert hvp.shape == logp.shape and bool(jnp.all(jnp.isfinite(hvp)))
+
+
+@pytest.mark.parametrize("length", [256, 257, 1031, 1030, 3])
+def test_unsplit_cpu_path_with_ragged_lengths(length):
+    """The one-device CPU path (chunked prefix + remainder), whatever the process's device
+    count: inside a one-device mesh nothing may split the token axis."""
+    from jax.sharding import AxisType
+
+    from offpolicy_jax import _fusion
+
+    rng = np.random.default_rng(length)
+    values, population = _inputs(rng, (64, length), 9)
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        assert _fusion._split(jnp.asarray(values[0])) == _fusion._Split(1, 1, None)
+        got = jax.jit(_fused)(values, population)
+    for i in range(9):
+        want = _expected(OPS[i % 3], values[i], population)
+        np.testing.assert_allclose(got[f"c{i}"], want, rtol=1e-5, atol=1e-5, err_msg=f"c{i}")

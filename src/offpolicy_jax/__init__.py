@@ -11,8 +11,17 @@ from offpolicy_jax._reduce import MeanParts, MeshAxes
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, compute_correction
 from offpolicy_jax.logprobs import token_logprobs, token_logprobs_from_hidden
-from offpolicy_jax.losses import LossParts, aggregate, policy_loss, policy_loss_parts
+from offpolicy_jax.losses import (
+    LossParts,
+    PolicyLossTerms,
+    aggregate,
+    policy_loss,
+    policy_loss_parts,
+    policy_loss_terms,
+)
 from offpolicy_jax.metrics import finalize as finalize_metrics
+from offpolicy_jax.ratios import METRIC_LOG_CAP
+from offpolicy_jax.surrogates import PPOTerms, ppo_surrogate
 
 __version__ = "0.1.0"
 
@@ -22,13 +31,18 @@ __all__ = [
     "LossConfig",
     "LossParts",
     "MeanParts",
+    "METRIC_LOG_CAP",
     "MeshAxes",
+    "PPOTerms",
+    "PolicyLossTerms",
     "VanillaTIS",
     "aggregate",
     "compute_correction",
     "finalize_metrics",
     "policy_loss",
     "policy_loss_parts",
+    "policy_loss_terms",
+    "ppo_surrogate",
     "token_logprobs",
     "token_logprobs_from_hidden",
 ]

@@ -26,9 +26,12 @@ def as_float_logp(name: str, x) -> jax.Array:
 
 
 def as_float_mask(name: str, mask) -> jax.Array:
-    """Checks a mask (bool, integer or float 0/1 weights) and returns float32 weights.
+    """Checks a mask and returns float32 weights (docs/semantics.md §0, issue 17 #3).
 
-    An entry that is not > 0 (0, negative, NaN) is padding and becomes 0.
+    An entry that is not > 0 (0, negative, NaN) is padding and becomes 0. A bool or
+    integer entry > 0 is a member with weight exactly 1 (a mask of 2 or 255 scales
+    nothing). A float entry > 0 is a member whose value weights its token in every
+    sum (use 0/1 floats for a plain mask).
     """
     if mask is None:
         raise ValueError(f"{name} is required but got None")
@@ -48,6 +51,8 @@ def as_float_mask(name: str, mask) -> jax.Array:
         # stores the float mask as a [..., T] array read by every pass, instead of
         # converting the 1-byte bool mask inside each pass.
         return weights
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return jnp.where(mask > 0, 1.0, 0.0)
     return jnp.where(weights > 0, weights, 0.0)
 
 

@@ -1,51 +1,68 @@
-"""Bounding importance weights: truncate (one-sided), clip (two-sided), mask (reject).
+"""The TIS stage: the IS weight at its level, bounded by truncate / clip / mask.
 
-``w`` is the ratio at the TIS level, ``L``/``U`` the resolved bounds (semantics.md §3.2).
-The weights are stop-gradient quantities, so the usual min/max JVP conventions do
-not matter here.
+``w = ρ`` at ``tis_level`` (``stages.level_ratio``), then with the resolved bounds
+``L`` / ``U`` (docs/semantics.md §3.2):
+
+* truncate (Ionides, 2008): ``min(w, U)``, one-sided;
+* clip: ``clip(w, L, U)``;
+* mask: tokens (or sequences) with ``w`` outside ``[L, U]`` are rejected and carry
+  weight 0 (D8).
+
+Metrics: ``mis_tis_weight_before_bound`` (valid tokens), ``mis_tis_weight_after_bound``
+(tokens still kept after this stage), and the mode's fractions of valid tokens
+beyond a bound. The weights are stop-gradient, so min/max JVP conventions do not matter.
 """
 
 from __future__ import annotations
 
-import jax
+import dataclasses
+
 import jax.numpy as jnp
 
-
-def truncate(weights: jax.Array, upper: float) -> jax.Array:
-    """Truncated IS (Ionides, 2008): ``min(w, U)``."""
-    return jnp.minimum(weights, upper)
+from offpolicy_jax.stages import Decision, Mean, Stage, level_ratio
 
 
-def clip(weights: jax.Array, lower: float, upper: float) -> jax.Array:
-    """Two-sided clipped IS: ``clip(w, L, U)``."""
-    return jnp.clip(weights, lower, upper)
-
-
-def within_bounds(weights: jax.Array, lower: float, upper: float) -> jax.Array:
-    """Masked IS / rejection: keep iff ``L ≤ w ≤ U`` (inclusive bounds). Returns bool."""
-    return (weights >= lower) & (weights <= upper)
-
-
-def apply_mode(
-    weights: jax.Array, mode: str, lower: float, upper: float
-) -> tuple[jax.Array, jax.Array | None]:
-    """Bounds ``weights`` by ``mode``.
-
-    Args:
-      weights: ``[..., T]`` (or ``[..., 1]``) raw ratios ``w``.
-      mode: ``"truncate"``, ``"clip"`` or ``"mask"``.
-      lower: ``L`` (ignored by truncate).
-      upper: ``U``.
-
-    Returns:
-      ``(bounded, keep)``: the bounded weights and, for mask mode, the bool keep
-      mask (``None`` otherwise). In mask mode rejected weights are 0 (D8).
-    """
+def apply_mode(weights, mode: str, lower: float, upper: float):
+    """``(bounded, keep)``: the bounded weights, and the bool keep mask in mask mode (else None)."""
     if mode == "truncate":
-        return truncate(weights, upper), None
+        return jnp.minimum(weights, upper), None
     if mode == "clip":
-        return clip(weights, lower, upper), None
+        return jnp.clip(weights, lower, upper), None
     if mode == "mask":
-        keep = within_bounds(weights, lower, upper)
+        keep = (weights >= lower) & (weights <= upper)
         return jnp.where(keep, weights, 0), keep
     raise ValueError(f"mode must be one of 'truncate', 'clip', 'mask', got {mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TISWeights(Stage):
+    """Truncated / clipped / masked importance weights at one level."""
+
+    level: str
+    mode: str
+    lower: float
+    upper: float
+
+    def decide(self, t, sums):
+        raw = level_ratio(self.level, t, sums)
+        per_seq = self.level != "token"
+        weights, keep = apply_mode(raw, self.mode, self.lower, self.upper)
+        metrics = {
+            "mis_tis_weight_before_bound": Mean(raw, per_seq=per_seq),
+            "mis_tis_weight_after_bound": Mean(weights, "kept", per_seq),
+        }
+        # Keyed like rejection sampling's fractions: RS at this level and bound
+        # (the reference mis.yaml) shares the column.
+        sides = (("high", self.upper),)
+        if self.mode != "truncate":
+            sides = (("low", self.lower), *sides)
+        for side, bound in sides:
+            outside = raw < bound if side == "low" else raw > bound
+            name = (
+                "mis_tis_truncate_fraction"
+                if self.mode == "truncate"
+                else (f"mis_tis_{self.mode}_fraction_{side}")
+            )
+            key = (("ratio", self.level), side, bound)
+            metrics[name] = Mean(jnp.where(outside, 1.0, 0.0), per_seq=per_seq, key=key)
+        return Decision(keep=keep, weights=weights, per_seq=per_seq, metrics=metrics)

@@ -13,6 +13,7 @@ import math
 import os
 import pathlib
 from collections.abc import Callable, Mapping
+from importlib import resources
 from typing import Any, Literal
 
 import yaml
@@ -119,7 +120,7 @@ def _load_yaml_mapping(source: str | os.PathLike[str], owner: str) -> dict[str, 
 class CorrectionConfig:
     """Rollout-correction settings: the keys of the reference ``mis.yaml``.
 
-    See ``semantics.md`` §1. ``use_tis=False`` computes the mismatch metrics only.
+    See docs/semantics.md §1. ``use_tis=False`` computes the mismatch metrics only.
 
     Attributes:
       use_tis: apply importance weights (and rejection); False = metrics only.
@@ -185,7 +186,7 @@ class CorrectionConfig:
                     f"rs_lower_bound = {self.rs_lower!r} >= rs_upper_bound = {self.rs_upper!r}"
                 )
 
-    # Resolved bounds (semantics.md §1: the nulls fall back in this order).
+    # Resolved bounds (docs/semantics.md §1: the nulls fall back in this order).
     @property
     def upper_bound(self) -> float:
         return self.tis_upper_bound
@@ -223,6 +224,25 @@ class CorrectionConfig:
     def from_yaml(cls, source: str | os.PathLike[str]) -> CorrectionConfig:
         """Builds a config from a YAML file path or YAML text (read with ``yaml.safe_load``)."""
         return cls.from_dict(_load_yaml_mapping(source, "CorrectionConfig"))
+
+    @classmethod
+    def preset(cls, name: str) -> CorrectionConfig:
+        """A configuration shipped with the package: ``"mis"`` is the reference ``mis.yaml``.
+
+        Examples:
+          >>> import offpolicy_jax as opj
+          >>> cfg = opj.CorrectionConfig.preset("mis")
+          >>> cfg.use_tis, cfg.tis_mode, cfg.rs_veto_threshold
+          (True, 'truncate', 0.0001)
+        """
+        available = sorted(
+            p.name[: -len(".yaml")]
+            for p in resources.files("offpolicy_jax").joinpath("configs").iterdir()
+            if p.name.endswith(".yaml")
+        )
+        if name not in available:
+            raise ValueError(f"preset must be one of {available}, got {name!r}")
+        return cls.from_yaml(resources.files("offpolicy_jax") / "configs" / f"{name}.yaml")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -264,7 +284,7 @@ Correction = CorrectionConfig | VanillaTIS | CorrectionFn | None
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Settings of :func:`~offpolicy_jax.policy_loss` (semantics.md §5).
+    """Settings of :func:`~offpolicy_jax.policy_loss` (docs/semantics.md §5).
 
     Attributes:
       algorithm: ``"ppo"`` (old log-probs as the ratio denominator), ``"bypass_ppo"``

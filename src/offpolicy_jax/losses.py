@@ -3,7 +3,7 @@
 Per-token terms come from ``surrogates``, IS weights and the rejection mask from
 ``compute_correction`` (or ``VanillaTIS`` / a user callable), and the
 aggregation below turns them into a scalar as a (numerator, denominator) pair,
-so that micro-batches and devices pool exactly (semantics.md §5).
+so that micro-batches and devices pool exactly (docs/semantics.md §5).
 
 =================  ======================================  =====================
 algorithm          per-token loss                          ratio denominator d
@@ -20,13 +20,13 @@ Decoupled PPO: Hilton et al., "Batch size-invariance for policy optimization"
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, metrics, rejection
-from offpolicy_jax._reduce import AxisNames, MeanParts, MeshAxes
+from offpolicy_jax import _reduce, metrics
+from offpolicy_jax._reduce import AxisNames, MeanParts
 from offpolicy_jax._validation import (
     as_float_logp,
     as_float_mask,
@@ -35,24 +35,19 @@ from offpolicy_jax._validation import (
 )
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, correction_parts
+from offpolicy_jax.ratios import metric_exp
 from offpolicy_jax.surrogates import ppo_surrogate, reinforce_term, vanilla_tis
 
 METRICS_ONLY = CorrectionConfig()
 """The default correction: §4 mismatch metrics only (non-finite sequences left out)."""
 
 
-class LossParts(NamedTuple):
-    """The loss as ``numerator / denominator``; sum parts over micro-batches, then divide.
+LossParts = MeanParts
+"""The loss as ``numerator / denominator``: the library's one poolable type.
 
-    The denominator never depends on ``logp``, so the gradient pools the same
-    way: ``∇(Σ numerator) / Σ denominator``.
-    """
-
-    numerator: jax.Array
-    denominator: jax.Array
-
-    def value(self) -> jax.Array:
-        return _reduce.safe_divide(self.numerator, self.denominator)
+The denominator never depends on ``logp``, so the gradient pools the same way:
+``∇(Σ numerator) / Σ denominator``.
+"""
 
 
 def aggregate(
@@ -60,41 +55,53 @@ def aggregate(
     final_mask: jax.Array,
     denominator_mask: jax.Array,
     aggregation: str,
-    axes: MeshAxes = MeshAxes(),
-) -> LossParts:
-    """Aggregates per-token losses ``ℓ'`` over the final mask ``m'``.
+    axis_names: AxisNames = None,
+) -> MeanParts:
+    """Aggregates per-token losses ``ℓ'`` over the final mask ``m'`` (docs/semantics.md §5).
 
     * ``"sequence_mean"``: mean over sequences with ``Σ m'' > 0`` of ``Σ ℓ' m' / Σ m''``
     * ``"token_mean"``: ``Σ ℓ' m' / Σ m''``
     * ``"sequence_sum"``: ``Σ_t ℓ' m'`` averaged over the same sequences as
       ``sequence_mean`` (no length normalisation)
 
+    Use it with :func:`policy_loss_terms` to add a per-token term (KL, entropy) over
+    the same post-rejection mask as the policy loss.
+
     Args:
-      per_token_loss: ``[..., T]`` weighted per-token losses ``ℓ'``.
-      final_mask: ``[..., T]`` float mask ``m'`` of the tokens in the loss.
-      denominator_mask: ``[..., T]`` float ``m''``: ``m'`` (D5, rejected tokens
-        leave the denominator) or the original mask.
+      per_token_loss: ``[..., T]`` per-token losses ``ℓ'``.
+      final_mask: ``[..., T]`` mask ``m'`` of the tokens in the loss (a float value
+        is the token's loss weight).
+      denominator_mask: ``[..., T]`` ``m''``: ``m'`` (D5) or the original mask.
       aggregation: one of the three names above.
-      axes: mesh axes to combine over inside ``shard_map``.
+      axis_names: mesh axes to ``psum`` over inside ``shard_map``.
 
     Returns:
-      :class:`LossParts`; an empty batch gives 0 / 0, whose value is 0.
+      :class:`MeanParts`; an empty batch gives 0 / 0, whose value is 0.
+
+    Examples:
+      >>> import jax.numpy as jnp, offpolicy_jax as opj
+      >>> m = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+      >>> x = jnp.array([[1.0, 3.0, 9.0], [5.0, 9.0, 9.0]])
+      >>> float(opj.aggregate(x, m, m, "sequence_mean").value())
+      3.5
     """
-    columns = {
-        "loss": _reduce.total(per_token_loss, final_mask),
-        "count": _reduce.count(denominator_mask),
-    }
-    sums = _reduce.seq_reduce(columns, axes)
+    layout = _reduce.Rows(_reduce.as_mesh_axes(axis_names))
+    final_mask = as_float_mask("final_mask", final_mask)
+    denominator_mask = as_float_mask("denominator_mask", denominator_mask)
+    sums = layout.reduce(
+        {
+            "loss": _reduce.total(per_token_loss, final_mask),
+            "count": _reduce.count(denominator_mask),
+        }
+    )
     terms = aggregation_terms(sums["loss"], sums["count"], aggregation)
-    return LossParts(*_reduce.batch_means({"loss": terms}, axes)["loss"])
+    return layout.batch_means({"loss": terms})["loss"]
 
 
-def aggregation_terms(
-    per_seq_total: jax.Array, count: jax.Array, aggregation: str
-) -> _reduce.SeqMean:
-    """:func:`aggregate`'s per-sequence terms, from ``Σ_t ℓ' m'`` and ``Σ_t m''`` (``[...]``)."""
+def aggregation_terms(per_seq_total: jax.Array, count: jax.Array, aggregation: str) -> MeanParts:
+    """:func:`aggregate`'s per-sequence terms, from ``Σ_t ℓ' m'`` and ``Σ_t m''``."""
     if aggregation == "token_mean":
-        return _reduce.SeqMean(per_seq_total, count)
+        return MeanParts(per_seq_total, count)
     if aggregation == "sequence_mean":
         per_seq = _reduce.safe_divide(per_seq_total, count)
     elif aggregation == "sequence_sum":
@@ -102,7 +109,7 @@ def aggregation_terms(
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
     nonempty = count > 0
-    return _reduce.SeqMean(jnp.where(nonempty, per_seq, 0.0), jnp.where(nonempty, 1.0, 0.0))
+    return MeanParts(jnp.where(nonempty, per_seq, 0.0), jnp.where(nonempty, 1.0, 0.0))
 
 
 def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
@@ -148,37 +155,62 @@ def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
     return theta, old, rollout, adv.astype(jnp.float32), weights_mask
 
 
-def _correct(config, old, rollout, mask, reduction, axes, precomputed):
+def _precomputed(name, result, shape):
+    final = jnp.asarray(result.mask, jnp.float32)
+    weights = jnp.asarray(result.weights, jnp.float32)
+    for field, value in (("mask", final), ("weights", weights)):
+        if value.shape != tuple(shape):
+            raise ValueError(
+                f"{name}.{field} has shape {value.shape} but logp has shape {tuple(shape)}; "
+                f"{name} must be computed for exactly these tokens"
+            )
+    # CorrectionResult weights are w·m'; the loss applies m' once, itself.
+    return jax.lax.stop_gradient(_reduce.safe_divide(weights, final)), final
+
+
+def _correct(config, old, rollout, mask, reduction, layout, precomputed):
     """IS weights (unmasked), final mask and metric parts of the configured correction."""
     correction = config.correction
     if precomputed is not None:
-        final = jnp.asarray(precomputed.mask, jnp.float32)
-        # CorrectionResult weights are w·m'; the loss applies m' once, itself.
-        weights = _reduce.safe_divide(jnp.asarray(precomputed.weights, jnp.float32), final)
         # Its metrics describe the whole batch and live in precomputed.metrics;
         # repeating them here would count them once per micro-batch when pooled.
-        return jax.lax.stop_gradient(weights), final, {}
+        return (*_precomputed("correction_result", precomputed, mask.shape), {})
     if isinstance(correction, CorrectionConfig):
-        return correction_parts(old, rollout, mask, correction, reduction=reduction, axes=axes)
+        return correction_parts(old, rollout, mask, correction, reduction=reduction, layout=layout)
     if isinstance(correction, VanillaTIS):
-        finite = rejection.finite_sequences(mask, old, rollout, axes=axes)
+        clip_low, clip = correction.clip_low, correction.clip
         weights, parts = vanilla_tis(
-            old,
-            rollout,
-            mask,
-            clip_low=correction.clip_low,
-            clip=correction.clip,
-            reduction=reduction,
-            axes=axes,
+            old, rollout, mask, clip_low=clip_low, clip=clip, reduction=reduction, layout=layout
         )
-        return weights, jnp.where(finite, mask, 0.0), parts
-    result = correction(old, rollout, mask, reduction=reduction, axis_names=axes)
-    final = jnp.asarray(result.mask, jnp.float32)
-    weights = _reduce.safe_divide(jnp.asarray(result.weights, jnp.float32), final)
-    return jax.lax.stop_gradient(weights), final, dict(result.metrics)
+        return weights, mask, parts
+    result = correction(old, rollout, mask, reduction=reduction, axis_names=layout.axes)
+    return (*_precomputed("config.correction's result", result, mask.shape), dict(result.metrics))
 
 
-def policy_loss_parts(
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PolicyLossTerms:
+    """Per-token view of :func:`policy_loss` (a pytree).
+
+    Attributes:
+      loss: ``[..., T]`` per-token loss ``ℓ'`` (IS-weighted; 0 outside ``mask``).
+      mask: ``[..., T]`` float final mask ``m'``: after rejection and without the
+        sequences that hold a non-finite input at a valid token.
+      denominator_mask: ``[..., T]`` ``m''`` of the aggregation (``m'``, or the
+        original mask with ``rejected_in_denominator``).
+      parts: the loss as :class:`MeanParts` (``aggregate(loss, mask,
+        denominator_mask, config.aggregation)``, computed in the same pass).
+      metrics: metric parts (``MeanParts`` or arrays), for ``finalize_metrics``.
+    """
+
+    loss: jax.Array
+    mask: jax.Array
+    denominator_mask: jax.Array
+    parts: MeanParts
+    metrics: dict[str, MeanParts | jax.Array]
+
+
+def policy_loss_terms(
     logp: jax.typing.ArrayLike,
     old_logp: jax.typing.ArrayLike | None,
     rollout_logp: jax.typing.ArrayLike | None,
@@ -188,20 +220,31 @@ def policy_loss_parts(
     *,
     axis_names: AxisNames = None,
     correction_result: CorrectionResult | None = None,
-) -> tuple[LossParts, dict[str, MeanParts | jax.Array]]:
-    """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
+) -> PolicyLossTerms:
+    """:func:`policy_loss` with its per-token terms and its final mask.
 
-    Sum both over micro-batches (``jax.tree.map(jnp.add, ...)``), then call
-    ``.value()`` on the loss and :func:`offpolicy_jax.finalize_metrics` on the
-    metrics: the result equals the full-batch call. With batch normalisation
-    or sequence-level statistics that need the whole batch, compute the
-    correction once on the full batch and pass it as ``correction_result``
-    (normalising per micro-batch would bias the pooled loss).
+    A per-token KL or entropy term over the same post-rejection mask is then a few
+    lines (see the example). Arguments as :func:`policy_loss`.
 
-    Args: as :func:`policy_loss`, plus
-      correction_result: a :class:`CorrectionResult` computed beforehand for
-        exactly these tokens (decoupled_ppo); replaces the configured correction,
-        whose metrics are then only in ``correction_result.metrics``.
+    Returns:
+      :class:`PolicyLossTerms`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, offpolicy_jax as opj
+      >>> logp = jnp.log(jnp.array([[0.5, 0.4, 0.9], [0.3, 0.2, 0.7]]))
+      >>> ref_logp = jnp.log(jnp.array([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+      >>> mask = jnp.array([[1, 1, 0], [1, 1, 1]], bool)
+      >>> cfg = opj.LossConfig(algorithm="ppo")
+      >>> def loss_fn(lp):
+      ...     t = opj.policy_loss_terms(lp, logp, None, jnp.array([1.0, -1.0]), mask, cfg)
+      ...     d = ref_logp - lp  # per-token k3 estimate of KL(π_θ ‖ π_ref)
+      ...     kl = jnp.exp(d) - d - 1
+      ...     kl = opj.aggregate(kl, t.mask, t.denominator_mask, cfg.aggregation)
+      ...     return t.parts.value() + 0.1 * kl.value()
+      >>> round(float(loss_fn(logp)), 4)  # PPO part 0 (ratio 1, advantages ±1) + 0.1 · KL
+      0.0138
+      >>> jax.grad(loss_fn)(logp).shape
+      (2, 3)
     """
     theta, old, rollout, adv, mask = _check_inputs(
         config, logp, old_logp, rollout_logp, advantages, mask
@@ -212,6 +255,7 @@ def policy_loss_parts(
             f"(decoupled_ppo, reinforce_is), not {config.algorithm!r}"
         )
     axes = _reduce.as_mesh_axes(axis_names)
+    layout = _reduce.Rows(axes)
     # Per-sequence advantages are legitimately replicated across token shards.
     check_split_over(
         axes.batch + axes.token, logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, mask=mask
@@ -219,8 +263,10 @@ def policy_loss_parts(
     reduction = config.metric_reduction
     algorithm = config.algorithm
     valid = mask > 0
-    # Garbage advantages at padded positions would turn 0-cotangents into NaN.
-    adv = jnp.where(valid, adv, 0.0)
+    # A non-finite θ or advantage at a valid token takes its sequence out of the loss
+    # (§0); garbage advantages elsewhere would turn 0-cotangents into NaN.
+    bad_model = ~jnp.isfinite(theta) | ~jnp.isfinite(adv)
+    adv = jnp.where(valid & jnp.isfinite(adv), adv, 0.0)
     theta_sg = jax.lax.stop_gradient(theta)
     # π_old for the IS ratio and the mismatch metrics: sg(θ) where it is absent.
     proxy_old = old if old is not None else theta_sg
@@ -229,7 +275,7 @@ def policy_loss_parts(
     if config.reweights:
         is_numerator = theta_sg if algorithm == "reinforce_is" else old
         weights, final_mask, correction_metrics = _correct(
-            config, is_numerator, rollout, mask, reduction, axes, correction_result
+            config, is_numerator, rollout, mask, reduction, layout, correction_result
         )
         parts.update(correction_metrics)
     else:
@@ -241,15 +287,30 @@ def policy_loss_parts(
         # §4 metrics of π_old (sg(θ) where absent) against π_rollout; the loss is
         # unchanged. In reinforce_is they replace those of the correction's sg(θ).
         _, _, mismatch = correction_parts(
-            proxy_old, rollout, mask, METRICS_ONLY, reduction=reduction, axes=axes
+            proxy_old, rollout, mask, METRICS_ONLY, reduction=reduction, layout=layout
         )
         parts.update(mismatch)
 
     # The loss and its metrics are per-sequence sums of per-token terms: one pass
-    # (seq_reduce) takes them all, and its backward is one elementwise pass.
+    # (layout.reduce) takes them all, and its backward is one elementwise pass.
     kept = final_mask > 0
     sg = jax.lax.stop_gradient
-    columns = {"count": _reduce.count(final_mask), "mask_count": _reduce.count(mask)}
+    columns = {
+        "count": _reduce.count(final_mask),
+        "mask_count": _reduce.count(mask),
+        "bad_model": _reduce.count_where(bad_model, mask),
+    }
+    if "mis_nonfinite_seq_fraction" not in parts:
+        # Not rejected by a correction pipeline: reject (and count) here, alike.
+        logps = [
+            x
+            for x in (old, rollout, theta_sg if algorithm == "reinforce_is" else None)
+            if x is not None
+        ]
+        bad_logp = jnp.zeros(mask.shape, bool)
+        for x in logps:
+            bad_logp = bad_logp | ~jnp.isfinite(x)
+        columns["bad_logp"] = _reduce.count_where(bad_logp, mask)
     if algorithm == "reinforce_is":
         per_token = reinforce_term(jnp.where(kept, theta, 0.0), adv, weights)
     else:
@@ -258,7 +319,7 @@ def policy_loss_parts(
             theta,
             denominator,
             adv,
-            valid,
+            where=valid,
             clip_eps=config.clip_eps,
             clip_eps_high=config.upper_clip_eps,
             dual_clip_c=config.dual_clip_c,
@@ -274,19 +335,96 @@ def policy_loss_parts(
                 sg(jnp.where(jnp.isfinite(diff), diff, 0.0)), final_mask
             )
         if config.correction is not None or config.get_mismatch_metrics:
-            columns["ois"] = _reduce.total(sg(terms.ratio), mask)
+            # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
+            # divergence it exists to show; capped like every metric exponential.
+            raw = jnp.where(valid, theta_sg - jax.lax.stop_gradient(denominator), 0.0)
+            columns["ois"] = _reduce.total(metric_exp(jnp.where(jnp.isnan(raw), 0.0, raw)), mask)
     columns["loss"] = _reduce.total(per_token, final_mask)
-    sums = _reduce.seq_reduce(columns, axes)
+    sums = layout.reduce(columns)
 
-    denominator = sums["mask_count"] if config.rejected_in_denominator else sums["count"]
-    means = {"pg_loss": aggregation_terms(sums["loss"], denominator, config.aggregation)}
+    ok = sums["bad_model"] == 0
+    means = {
+        "pg_nonfinite_seq_fraction": _reduce.seq_mean_of_values(
+            jnp.where(ok, 0.0, 1.0), sums["mask_count"], reduction
+        )
+    }
+    if "bad_logp" in sums:
+        logp_ok = sums["bad_logp"] == 0
+        means["mis_nonfinite_seq_fraction"] = _reduce.seq_mean_of_values(
+            jnp.where(logp_ok, 0.0, 1.0), sums["mask_count"], reduction
+        )
+        ok = ok & logp_ok
+    # Such sequences are rejected like any other: they leave m' (the loss, its metrics)
+    # and stay in m'' = m under rejected_in_denominator, as in the correction's path.
+    count = jnp.where(ok, sums["count"], 0.0)
+    mask_count = jnp.where(ok, sums["mask_count"], 0.0)
+    denominator = sums["mask_count"] if config.rejected_in_denominator else count
+    loss_sum = jnp.where(ok, sums["loss"], 0.0)
+    means["pg_loss"] = aggregation_terms(loss_sum, denominator, config.aggregation)
     for key in ("pg_clipfrac", "ppo_kl", "train_rollout_logprob_abs_diff"):
         if key in sums:
-            means[key] = _reduce.seq_mean(sums[key], sums["count"], reduction)
+            means[key] = _reduce.seq_mean(jnp.where(ok, sums[key], 0.0), count, reduction)
     if "ois" in sums:
-        means["ois"] = _reduce.seq_mean(sums["ois"], sums["mask_count"], reduction)
-    parts.update(_reduce.batch_means(means, axes))
-    return LossParts(*parts["pg_loss"]), parts
+        means["ois"] = _reduce.seq_mean(jnp.where(ok, sums["ois"], 0.0), mask_count, reduction)
+    parts.update(layout.batch_means(means))
+    keep = layout.broadcast(ok)
+    final_mask = jnp.where(keep, final_mask, 0.0)
+    denominator_mask = mask if config.rejected_in_denominator else final_mask
+    return PolicyLossTerms(
+        loss=jnp.where(final_mask > 0, per_token, 0.0),
+        mask=final_mask,
+        denominator_mask=denominator_mask,
+        parts=parts["pg_loss"],
+        metrics=parts,
+    )
+
+
+def policy_loss_parts(
+    logp: jax.typing.ArrayLike,
+    old_logp: jax.typing.ArrayLike | None,
+    rollout_logp: jax.typing.ArrayLike | None,
+    advantages: jax.typing.ArrayLike,
+    mask: jax.typing.ArrayLike,
+    config: LossConfig,
+    *,
+    axis_names: AxisNames = None,
+    correction_result: CorrectionResult | None = None,
+) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
+    """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
+
+    Add both over micro-batches (``a + b``, or ``jax.tree.map(jnp.add, ...)``), then
+    call ``.value()`` on the loss and :func:`offpolicy_jax.finalize_metrics` on the
+    metrics: the result equals the full-batch call. With batch normalisation
+    or sequence-level statistics that need the whole batch, compute the
+    correction once on the full batch and pass it as ``correction_result``
+    (normalising per micro-batch would bias the pooled loss).
+
+    Args: as :func:`policy_loss`, plus
+      correction_result: a :class:`CorrectionResult` computed beforehand for
+        exactly these tokens (decoupled_ppo); replaces the configured correction,
+        whose metrics are then only in ``correction_result.metrics``.
+
+    Examples:
+      >>> import jax.numpy as jnp, offpolicy_jax as opj
+      >>> lp = jnp.log(jnp.array([[0.5, 0.4], [0.3, 0.2]]))
+      >>> m = jnp.ones((2, 2), bool)
+      >>> cfg = opj.LossConfig(algorithm="ppo")
+      >>> a, _ = opj.policy_loss_parts(lp[:1], lp[:1], None, jnp.ones(1), m[:1], cfg)
+      >>> b, _ = opj.policy_loss_parts(lp[1:], lp[1:], None, jnp.ones(1), m[1:], cfg)
+      >>> float((a + b).value())
+      -1.0
+    """
+    terms = policy_loss_terms(
+        logp,
+        old_logp,
+        rollout_logp,
+        advantages,
+        mask,
+        config,
+        axis_names=axis_names,
+        correction_result=correction_result,
+    )
+    return terms.parts, terms.metrics
 
 
 def policy_loss(
@@ -300,7 +438,7 @@ def policy_loss(
     axis_names: AxisNames = None,
     correction_result: CorrectionResult | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Policy-gradient loss with rollout correction (semantics.md §5).
+    """Policy-gradient loss with rollout correction (docs/semantics.md §5).
 
     ``ppo``: ``ℓ(θ; π_old)``; ``bypass_ppo``: ``ℓ(θ; π_rollout)``;
     ``decoupled_ppo``: ``w(π_old/π_rollout) · ℓ(θ; π_old)`` on the corrected mask;
@@ -325,6 +463,21 @@ def policy_loss(
     Returns:
       ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing
       is left to train on) and a dict of float32 scalar metrics.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, offpolicy_jax as opj
+      >>> logp = jnp.log(jnp.array([[0.5, 0.4, 0.9], [0.3, 0.2, 0.7]]))
+      >>> old = logp - 0.1
+      >>> rollout = logp - jnp.array([[0.1, 0.2, 0.1], [0.1, 3.0, 0.1]])
+      >>> mask = jnp.array([[1, 1, 0], [1, 1, 1]], bool)
+      >>> cfg = opj.LossConfig(algorithm="decoupled_ppo",
+      ...                      correction=opj.CorrectionConfig.preset("mis"))
+      >>> loss, metrics = opj.policy_loss(logp, old, rollout, jnp.array([1.0, -1.0]), mask, cfg)
+      >>> round(float(loss), 4), round(float(metrics["mis_rs_mask_fraction_high"]), 4)
+      (-0.0283, 0.1667)
+      >>> jax.grad(lambda lp: opj.policy_loss(lp, old, rollout, 1.0 + 0 * lp, mask, cfg)[0])(
+      ...     logp).shape
+      (2, 3)
     """
     loss, parts = policy_loss_parts(
         logp,

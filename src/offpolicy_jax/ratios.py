@@ -1,7 +1,7 @@
-"""Log-ratios, their aggregation to a level, and the clamped exponential.
+"""Log-ratios, their aggregation to a level, and the two exponentials of the library.
 
 The importance ratio of the rollout correction is ``π_old / π_rollout``; in log
-space ``δ_t = o_t − b_t``. Levels (semantics.md §2):
+space ``δ_t = o_t − b_t``. Levels (docs/semantics.md §2):
 
 * token:     ``λ_t = δ_t``
 * sequence:  ``λ = Σ_s δ_s m_s``          (log of the product of ratios)
@@ -9,6 +9,12 @@ space ``δ_t = o_t − b_t``. Levels (semantics.md §2):
 
 and ``ρ = exp(clip(λ, −S, S))`` with ``S = 20``: the clamp comes after the
 aggregation, so a long sequence of small ratios is bounded as a whole.
+
+Metrics follow one rule for exponentials (issue 17 #2): every ``exp`` inside a
+*metric* is taken of an exponent capped at :data:`METRIC_LOG_CAP` = 50
+(:func:`metric_exp`, :func:`metric_expm1`), so a metric saturates at ``e^50 ≈ 5.2e21``
+instead of overflowing to inf, identically under jit and eager, and a sum of up to
+``6e16`` such terms stays finite. Weights and losses use the ``±S`` clamp instead.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import _reduce
-from offpolicy_jax._reduce import MeshAxes
 
 LOG_RATIO_CLAMP = 20.0
 """``S``: log-space bound applied before every ``exp`` of a ratio."""
@@ -37,30 +42,6 @@ def log_ratio(
       ``[..., T]`` log-ratio; garbage at invalid positions never leaks.
     """
     return jnp.where(valid, numerator_logp - denominator_logp, 0)
-
-
-def aggregate_level(
-    delta: jax.Array, mask: jax.Array, level: str, axes: MeshAxes = MeshAxes()
-) -> jax.Array:
-    """Aggregates per-token log-ratios to ``level``.
-
-    Args:
-      delta: ``[..., T]`` log-ratios (0 at invalid positions).
-      mask: ``[..., T]`` float population weights ``m``.
-      level: ``"token"``, ``"sequence"`` or ``"geometric"``.
-      axes: mesh axes for the per-sequence sum inside ``shard_map``.
-
-    Returns:
-      ``[..., T]`` for the token level; ``[..., 1]`` (one value per sequence, which
-      broadcasts against ``[..., T]``) for the sequence and geometric levels.
-    """
-    if level == "token":
-        return delta
-    _check_level(level)
-    sums = _reduce.seq_reduce(
-        {"delta": _reduce.total(delta, mask), "count": _reduce.count(mask)}, axes
-    )
-    return sequence_log_ratio(sums["delta"], sums["count"], level)[..., None]
 
 
 def sequence_log_ratio(delta_sum: jax.Array, count: jax.Array, level: str) -> jax.Array:
@@ -86,3 +67,29 @@ def _check_level(level: str) -> None:
 def clamped_exp(log_value: jax.Array) -> jax.Array:
     """``exp(clip(x, −S, S))``: a ratio that can neither overflow nor underflow to 0."""
     return jnp.exp(jnp.clip(log_value, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+METRIC_LOG_CAP = 50.0
+"""The largest exponent of any ``exp`` inside a metric (saturation value ``e^50``)."""
+
+
+def metric_exp(x: jax.Array) -> jax.Array:
+    """``exp(min(x, 50))``: a metric's exponential, finite for every finite ``x``."""
+    return jnp.exp(jnp.minimum(x, METRIC_LOG_CAP))
+
+
+def metric_expm1(x: jax.Array) -> jax.Array:
+    """``expm1(min(x, 50))``: ``e^x − 1`` without cancellation near 0, capped like :func:`metric_exp`."""
+    return jnp.expm1(jnp.minimum(x, METRIC_LOG_CAP))
+
+
+def k3(delta: jax.Array) -> jax.Array:
+    """Schulman's k3 estimator ``e^δ − δ − 1 ≥ 0`` without cancellation.
+
+    A Taylor series for ``|δ| < 0.1`` (relative error < 2e-9 there), else
+    ``expm1(δ) − δ`` with the exponent capped (:func:`metric_expm1`). Never negative.
+    """
+    small = jnp.abs(delta) < 0.1
+    d = jnp.where(small, delta, 0.0)
+    series = 0.5 * d * d * (1 + d / 3 * (1 + d / 4 * (1 + d / 5 * (1 + d / 6))))
+    return jnp.where(small, series, jnp.maximum(metric_expm1(delta) - delta, 0.0))

@@ -1,79 +1,55 @@
-"""Rejection: which tokens or sequences leave the loss (mask only, never the weights).
+"""Rejection stages: which tokens or sequences leave the loss (mask only, never weights).
 
-* ``rejection_keep``: rejection sampling at a level (semantics.md §3.3).
-* ``veto``: reject a sequence containing a catastrophic token (§3.4, D1).
-* ``finite_sequences``: a non-finite log-prob at a valid position rejects its
-  whole sequence (§0) instead of poisoning the batch with NaN.
+* :func:`rejection_sampling`: keep iff ``L_rs ≤ ρ_rs ≤ U_rs`` at ``rs_level``
+  (docs/semantics.md §3.3), an instance of the generic criterion
+  :class:`~offpolicy_jax.stages.Bounded`;
+* :class:`Veto`: reject a sequence holding a catastrophic token (§3.4, D1);
+* the non-finite rejection (§0) is the pipeline's own (``stages.run``): it must
+  shrink every population, not only the mask.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
-import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import _reduce
-from offpolicy_jax._reduce import MeshAxes
+from offpolicy_jax.stages import Bounded, Decision, Mean, Stage, level_ratio
 
 
-def rejection_keep(ratio: jax.Array, lower: float, upper: float) -> jax.Array:
-    """Rejection sampling: keep iff ``L_rs ≤ ρ_rs ≤ U_rs``.
-
-    Args:
-      ratio: ``[..., T]`` token-level or ``[..., 1]`` sequence-level ratios ``ρ_rs``.
-      lower: ``L_rs``.
-      upper: ``U_rs``.
-
-    Returns:
-      bool keep mask with the shape of ``ratio``; a sequence-level ratio keeps or
-      rejects its whole sequence.
-    """
-    return (ratio >= lower) & (ratio <= upper)
+def rejection_sampling(level: str, lower: float, upper: float) -> Bounded:
+    """RS at ``level``: the ratio ``ρ_rs`` of the level must lie in ``[lower, upper]``."""
+    ratio = functools.partial(level_ratio, level)
+    if level == "token":
+        return Bounded(
+            "mis_rs_mask", lower, upper, statistic=lambda t: ratio(t, {}), name=("ratio", level)
+        )
+    return Bounded("mis_rs_mask", lower, upper, from_sums=ratio, name=("ratio", level))
 
 
-def catastrophic_tokens(delta: jax.Array, valid: jax.Array, threshold: float) -> jax.Array:
-    """Valid tokens whose raw, unclamped ratio is below ``threshold``: ``δ_t < log(τ)``."""
-    return valid & (delta < math.log(threshold))
+@dataclasses.dataclass(frozen=True)
+class Veto(Stage):
+    """Rejects a sequence if a valid token has raw, unclamped ``δ_t < log(threshold)``."""
 
+    threshold: float
 
-def veto(
-    delta: jax.Array, mask: jax.Array, threshold: float, axes: MeshAxes = MeshAxes()
-) -> tuple[jax.Array, jax.Array]:
-    """Catastrophic-token veto (semantics.md §3.4; D1: independent of ``use_rs``).
+    def columns(self, t):
+        bad = (t.population > 0) & (t.delta < math.log(self.threshold))
+        return {"hits": _reduce.count_where(bad, t.population)}
 
-    A sequence is rejected if any valid token has ``δ_t < log(threshold)``
-    (strict), i.e. π_old assigns it a far smaller probability than the sampler did.
-
-    Args:
-      delta: ``[..., T]`` raw log-ratios ``o − b`` (0 at invalid positions).
-      mask: ``[..., T]`` float population weights.
-      threshold: the veto ratio ``τ > 0``.
-      axes: mesh axes for the per-sequence ``any`` inside ``shard_map``.
-
-    Returns:
-      ``(catastrophic, keep_seq)``: ``[..., T]`` bool catastrophic tokens and
-      ``[..., 1]`` bool, False for vetoed sequences.
-    """
-    catastrophic = catastrophic_tokens(delta, mask > 0, threshold)
-    vetoed = _reduce.seq_any(catastrophic, mask, axes)
-    return catastrophic, ~vetoed[..., None]
-
-
-def nonfinite_tokens(*logps: jax.Array) -> jax.Array:
-    """``[..., T]`` bool: a NaN or ±inf in any of the log-prob arrays."""
-    bad = jnp.zeros(jnp.broadcast_shapes(*(jnp.shape(x) for x in logps)), bool)
-    for logp in logps:
-        bad = bad | ~jnp.isfinite(logp)
-    return bad
-
-
-def finite_sequences(mask: jax.Array, *logps: jax.Array, axes: MeshAxes = MeshAxes()) -> jax.Array:
-    """``[..., 1]`` bool: True for sequences whose log-probs are finite at every valid token.
-
-    Args:
-      mask: ``[..., T]`` float population weights.
-      *logps: ``[..., T]`` log-prob arrays to check.
-      axes: mesh axes for the per-sequence ``any`` inside ``shard_map``.
-    """
-    return ~_reduce.seq_any(nonfinite_tokens(*logps), mask, axes)[..., None]
+    def decide(self, t, sums):
+        vetoed = sums["hits"] > 0
+        how = t.reduction
+        return Decision(
+            keep=~vetoed,
+            per_seq=True,
+            metrics={
+                "mis_rs_catastrophic_token_fraction": _reduce.seq_mean(
+                    sums["hits"], sums["count"], how
+                ),
+                "mis_rs_catastrophic_seq_fraction": Mean(jnp.where(vetoed, 1.0, 0.0), per_seq=True),
+            },
+        )

@@ -1,7 +1,7 @@
 """Per-token policy-gradient terms: the PPO surrogate, the REINFORCE term, VanillaTIS.
 
 These are the only places where ``logp`` (π_θ) is differentiated. Gradients at
-ties follow the reference (semantics.md §5): a clamp passes the full gradient on
+ties follow the reference (docs/semantics.md §5): a clamp passes the full gradient on
 its closed interval, and at ``L1 == L2`` the unclipped gradient flows. Both are
 written with ``where``, because the JVPs of ``jnp.clip`` / ``jnp.maximum`` split
 a tie 50/50 and would give half the gradient there.
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import _reduce
-from offpolicy_jax._reduce import MeanParts, MeshAxes, Reduction
-from offpolicy_jax.ratios import LOG_RATIO_CLAMP
+from offpolicy_jax._reduce import MeanParts, Reduction, Rows
+from offpolicy_jax.ratios import LOG_RATIO_CLAMP, metric_exp, metric_expm1
 
 
 def clamp(x: jax.Array, lower: float, upper: float) -> jax.Array:
@@ -35,38 +35,55 @@ class PPOTerms(NamedTuple):
 
 
 def ppo_surrogate(
-    logp: jax.Array,
-    denominator_logp: jax.Array,
-    advantages: jax.Array,
-    valid: jax.Array,
+    logp: jax.typing.ArrayLike,
+    denominator_logp: jax.typing.ArrayLike,
+    advantages: jax.typing.ArrayLike,
     *,
-    clip_eps: float,
-    clip_eps_high: float,
+    where: jax.typing.ArrayLike | None = None,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
 ) -> PPOTerms:
     """The clipped PPO surrogate per token (Schulman et al., 2017), as in miles.
 
     ``k = d − θ``, ``r = exp(clip(−k, −S, S))``, ``L1 = −r·A``,
     ``L2 = −clip(r, 1 − ε, 1 + ε_high)·A``, ``ℓ = max(L1, L2)``; with dual clip
-    (Ye et al., 2020, ``c > 1``): where ``A < 0``, ``ℓ = min(−c·A, ℓ)``.
+    (Ye et al., 2020, ``c > 1``): where ``A < 0``, ``ℓ = min(−c·A, ℓ)``
+    (docs/semantics.md §5). Gradients at ties follow the reference.
 
     Args:
       logp: ``[..., T]`` log π_θ (differentiated).
       denominator_logp: ``[..., T]`` the ratio's denominator ``d`` (π_old, or
         π_rollout in bypass mode); stop-gradient.
-      advantages: ``[..., T]`` advantages ``A``, already 0 outside ``valid``.
-      valid: ``[..., T]`` bool; elsewhere ``k = 0`` so garbage cannot leak, not
-        even into gradients.
+      advantages: ``[..., T]`` advantages ``A`` (stop-gradient).
+      where: optional ``[..., T]`` bool: the tokens that count. Elsewhere ``k = 0``
+        and ``A`` is taken as 0, so garbage (NaN/inf) cannot leak, not even into
+        gradients; ``loss`` there is 0.
       clip_eps: ``ε``.
-      clip_eps_high: ``ε_high``.
+      clip_eps_high: ``ε_high`` (default ``ε``).
       dual_clip_c: ``c`` or None.
 
     Returns:
-      :class:`PPOTerms`.
+      :class:`PPOTerms`: per-token ``loss``, ``clipped``, ``log_ratio``, ``ratio``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, offpolicy_jax as opj
+      >>> lp = jnp.log(jnp.array([0.7, 0.3, 0.5]))
+      >>> old = jnp.log(jnp.array([0.5, 0.5, 0.5]))
+      >>> t = opj.ppo_surrogate(lp, old, jnp.array([1.0, 1.0, jnp.nan]),
+      ...                       where=jnp.array([True, True, False]), clip_eps=0.2)
+      >>> [round(float(x), 3) + 0.0 for x in t.loss]  # ratio 1.4 clipped to 1.2
+      [-1.2, -0.6, 0.0]
+      >>> [bool(c) for c in t.clipped]
+      [True, False, False]
     """
+    logp = jnp.asarray(logp, jnp.float32)
+    valid = jnp.ones(logp.shape, bool) if where is None else jnp.asarray(where) > 0
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     clips = (clip_eps, clip_eps_high, dual_clip_c)
-    denominator_logp = jax.lax.stop_gradient(denominator_logp)
-    advantages = jax.lax.stop_gradient(advantages)
+    denominator_logp = jax.lax.stop_gradient(jnp.asarray(denominator_logp, jnp.float32))
+    advantages = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
+    advantages = jnp.where(valid & jnp.isfinite(advantages), advantages, 0.0)
     terms = _ppo_terms(logp, denominator_logp, advantages, valid, *clips)
     loss = _ppo_loss(clips, logp, denominator_logp, advantages, valid)
     return PPOTerms(loss, terms.clipped, jax.lax.stop_gradient(terms.log_ratio), terms.ratio)
@@ -170,7 +187,7 @@ def vanilla_tis(
     clip_low: float,
     clip: float,
     reduction: Reduction,
-    axes: MeshAxes = MeshAxes(),
+    layout: Rows,
 ) -> tuple[jax.Array, dict[str, MeanParts]]:
     """The reference's built-in truncated IS: ``w = clip(exp(o − b), clip_low, clip)``.
 
@@ -181,30 +198,28 @@ def vanilla_tis(
       clip_low: lower clip (0 = one-sided truncation).
       clip: upper clip.
       reduction: metric reduction.
-      axes: mesh axes to combine the metrics over.
+      layout: per-sequence reductions (and mesh axes).
 
     Returns:
       ``(weights, metrics)``: stop-gradient ``[..., T]`` weights (1 where the
-      log-ratio is not finite, so garbage cannot leak) and ``tis`` (pre-clip ratio),
-      ``tis_clipfrac`` (share with ``w ≠ ratio``), ``tis_abs`` (``|ratio − 1|``).
+      log-ratio is not finite: the loss rejects such sequences) and ``tis`` (pre-clip
+      ratio), ``tis_clipfrac`` (share with ``w ≠ ratio``), ``tis_abs`` (``|ratio − 1|``);
+      the metric exponentials are capped (``ratios.metric_exp``).
     """
     log_ratio = jax.lax.stop_gradient(old_logp - rollout_logp)
-    # A NaN/±inf log-ratio (a non-finite input) gets ratio 1; the loss rejects
-    # such sequences anyway, so this only keeps the metrics finite.
-    ratio = jnp.where((population > 0) & jnp.isfinite(log_ratio), jnp.exp(log_ratio), 1.0)
-    weights = jnp.clip(ratio, clip_low, clip)
-
-    sums = _reduce.seq_reduce(
+    usable = (population > 0) & jnp.isfinite(log_ratio)
+    log_ratio = jnp.where(usable, log_ratio, 0.0)
+    weights = jnp.clip(jnp.exp(log_ratio), clip_low, clip)
+    sums = layout.reduce(
         {
-            "tis": _reduce.total(ratio, population),
-            "tis_clipfrac": _reduce.count_where(weights != ratio, population),
-            "tis_abs": _reduce.total(jnp.abs(ratio - 1), population),
+            "tis": _reduce.total(metric_exp(log_ratio), population),
+            "tis_clipfrac": _reduce.count_where(weights != jnp.exp(log_ratio), population),
+            "tis_abs": _reduce.total(jnp.abs(metric_expm1(log_ratio)), population),
             "count": _reduce.count(population),
-        },
-        axes,
+        }
     )
     means = {
         key: _reduce.seq_mean(sums[key], sums["count"], reduction)
         for key in ("tis", "tis_clipfrac", "tis_abs")
     }
-    return weights, _reduce.batch_means(means, axes)
+    return weights, layout.batch_means(means)

@@ -1,0 +1,181 @@
+"""XLA:CPU speed trick: several per-sequence reductions in one fused loop.
+
+Only :func:`offpolicy_jax._reduce.Rows.reduce` and ``_reduce.batch_means`` call
+:func:`reduce_columns`; on every backend but CPU it is one plain reduction per
+column, which GPU/TPU compilers fuse by themselves.
+
+Why CPU needs it: XLA:CPU hands each reduction to a library kernel (YNNPACK) that
+cannot fuse the elementwise code producing its input, so every
+``jnp.sum(f(inputs), -1)`` first writes ``f(inputs)`` as a full ``[..., T]``
+float32 array and reads it back, and K sums of functions of the same inputs read
+those inputs K times. A *variadic* reduce (several operands, one loop) stays in
+XLA's own fused loop, which reads the inputs once and evaluates every column's
+expression in registers. XLA:CPU vectorises that loop only when LLVM fully unrolls
+its inner reduction loop, which bounds the work per loop: so the loop reduces
+small chunks of ``_CHUNK`` tokens (writing ``[..., T / _CHUNK]`` partial results,
+then finished by the library kernel) and takes at most ``_GROUP`` columns; larger
+sets of columns run as several such loops. Both numbers were measured with
+``benchmarks/`` on jax 0.10.2 (CPU): with chunks of 8, two columns of the PPO loss
+already fall back to scalar code (3-5x slower); with chunks of 4, eight still
+vectorise. A length that is not a multiple of ``_CHUNK`` is reduced as its
+chunked prefix plus a short remainder loop (issue 17 #5: it used to fall back to
+the slow path, 7x slower at ``T = 131071``).
+
+Which path runs depends only on the backend the program is traced for and on how
+the devices may share the token axis (the arrays' own sharding, or the mesh axes
+left to the XLA partitioner): the chunk reshape must never straddle two devices'
+shares, and a variadic loop must never reduce across devices (the partitioner
+would all-gather each operand's partial results, one collective per column).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
+
+INIT = {"sum": 0.0, "min": math.inf, "max": -math.inf}
+_COMBINE = {"sum": jnp.add, "min": jnp.minimum, "max": jnp.maximum}
+_FINISH = {"sum": jnp.sum, "min": jnp.min, "max": jnp.max}
+
+_CHUNK = 4
+_GROUP = 8
+# Below this many values in total (columns x elements, e.g. the per-sequence terms of
+# all the metrics), one scalar loop over every column is cheaper than a kernel each.
+_SMALL = 1 << 16
+
+
+def plain_reduce(op: str, value: jax.Array) -> jax.Array:
+    """One reduction over the last axis (``initial``: ``T = 0`` is fine too)."""
+    return _FINISH[op](value, axis=-1, initial=INIT[op])
+
+
+def _combine(op: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    return _COMBINE[op](a, b)
+
+
+class _Split(NamedTuple):
+    """How the devices may share the last (token) axis of an array."""
+
+    explicit: int  # devices its explicit sharding splits it over
+    free: int  # devices the XLA partitioner may still split it over, in any way
+    spec: PartitionSpec | None  # the chunked array's sharding, when the axis is explicit
+
+
+def _split(value: jax.Array) -> _Split:
+    """How the devices may share the last axis of ``value``, from its own sharding.
+
+    Inside ``shard_map`` (Manual mesh axes) arrays are local: nothing splits them.
+    An explicitly sharded axis is split over a known number of devices. Mesh axes
+    left to the partitioner (Auto axes) may split it over any number of devices
+    dividing their total; with no mesh in context, jit may place the program on any
+    of the backend's devices, which is the same question for the backend at hand.
+    """
+    sharding = jax.typeof(value).sharding
+    spec = tuple(sharding.spec) + (None,) * (value.ndim - len(sharding.spec))
+    token = spec[-1]
+    names = () if token is None else (token,) if isinstance(token, str) else tuple(token)
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        free = len(jax.devices(jax.default_backend()))
+    else:
+        free = math.prod(
+            size
+            for size, kind in zip(context.axis_sizes, context.axis_types, strict=True)
+            if kind == AxisType.Auto
+        )
+    return _Split(
+        explicit=math.prod(sharding.mesh.shape[name] for name in names),
+        free=free,
+        spec=PartitionSpec(*spec[:-1], token, None) if names else None,
+    )
+
+
+def _variadic_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """One loop reducing every operand over its last axis (XLA's own, not a library kernel)."""
+    inits = tuple(jnp.array(INIT[op], v.dtype) for op, v in zip(ops, values, strict=True))
+    return tuple(
+        jax.lax.reduce(
+            values,
+            inits,
+            lambda acc, x: tuple(_combine(op, a, b) for op, a, b in zip(ops, acc, x, strict=True)),
+            (values[0].ndim - 1,),
+        )
+    )
+
+
+def _chunked_reduce(
+    ops: tuple[str, ...], values: tuple[jax.Array, ...], spec: PartitionSpec | None
+) -> list[jax.Array]:
+    """One variadic loop over chunks of ``_CHUNK`` tokens, then the per-chunk results.
+
+    ``T`` must be a multiple of ``_CHUNK`` here.
+    """
+    shape = values[0].shape
+    chunked_shape = (*shape[:-1], shape[-1] // _CHUNK, _CHUNK)
+    chunked = tuple(jax.lax.reshape(v, chunked_shape, out_sharding=spec) for v in values)
+    return [plain_reduce(op, p) for op, p in zip(ops, _variadic_reduce(ops, chunked), strict=True)]
+
+
+def _cpu_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    split = _split(values[0])
+    length = values[0].shape[-1]
+    if values[0].size * len(values) <= _SMALL and split.explicit * split.free == 1:
+        return _variadic_reduce(ops, values)
+    share = length // split.explicit
+    unsplit = split.explicit * split.free == 1
+    if length < _CHUNK or (share % (_CHUNK * split.free) and not unsplit):
+        return tuple(plain_reduce(op, v) for op, v in zip(ops, values, strict=True))
+    # On one device a ragged length is a chunked prefix plus < _CHUNK remaining tokens.
+    body = length - length % _CHUNK if unsplit else length
+    prefix = tuple(v[..., :body] for v in values) if body < length else values
+    # Balanced groups: 17 columns run as 6 + 6 + 5, never as 8 + 8 + 1 (a single
+    # column would go back to the write-then-reduce path).
+    n_groups = -(-len(values) // _GROUP)
+    size = -(-len(values) // n_groups)
+    out: list[jax.Array] = []
+    for start in range(0, len(values), size):
+        group = slice(start, start + size)
+        out += _chunked_reduce(ops[group], prefix[group], split.spec)
+    if body < length:
+        rest = _variadic_reduce(ops, tuple(v[..., body:] for v in values))
+        out = [_combine(op, a, b) for op, a, b in zip(ops, out, rest, strict=True)]
+    return tuple(out)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def reduce_columns(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Reduces each ``[..., T]`` operand over its last axis by its op (sum/min/max).
+
+    On CPU in few fused loops (see the module docstring); elsewhere one plain
+    reduction per operand. Differentiable: a sum's tangent is the plain sum of the
+    tangents.
+    """
+    if len(values) == 1 or jax.default_backend() != "cpu":
+        return tuple(plain_reduce(op, v) for op, v in zip(ops, values, strict=True))
+    return _cpu_reduce(ops, values)
+
+
+def _reduce_columns_jvp(ops, primals, tangents):
+    # A sum is linear, so its tangent is the plain sum of the tangents; reverse mode
+    # transposes that into a broadcast, and the whole backward of a reduction is
+    # then one elementwise pass over the inputs, with nothing [..., T] stored from
+    # the forward. Min/max use JAX's own rule (the library never differentiates them).
+    (values,), (dvalues,) = primals, tangents
+    out = reduce_columns(ops, values)
+    dout = []
+    for op, value, dvalue, primal in zip(ops, values, dvalues, out, strict=True):
+        if isinstance(dvalue, jax.custom_derivatives.SymbolicZero):
+            dout.append(jnp.zeros_like(primal))
+        elif op == "sum":
+            dout.append(jnp.sum(dvalue, axis=-1))
+        else:
+            dout.append(jax.jvp(functools.partial(plain_reduce, op), (value,), (dvalue,))[1])
+    return out, tuple(dout)
+
+
+reduce_columns.defjvp(_reduce_columns_jvp, symbolic_zeros=True)

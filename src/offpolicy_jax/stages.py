@@ -1,0 +1,296 @@
+"""The correction pipeline: small stages, two passes over the tokens.
+
+Every rule of the correction (the TIS weight at its level and bound mode, rejection
+sampling, the veto, any further rejection criterion, the mismatch metric group) is a
+:class:`Stage`: it declares the per-token :class:`~offpolicy_jax._reduce.Column` s it
+needs (``columns``) and turns their per-sequence sums into a :class:`Decision` (a keep
+mask, bounded weights, metrics). :func:`run` executes a list of stages:
+
+1. **pass 1**: the pipeline's own facts (sequence size ``N``, non-finite count, ``Σδ``)
+   and every stage's columns, reduced together over the valid tokens by the layout.
+   A sequence with a non-finite log-prob at a valid token leaves every population.
+2. **decide**: in order, each stage's ``decide``. Keep masks (per token or per
+   sequence) are ANDed into the mask; at most one stage bounds the weights.
+3. **pass 2**: the metrics that need per-token sums over populations only known now
+   (the tokens kept after a stage, the final mask ``m'``) and the final weight
+   statistics, reduced together.
+4. **finish**: batch normalisation (``normalize``), weights on ``m'``.
+
+All per-sequence values are whatever the layout produces (``[...]`` for one sequence
+per row); stages broadcast them back to tokens only through ``t.layout.broadcast``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from offpolicy_jax import _reduce, normalize, ratios
+from offpolicy_jax._reduce import Column, MeanParts, Reduction, Rows
+
+Population = Literal["valid", "kept", "final"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """What every stage sees of the batch; all token arrays are float32 ``[..., T]``.
+
+    Attributes:
+      old: ``o``, the IS numerator's log-probs (``sg(θ)`` in REINFORCE-IS).
+      rollout: ``b``, the rollout engine's log-probs.
+      delta: ``δ = o − b`` on valid tokens, 0 elsewhere (garbage in non-finite ones).
+      population: the valid tokens: the mask in pass 1, and from ``decide`` on the
+        mask without the sequences that hold a non-finite log-prob.
+      layout: per-sequence reductions and broadcasts.
+      reduction: how metrics reduce (``"sequence"`` or ``"token"``).
+    """
+
+    old: jax.Array
+    rollout: jax.Array
+    delta: jax.Array
+    population: jax.Array
+    layout: Rows
+    reduction: Reduction
+
+
+@dataclasses.dataclass(frozen=True)
+class Mean:
+    """A metric still to be reduced: a per-token (or per-sequence) value over a population.
+
+    ``over``: ``"valid"`` (the valid tokens), ``"kept"`` (the tokens still kept after
+    the stage's own decision), ``"final"`` (the final mask ``m'``). Requests with equal
+    ``key`` are reduced once (e.g. truncation and RS testing the same ratio and bound).
+    """
+
+    value: jax.Array
+    over: Population = "valid"
+    per_seq: bool = False
+    key: Hashable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What a stage decides, from the per-sequence sums of pass 1.
+
+    Attributes:
+      keep: bool, per token ``[..., T]``, or per sequence when ``per_seq``; None keeps all.
+      weights: bounded IS weights (per token, or per sequence when ``per_seq``), or None.
+      per_seq: whether ``keep`` / ``weights`` hold one value per sequence.
+      metrics: name -> :class:`Mean` (reduced by the pipeline) or per-sequence
+        :class:`~offpolicy_jax.MeanParts` terms (already made from the sums).
+    """
+
+    keep: jax.Array | None = None
+    weights: jax.Array | None = None
+    per_seq: bool = False
+    metrics: Mapping[str, Mean | MeanParts] = dataclasses.field(default_factory=dict)
+
+
+class Stage:
+    """One rule. ``columns`` runs before pass 1, ``decide`` after it.
+
+    ``sums`` holds this stage's own columns (by the names it gave them), plus
+    ``"count"`` (``N``, valid tokens per sequence) and ``"delta"`` (``Σ_t δ_t m_t``),
+    all per sequence and 0 for sequences with a non-finite log-prob.
+    """
+
+    def columns(self, t: Tokens) -> dict[str, Column]:
+        return {}
+
+    def decide(self, t: Tokens, sums: Mapping[str, jax.Array]) -> Decision:
+        raise NotImplementedError
+
+
+def level_ratio(level: str, t: Tokens, sums: Mapping[str, jax.Array]) -> jax.Array:
+    """``ρ = exp(clip(agg(δ), −S, S))``: ``[..., T]`` at the token level, else per sequence."""
+    if level == "token":
+        return ratios.clamped_exp(t.delta)
+    return ratios.clamped_exp(ratios.sequence_log_ratio(sums["delta"], sums["count"], level))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounded(Stage):
+    """The generic rejection criterion: keep iff ``lower ≤ value ≤ upper`` (inclusive).
+
+    ``statistic(t)`` is a per-token ``[..., T]`` value. With ``aggregate=None`` each
+    token is tested; with ``"sum"`` / ``"mean"`` / ``"max"`` its masked per-sequence
+    aggregate is (a whole sequence is kept or rejected), after ``finish`` when given
+    (e.g. ``exp`` of a summed log-ratio). A ``statistic`` that needs the pass-1 sums
+    (a sequence-level ratio) is given as ``from_sums(t, sums)`` instead, returning
+    per-sequence values. Metrics: ``{prefix}_fraction_low`` / ``_high``, the share of
+    valid tokens below / above the bound; stages with equal ``name`` share them.
+    """
+
+    prefix: str
+    lower: float | None
+    upper: float | None
+    statistic: Callable[[Tokens], jax.Array] | None = None
+    aggregate: Literal["sum", "mean", "max"] | None = None
+    from_sums: Callable[[Tokens, Mapping[str, jax.Array]], jax.Array] | None = None
+    finish: Callable[[jax.Array], jax.Array] | None = None
+    name: Hashable = None
+
+    def columns(self, t):
+        if self.aggregate is None:
+            return {}
+        return {
+            "agg": Column(
+                "max" if self.aggregate == "max" else "sum", self.statistic(t), t.population
+            )
+        }
+
+    def decide(self, t, sums):
+        per_seq = self.aggregate is not None or self.from_sums is not None
+        if self.from_sums is not None:
+            value = self.from_sums(t, sums)
+        elif self.aggregate is None:
+            value = self.statistic(t)
+        elif self.aggregate == "mean":
+            value = _reduce.safe_divide(sums["agg"], sums["count"])
+        else:
+            value = sums["agg"]
+        if self.finish is not None:
+            value = self.finish(value)
+        keep, metrics = jnp.ones(jnp.shape(value), bool), {}
+        for side, bound in (("low", self.lower), ("high", self.upper)):
+            if bound is None:
+                continue
+            outside = value < bound if side == "low" else value > bound
+            keep = keep & ~outside
+            key = None if self.name is None else (self.name, side, bound)
+            frac = Mean(jnp.where(outside, 1.0, 0.0), per_seq=per_seq, key=key)
+            metrics[f"{self.prefix}_fraction_{side}"] = frac
+        return Decision(keep=keep, per_seq=per_seq, metrics=metrics)
+
+
+def _restrict(finite: jax.Array, x: jax.Array) -> jax.Array:
+    return jnp.where(finite, x, 0.0)
+
+
+def run(
+    stages: Sequence[Stage],
+    t: Tokens,
+    *,
+    weight_stats: bool,
+    batch_normalize: str | None,
+) -> tuple[jax.Array, jax.Array, dict[str, MeanParts]]:
+    """Runs the stages (see the module docstring).
+
+    Args:
+      stages: the configured rules, in order.
+      t: the batch (``t.population`` = the mask).
+      weight_stats: emit ``mis_is_ratio_*`` and ``mis_nonfinite_seq_fraction`` (use_tis).
+      batch_normalize: None, or the reduction ``μ`` is averaged with (``"token"`` /
+        ``"sequence"``); ``mis_batch_norm_factor`` is emitted whenever ``weight_stats``.
+
+    Returns:
+      ``(w, m', parts)``: the weights on kept tokens (0 elsewhere, not multiplied by the
+      mask value; broadcastable to ``[..., T]``), the final float mask and the metrics as
+      batch-total :class:`~offpolicy_jax.MeanParts`.
+    """
+    layout, how = t.layout, t.reduction
+    nonfinite = ~jnp.isfinite(t.old) | ~jnp.isfinite(t.rollout)
+    columns = {
+        "count": _reduce.count(t.population),
+        "nonfinite": _reduce.count_where(nonfinite, t.population),
+        "delta": _reduce.total(t.delta, t.population),
+    }
+    for i, stage in enumerate(stages):
+        columns.update({(i, k): c for k, c in stage.columns(t).items()})
+    pass1 = layout.reduce(columns)
+    finite = pass1["nonfinite"] == 0
+    base = {k: _restrict(finite, pass1[k]) for k in ("count", "delta")}
+    valid = jnp.where(layout.broadcast(finite), t.population, 0.0)
+    t = dataclasses.replace(t, population=valid)
+
+    # Decide. Populations: 0 = valid, then one more after each stage that keeps.
+    kept, populations = valid, [valid]
+    weights, weights_per_seq = None, False
+    requests: list[tuple[str, Mean, int]] = []
+    parts: dict[str, MeanParts] = {}
+    for i, stage in enumerate(stages):
+        own = {k[1]: _restrict(finite, v) for k, v in pass1.items() if k[0:1] == (i,)}
+        d = stage.decide(t, {**base, **own})
+        if d.weights is not None:
+            weights, weights_per_seq = d.weights, d.per_seq
+        if d.keep is not None:
+            keep = layout.broadcast(d.keep) if d.per_seq else d.keep
+            kept = jnp.where(keep, kept, 0.0)
+            populations.append(kept)
+        for name, metric in d.metrics.items():
+            if isinstance(metric, MeanParts):
+                parts[name] = metric
+            else:
+                requests.append((name, metric, len(populations) - 1))
+    if weight_stats:
+        parts["mis_nonfinite_seq_fraction"] = _reduce.seq_mean_of_values(
+            jnp.where(finite, 0.0, 1.0), pass1["count"], how
+        )
+    final = kept
+    populations.append(final)
+    if weights is None:  # no weighting stage: every weight is 1
+        weights = jnp.ones(t.delta.shape, jnp.float32)
+
+    # Pass 2: per-token sums over the populations, and the final weight statistics.
+    def index(metric, stage_population):
+        return {"valid": 0, "kept": stage_population, "final": len(populations) - 1}[metric.over]
+
+    columns = {}
+    for name, metric, at in requests:
+        p = index(metric, at)
+        if p:
+            columns[("n", p)] = _reduce.count(populations[p])
+        if not metric.per_seq:
+            key = metric.key if metric.key is not None else name
+            columns[("sum", key, p)] = _reduce.total(metric.value, populations[p])
+    if weight_stats:
+        columns[("n", len(populations) - 1)] = _reduce.count(final)
+        if not weights_per_seq:
+            columns["w"] = _reduce.total(weights, final)
+            columns["lo"] = _reduce.minimum(weights, final)
+            columns["hi"] = _reduce.maximum(weights, final)
+    pass2 = layout.reduce(columns)
+
+    def count(p):
+        return base["count"] if p == 0 else pass2[("n", p)]
+
+    for name, metric, at in requests:
+        p = index(metric, at)
+        if metric.per_seq:
+            parts[name] = _reduce.seq_mean_of_values(metric.value, count(p), how)
+        else:
+            key = metric.key if metric.key is not None else name
+            parts[name] = _reduce.seq_mean(pass2[("sum", key, p)], count(p), how)
+
+    mu = jnp.ones((), jnp.float32)
+    if weight_stats:
+        n_final = count(len(populations) - 1)
+
+        def mean_weight(reduction):
+            if weights_per_seq:
+                return _reduce.seq_mean_of_values(weights, n_final, reduction)
+            return _reduce.seq_mean(pass2["w"], n_final, reduction)
+
+        after = mean_weight(how)
+        parts["mis_is_ratio_mean_after_tis_rs"] = after
+        if batch_normalize is not None:
+            terms = after if batch_normalize == how else mean_weight(batch_normalize)
+            mu = normalize.normalizer(layout.batch_means({"mu": terms})["mu"].value())
+        # Normalising is one division by μ > 0: it scales the mean, and min(w/μ) =
+        # min(w)/μ exactly, so the final statistics come from the same sums.
+        low, high = (weights, weights) if weights_per_seq else (pass2["lo"], pass2["hi"])
+        parts["mis_is_ratio_mean_final"] = MeanParts(after.numerator / mu, after.denominator)
+        parts["mis_is_ratio_min_final"] = _reduce.seq_mean_of_values(low / mu, n_final, how)
+        parts["mis_is_ratio_max_final"] = _reduce.seq_mean_of_values(high / mu, n_final, how)
+    parts = layout.batch_means(parts)
+    if weight_stats:
+        # As (μ, 1): pooled over micro-batches it reports their mean normaliser.
+        parts["mis_batch_norm_factor"] = MeanParts(mu, jnp.ones((), jnp.float32))
+    if weights_per_seq:
+        weights = layout.broadcast(weights)
+    # `where`, not a product: rejected positions may hold e^20-sized mask-mode ratios.
+    return jnp.where(final > 0, weights / mu, 0.0), final, parts

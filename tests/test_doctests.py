@@ -1,0 +1,24 @@
+"""The ``Examples:`` sections of the public functions run as doctests."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "offpolicy_jax._reduce",
+    "offpolicy_jax.config",
+    "offpolicy_jax.correction",
+    "offpolicy_jax.losses",
+    "offpolicy_jax.surrogates",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+    assert result.attempted > 0, f"{name} has no examples"
