@@ -22,6 +22,8 @@ def as_array(name: str, x):
         return x
     try:
         array = np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return jnp.asarray(x)  # a list of traced values, inside jit: JAX stacks them
     except (TypeError, ValueError) as err:
         raise ValueError(
             f"{name} must be an array of shape [..., T] (a nested list or tuple of numbers is "
