@@ -178,7 +178,9 @@ def test_hostile_correction_config_builds_sound_or_names_the_key(kwargs):
     lower_used = kwargs["tis_mode"] != "truncate" or (
         kwargs["use_rs"] and kwargs["rs_lower_bound"] is None
     )
-    ok = all(
+    ok = all(  # every number set must be finite, used or not
+        math.isfinite(value) for value in kwargs.values() if isinstance(value, float)
+    ) and all(
         _float32_ratio_ok(kwargs[key])
         for key in ("tis_upper_bound", "tis_lower_bound", "rs_veto_threshold")
         if kwargs[key] is not None
@@ -228,7 +230,7 @@ def test_hostile_loss_settings_build_sound_or_name_the_key(
     clip_eps, clip_eps_high, dual_clip_c, clip_low, clip
 ):
     one = np.float32(1)
-    ok = 0 < clip_eps < 1 and 0 < one - _f32(clip_eps) < one  # the lower clip, in float32
+    ok = 0 < clip_eps < 1 and 0 < one - _f32(clip_eps) < one < one + _f32(clip_eps)  # float32
     ok &= clip_eps_high is None or (clip_eps_high > 0 and one < _f32(1 + clip_eps_high) <= F32.max)
     ok &= dual_clip_c is None or (math.isfinite(dual_clip_c) and one < _f32(dual_clip_c) <= F32.max)
     kwargs = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c)

@@ -143,6 +143,7 @@ def test_vanilla_tis_bounds_checked_in_float32(kwargs, key):
         (dict(clip_eps=1.0), "clip_eps"),
         (dict(clip_eps=1e-9), "clip_eps"),  # 1 - 1e-9 == 1 in float32: no clip range
         (dict(clip_eps=1 - 1e-9), "clip_eps"),  # 1 - (1 - 1e-9) == 0 in float32
+        (dict(clip_eps=3e-8), "clip_eps"),  # 1 + 3e-8 == 1 in float32: no upper clip range
         (dict(clip_eps_high=1e39), "clip_eps_high"),
         (dict(clip_eps_high=1e-9), "clip_eps_high"),
         (dict(dual_clip_c=1e39), "dual_clip_c"),

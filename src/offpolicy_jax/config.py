@@ -375,10 +375,11 @@ class LossConfig:
         # sides and stay finite, and ε < 1 keeps the lower clip above 0 (at ε >= 1 every
         # ratio, being positive, would pass the lower clip: it would silently be off).
         one = np.float32(1)
-        if not (0 < self.clip_eps < 1 and 0 < np.float32(one - _f32(self.clip_eps)) < one):
+        eps = _f32(self.clip_eps)
+        if not (0 < self.clip_eps < 1 and 0 < np.float32(one - eps) < one < np.float32(one + eps)):
             raise ValueError(
-                f"{owner}.clip_eps must be in (0, 1), with 0 < 1 - clip_eps < 1 in float32, got "
-                f"{self.clip_eps!r}"
+                f"{owner}.clip_eps must be in (0, 1), with 0 < 1 - clip_eps < 1 < 1 + clip_eps "
+                f"in float32, got {self.clip_eps!r}"
             )
         if self.clip_eps_high is not None and not (
             self.clip_eps_high > 0 and one < _f32(1 + self.clip_eps_high) <= _F32.max
