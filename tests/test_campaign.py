@@ -54,7 +54,8 @@ def budget(ci: int, thorough: int | None = None):
     """``ci`` examples in the ci profile; the loaded profile's count (or ``thorough``) else."""
     if PROFILE in ("ci", "default"):
         return settings(max_examples=ci)
-    return settings(max_examples=thorough or settings().max_examples)
+    profile_count = settings().max_examples
+    return settings(max_examples=min(thorough, profile_count) if thorough else profile_count)
 
 
 loss_vg = jax.jit(jax.value_and_grad(opj.policy_loss, has_aux=True), static_argnames="config")
