@@ -302,6 +302,7 @@ class VanillaTIS:
     def __post_init__(self):
         low = _check_number("VanillaTIS", "clip_low", self.clip_low, optional=False)
         high = _check_number("VanillaTIS", "clip", self.clip, optional=False)
+        assert low is not None and high is not None  # optional=False never returns None
         if not 0 <= low < high:
             raise ValueError(
                 f"VanillaTIS requires 0 <= clip_low < clip, got clip_low={low!r}, clip={high!r}"
