@@ -15,20 +15,31 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Property tests trace and compile JAX programs: the first example of each test
-# is slow, so deadlines would only measure compilation.
-# The default profile is derandomised so that every run (CI included) checks the
-# same examples; HYPOTHESIS_PROFILE=explore searches new ones with more examples.
+# is slow, so deadlines would only measure compilation. Profiles, chosen with the
+# HYPOTHESIS_PROFILE environment variable:
+#   ci (the default; "default" is the same): few examples, derandomised, so that
+#     every run (CI included) checks the same examples, fast;
+#   explore: 200 new random examples per property;
+#   thorough: the adversarial campaign's 5,000 random examples per property
+#     (CAMPAIGN_EXAMPLES=N for N; 100 per JAX property of tests/test_campaign.py took
+#     392 s of CPU, most of it compiling the bounded (config, dtype) pool once).
+_CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
 settings.register_profile(
-    "default",
-    deadline=None,
-    max_examples=25,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    "ci", deadline=None, max_examples=25, derandomize=True, suppress_health_check=_CHECKS
+)
+settings.register_profile("default", parent=settings.get_profile("ci"))
+settings.register_profile(
+    "explore", parent=settings.get_profile("ci"), derandomize=False, max_examples=200
 )
 settings.register_profile(
-    "explore", parent=settings.get_profile("default"), derandomize=False, max_examples=200
+    "thorough",
+    parent=settings.get_profile("ci"),
+    derandomize=False,
+    # CAMPAIGN_EXAMPLES=N runs a thorough subset (the rate, then, extrapolates).
+    max_examples=int(os.environ.get("CAMPAIGN_EXAMPLES", "5000")),
+    database=None,  # a thorough run reports its failures; it leaves no files behind
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

@@ -11,11 +11,38 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def as_array(name: str, x):
+    """``x`` if it is already an array, else ``x`` (a nested list or tuple) as a NumPy array.
+
+    JAX arrays, tracers and NumPy arrays pass through untouched. Anything else is
+    converted here so that a ragged list or a list of strings fails with an error
+    naming ``name``, instead of JAX's ``Cannot determine dtype of [[...]]``.
+    """
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return x
+    try:
+        array = np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return jnp.asarray(x)  # a list of traced values, inside jit: JAX stacks them
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"{name} must be an array of shape [..., T] (a nested list or tuple of numbers is "
+            f"converted), but it could not be converted: {err}"
+        ) from None
+    if array.dtype == object or array.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name} must hold numbers (an array or a nested list of them), got a "
+            f"{type(x).__name__} that converts to dtype {array.dtype}"
+        )
+    return array
+
+
 def as_float_logp(name: str, x) -> jax.Array:
     """Checks a log-prob array and casts it to float32, the library's compute dtype
     (bf16/fp16 upcast exactly)."""
     if x is None:
         raise ValueError(f"{name} is required but got None")
+    x = as_array(name, x)
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{name} must be a floating-point array of log-probs, got dtype {dtype}")
@@ -35,6 +62,7 @@ def as_float_mask(name: str, mask) -> jax.Array:
     """
     if mask is None:
         raise ValueError(f"{name} is required but got None")
+    mask = as_array(name, mask)
     dtype = jnp.result_type(mask)
     if not (
         jnp.issubdtype(dtype, jnp.floating)
@@ -68,10 +96,31 @@ def check_same_shape(reference_name: str, reference: jax.Array, **others: jax.Ar
 
 def _varying_axes(x) -> frozenset[str]:
     """The manual mesh axes ``x`` varies over inside ``shard_map`` (empty if unknown)."""
+    if not isinstance(x, jax.Array):  # NumPy data or a list: a constant, varies over nothing
+        return frozenset()
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax >= 0.10
     varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
     return frozenset(varying or ())
+
+
+def check_axes_bound(axis_names: tuple[str, ...]) -> None:
+    """Raises ``ValueError`` naming ``axis_names`` if a name is not a bound mesh axis here.
+
+    Outside ``jax.shard_map`` (or a ``vmap`` with that ``axis_name``) the library's
+    ``psum`` would fail later with JAX's ``unbound axis name``, which does not say
+    which argument is wrong. ``jax.lax.axis_size`` answers at trace time, for free.
+    """
+    for axis in axis_names:
+        try:
+            jax.lax.axis_size(axis)
+        except NameError:
+            raise ValueError(
+                f"axis_names names mesh axis {axis!r}, but no axis of that name is bound here: "
+                "axis_names is only for calls inside jax.shard_map (or a vmap with that "
+                "axis_name) over those axes. Outside shard_map, leave axis_names=None: under "
+                "plain jax.jit with sharded inputs the result is already the global one."
+            ) from None
 
 
 def check_split_over(axis_names: tuple[str, ...], **arrays) -> None:
@@ -85,6 +134,7 @@ def check_split_over(axis_names: tuple[str, ...], **arrays) -> None:
     """
     if not axis_names:
         return
+    check_axes_bound(axis_names)
     for name, value in arrays.items():
         if value is None:
             continue

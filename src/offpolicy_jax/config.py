@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any, Literal
 
+import numpy as np
 import yaml
 
 Level = Literal["token", "sequence", "geometric"]
@@ -75,6 +76,41 @@ def _check_number(owner: str, key: str, value: Any, *, optional: bool) -> float 
 def _check_positive(owner: str, key: str, value: float | None) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{owner}.{key} must be > 0, got {value!r}")
+
+
+# The library computes in float32: a config value is checked as the float32 it becomes,
+# not as the Python float it was written as (1e-46 is a positive float64 but a float32 0).
+_F32 = np.finfo(np.float32)
+
+
+def _f32(value: float) -> float:
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(value))
+
+
+def _check_f32_ratio(
+    owner: str, key: str, value: float | None, *, shown: str | None = None
+) -> None:
+    """A ratio bound must be a normal, finite float32: not 0 (underflow), subnormal or inf.
+
+    Its log is then within ±88.8, representable too. ``shown`` names a derived value
+    (``1 / tis_upper_bound``) in the message.
+    """
+    if value is None:
+        return
+    as_f32 = _f32(value)
+    if not (_F32.tiny <= as_f32 <= _F32.max):
+        raise ValueError(
+            f"{owner}.{key}: {shown or key} = {value!r} is {as_f32!r} in float32, the library's "
+            f"compute dtype; ratio bounds must lie in [{float(_F32.tiny):.4g}, "
+            f"{float(_F32.max):.4g}] (a normal, finite float32)"
+        )
+
+
+def _check_f32_less(owner: str, message: str, lower: float, upper: float) -> None:
+    """``lower < upper`` as float32 (two distinct float64 values can round to one float32)."""
+    if not _f32(lower) < _f32(upper):
+        raise ValueError(f"{owner}: {message} (compared in float32, the compute dtype)")
 
 
 def _reject_unknown_keys(owner: str, data: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
@@ -137,7 +173,12 @@ class CorrectionConfig:
       rs_lower_bound: ``None`` means the resolved ``tis_lower_bound``.
       rs_upper_bound: ``None`` means ``tis_upper_bound``.
       rs_veto_threshold: reject a sequence with any token ratio below this; ``None``
-        disables the veto (which works with or without ``use_rs``).
+        disables the veto. Like every rejection, it acts only when ``use_tis`` is
+        true (with or without ``use_rs``, D1); a metrics-only config ignores it.
+
+    Ratio bounds and the veto threshold are checked as the float32 values the
+    computation uses: each must be a normal, finite float32 (``1.2e-38`` to
+    ``3.4e38``), and ``lower < upper`` must hold after rounding to float32.
     """
 
     use_tis: bool = False
@@ -168,23 +209,37 @@ class CorrectionConfig:
             set_(key, _check_number(owner, key, getattr(self, key), optional=True))
         for key in ("tis_upper_bound", "tis_lower_bound", "rs_veto_threshold"):
             _check_positive(owner, key, getattr(self, key))
-        if self.tis_mode in ("clip", "mask") and self.lower_bound >= self.upper_bound:
+            _check_f32_ratio(owner, key, getattr(self, key))
+        # The resolved lower bound 1 / U is used by clip / mask and, as the RS default, by RS.
+        lower_used = self.tis_mode in ("clip", "mask") or (
+            self.use_rs and self.rs_lower_bound is None
+        )
+        if lower_used and self.tis_lower_bound is None:
+            _check_f32_ratio(
+                owner, "tis_upper_bound", self.lower_bound, shown="1 / tis_upper_bound"
+            )
+        if self.tis_mode in ("clip", "mask"):
             source = (
                 "tis_lower_bound" if self.tis_lower_bound is not None else "1 / tis_upper_bound"
             )
-            raise ValueError(
-                f"{owner}: tis_lower_bound must be < tis_upper_bound for tis_mode="
-                f"{self.tis_mode!r}, got {source} = {self.lower_bound!r} >= "
-                f"tis_upper_bound = {self.upper_bound!r}"
+            _check_f32_less(
+                owner,
+                f"tis_lower_bound must be < tis_upper_bound for tis_mode={self.tis_mode!r}, got "
+                f"{source} = {self.lower_bound!r} >= tis_upper_bound = {self.upper_bound!r}",
+                self.lower_bound,
+                self.upper_bound,
             )
         if self.use_rs:
-            _check_positive(owner, "rs_lower_bound", self.rs_lower_bound)
-            _check_positive(owner, "rs_upper_bound", self.rs_upper_bound)
-            if self.rs_lower >= self.rs_upper:
-                raise ValueError(
-                    f"{owner}: rs_lower_bound must be < rs_upper_bound, got resolved "
-                    f"rs_lower_bound = {self.rs_lower!r} >= rs_upper_bound = {self.rs_upper!r}"
-                )
+            for key in ("rs_lower_bound", "rs_upper_bound"):
+                _check_positive(owner, key, getattr(self, key))
+                _check_f32_ratio(owner, key, getattr(self, key))
+            _check_f32_less(
+                owner,
+                f"rs_lower_bound must be < rs_upper_bound, got resolved rs_lower_bound = "
+                f"{self.rs_lower!r} >= rs_upper_bound = {self.rs_upper!r}",
+                self.rs_lower,
+                self.rs_upper,
+            )
 
     # Resolved bounds (docs/semantics.md §1: the nulls fall back in this order).
     @property
@@ -267,10 +322,17 @@ class VanillaTIS:
     def __post_init__(self):
         low = _check_number("VanillaTIS", "clip_low", self.clip_low, optional=False)
         high = _check_number("VanillaTIS", "clip", self.clip, optional=False)
+        assert low is not None and high is not None  # optional=False never returns None
         if not 0 <= low < high:
             raise ValueError(
                 f"VanillaTIS requires 0 <= clip_low < clip, got clip_low={low!r}, clip={high!r}"
             )
+        _check_f32_ratio("VanillaTIS", "clip", high)
+        if low != 0:
+            _check_f32_ratio("VanillaTIS", "clip_low", low)
+        _check_f32_less(
+            "VanillaTIS", f"clip_low must be < clip, got clip_low={low!r}, clip={high!r}", low, high
+        )
         object.__setattr__(self, "clip_low", low)
         object.__setattr__(self, "clip", high)
 
@@ -291,8 +353,8 @@ class LossConfig:
         (rollout log-probs as the denominator; ``old_logp`` may be None),
         ``"decoupled_ppo"`` (3-policy PPO: IS weights π_old/π_rollout multiply the
         clipped loss) or ``"reinforce_is"`` (``−sg(w)·A·log π_θ``, no clipping).
-      clip_eps: PPO clip range ``ε`` (lower side, and upper side unless
-        ``clip_eps_high`` is set).
+      clip_eps: PPO clip range ``ε`` in ``(0, 1)`` (lower side, and upper side
+        unless ``clip_eps_high`` is set).
       clip_eps_high: upper clip range ``ε_high`` (DAPO-style clip-higher); None = ``ε``.
       dual_clip_c: dual-clip constant ``c > 1`` bounding the loss for negative
         advantages (Ye et al., 2020); None disables it.
@@ -330,10 +392,28 @@ class LossConfig:
         set_("clip_eps", _check_number(owner, "clip_eps", self.clip_eps, optional=False))
         for key in ("clip_eps_high", "dual_clip_c"):
             set_(key, _check_number(owner, key, getattr(self, key), optional=True))
-        _check_positive(owner, "clip_eps", self.clip_eps)
-        _check_positive(owner, "clip_eps_high", self.clip_eps_high)
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ValueError(f"{owner}.dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
+        # In float32 terms: the clip range [1 - ε, 1 + ε_high] must differ from 1 on both
+        # sides and stay finite, and ε < 1 keeps the lower clip above 0 (at ε >= 1 every
+        # ratio, being positive, would pass the lower clip: it would silently be off).
+        one = np.float32(1)
+        eps = _f32(self.clip_eps)
+        if not (0 < self.clip_eps < 1 and 0 < np.float32(one - eps) < one < np.float32(one + eps)):
+            raise ValueError(
+                f"{owner}.clip_eps must be in (0, 1), with 0 < 1 - clip_eps < 1 < 1 + clip_eps "
+                f"in float32, got {self.clip_eps!r}"
+            )
+        if self.clip_eps_high is not None and not (
+            self.clip_eps_high > 0 and one < _f32(1 + self.clip_eps_high) <= _F32.max
+        ):
+            raise ValueError(
+                f"{owner}.clip_eps_high must be > 0 with 1 < 1 + clip_eps_high < inf in float32, "
+                f"got {self.clip_eps_high!r}"
+            )
+        if self.dual_clip_c is not None and not one < _f32(self.dual_clip_c) <= _F32.max:
+            raise ValueError(
+                f"{owner}.dual_clip_c must be > 1 and finite in float32 (or None), got "
+                f"{self.dual_clip_c!r}"
+            )
         self._check_correction()
 
     def _check_correction(self) -> None:

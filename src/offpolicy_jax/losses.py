@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from offpolicy_jax import _reduce, metrics
 from offpolicy_jax._reduce import AxisNames, MeanParts
 from offpolicy_jax._validation import (
+    as_array,
     as_float_logp,
     as_float_mask,
     check_same_shape,
@@ -142,7 +143,7 @@ def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
     check_same_shape("logp", theta, old_logp=old, rollout_logp=rollout, mask=weights_mask)
     if advantages is None:
         raise ValueError("advantages is required but got None")
-    adv = jnp.asarray(advantages)
+    adv = jnp.asarray(as_array("advantages", advantages))
     if not (jnp.issubdtype(adv.dtype, jnp.floating) or jnp.issubdtype(adv.dtype, jnp.integer)):
         raise TypeError(f"advantages must be a numeric array, got dtype {adv.dtype}")
     if adv.shape == theta.shape[:-1]:
