@@ -12,8 +12,8 @@ derandomised examples, the counts given to :func:`budget`; ``HYPOTHESIS_PROFILE=
 runs every property on the profile's count (5,000), except ``jit == eager``, whose
 eager side costs about a second a call (see ``THOROUGH_EAGER_EXAMPLES``).
 
-Defects found in code another issue owns are ``xfail(strict=True)`` tests at the end:
-they start passing, and then fail as XPASS, when the defect is fixed.
+The two defects the campaign found in the core (issue 17, #1 and #2) have regression
+tests at the end.
 """
 
 from __future__ import annotations
@@ -292,11 +292,8 @@ def test_empty_or_fully_rejected_batch_gives_zero_loss_and_zero_gradient(
     if how == "empty":
         batch["mask"] = np.zeros_like(batch["mask"])
     else:
-        # A NaN rollout log-prob at one valid token of every sequence rejects them all
-        # (§0). Only algorithms that apply IS weights reject today; ppo / bypass_ppo are
-        # issue 17 defect 1 (test_core_nonfinite_valid_logprob_rejects_in_every_algorithm).
-        if not config.reweights:
-            config = CAMPAIGN_LOSS_CONFIGS[6]  # decoupled_ppo with the mis.yaml correction
+        # A NaN rollout log-prob at one valid token of every sequence rejects them all,
+        # whatever the algorithm (docs/semantics.md §0).
         first_valid = np.argmax(batch["mask"], axis=-1)
         rollout = batch["rollout_logp"].copy()
         rollout[np.arange(len(rollout)), first_valid] = np.nan
@@ -445,11 +442,9 @@ def test_correction_garbage_dtypes_and_finiteness(batch, config, dtype, mask_dty
 
 
 # --------------------------------------------------------------------------- core defects
-# Found by this campaign in files another helper owns (issue 17, defects 1 and 2);
-# each is strict: it fails loudly, as XPASS, once fixed.
+# Found by this campaign (issue 17, defects 1 and 2); fixed in the stage pipeline.
 
 
-@pytest.mark.xfail(strict=True, reason="core: issue 17 defect 1 (non-finite valid log-prob)")
 @pytest.mark.parametrize(
     "config", [c for c in CAMPAIGN_LOSS_CONFIGS if not c.reweights], ids=lambda c: c.algorithm
 )
@@ -464,7 +459,6 @@ def test_core_nonfinite_valid_logprob_rejects_in_every_algorithm(config):
     assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0)
 
 
-@pytest.mark.xfail(strict=True, reason="core: issue 17 defect 2 (metrics overflow to inf)")
 def test_core_metrics_of_finite_extreme_inputs_are_finite():
     config = opj.LossConfig(get_mismatch_metrics=True)
     old = np.full((1, 4), -104.0, np.float32)
