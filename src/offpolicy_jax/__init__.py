@@ -20,6 +20,7 @@ from offpolicy_jax.losses import (
     policy_loss_terms,
 )
 from offpolicy_jax.metrics import finalize as finalize_metrics
+from offpolicy_jax.packing import PackedSequences, pack_sequences, unpack_sequences
 from offpolicy_jax.ratios import METRIC_LOG_CAP
 from offpolicy_jax.surrogates import PPOTerms, ppo_surrogate
 
@@ -35,14 +36,17 @@ __all__ = [
     "MeshAxes",
     "PPOTerms",
     "PolicyLossTerms",
+    "PackedSequences",
     "VanillaTIS",
     "aggregate",
     "compute_correction",
     "finalize_metrics",
+    "pack_sequences",
     "policy_loss",
     "policy_loss_parts",
     "policy_loss_terms",
     "ppo_surrogate",
     "token_logprobs",
     "token_logprobs_from_hidden",
+    "unpack_sequences",
 ]

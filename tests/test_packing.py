@@ -1,0 +1,281 @@
+"""Packed sequences (docs/semantics.md §10): the host packer, the segment reductions,
+and packed == one-per-row.
+
+The oracle is always the one-sequence-per-row layout: :mod:`packing_cases` unpacks a
+packed batch with ``unpack_sequences`` and runs the unpacked code there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import packing_cases as pc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import offpolicy_jax as opj
+from offpolicy_jax import _reduce, _segments
+from offpolicy_jax._reduce import MeshAxes
+from offpolicy_jax.packing import segment_positions
+
+# --------------------------------------------------------------------------- host packer
+
+
+def _sequences(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        out.append(
+            {
+                "logp": rng.normal(size=n).astype(np.float32),
+                "mask": rng.random(n) > 0.3,
+                "tag": np.full(n, i, np.int64),
+            }
+        )
+    return out
+
+
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=20),
+    length=st.integers(12, 30),
+    max_segments=st.none() | st.integers(1, 5),
+    sort=st.booleans(),
+)
+def test_pack_unpack_round_trip(lengths, length, max_segments, sort):
+    seqs = _sequences(lengths)
+    packed = opj.pack_sequences(seqs, length, max_segments=max_segments, sort=sort, pad_value=-1)
+    ids, k = packed.segment_ids, packed.num_segments
+    assert ids.dtype == np.int32 and ids.shape == packed.arrays["logp"].shape
+    assert ids.shape[1] == length
+    if max_segments is not None:
+        assert k == max_segments
+    assert ids.max(initial=0) <= k
+    # every sequence is where the placement says, contiguous, positions 0..n-1
+    for i, seq in enumerate(seqs):
+        r, s, start, n = packed.rows[i], packed.segments[i], packed.starts[i], lengths[i]
+        assert (ids[r] == s).sum() == n
+        np.testing.assert_array_equal(packed.arrays["tag"][r, start : start + n], i)
+        np.testing.assert_array_equal(packed.arrays["logp"][r, start : start + n], seq["logp"])
+        np.testing.assert_array_equal(packed.segment_positions[r, start : start + n], np.arange(n))
+    assert (packed.arrays["tag"][ids == 0] == -1).all()  # padding filled with pad_value
+    np.testing.assert_array_equal(packed.segment_positions, segment_positions(ids))
+    # the inverse: sequence i at [rows[i], segments[i] - 1], left-aligned
+    back = opj.unpack_sequences(packed.arrays, ids, k, fill=0)
+    for i, seq in enumerate(seqs):
+        row = back["logp"][packed.rows[i], packed.segments[i] - 1]
+        np.testing.assert_array_equal(row[: lengths[i]], seq["logp"])
+        assert (row[lengths[i] :] == 0).all()
+        got_mask = back["mask"][packed.rows[i], packed.segments[i] - 1]
+        assert got_mask.dtype == bool and not got_mask[lengths[i] :].any()
+
+
+@given(lengths=st.lists(st.integers(1, 10), min_size=1, max_size=15), sort=st.booleans())
+def test_first_fit(lengths, sort):
+    """Replaying the placement: each sequence went to the first row with room then."""
+    length, cap = 16, 3
+    packed = opj.pack_sequences(_sequences(lengths), length, max_segments=cap, sort=sort)
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if sort else range(len(lengths))
+    loads, counts = [], []
+    for i in order:
+        fits = [r for r in range(len(loads)) if loads[r] + lengths[i] <= length and counts[r] < cap]
+        expected = fits[0] if fits else len(loads)
+        if not fits:
+            loads.append(0)
+            counts.append(0)
+        assert packed.rows[i] == expected
+        loads[expected] += lengths[i]
+        counts[expected] += 1
+        assert packed.segments[i] == counts[expected]
+
+
+def test_pack_tuples_num_rows_and_errors():
+    seqs = [(np.ones(3, np.float32), np.ones(3, bool)), (np.ones(2, np.float32), np.ones(2, bool))]
+    packed = opj.pack_sequences(seqs, 4, num_rows=3)
+    assert isinstance(packed.arrays, tuple) and packed.arrays[0].shape == (3, 4)
+    assert packed.num_segments == 1 and (packed.segment_ids[2] == 0).all()
+    back = opj.unpack_sequences(packed.arrays, packed.segment_ids, 1, length=3)
+    assert isinstance(back, tuple) and back[0].shape == (3, 1, 3)
+    with pytest.raises(ValueError, match="num_rows"):
+        opj.pack_sequences(seqs, 4, num_rows=1)
+    with pytest.raises(ValueError, match=r"sequences\[0\] has 3 tokens"):
+        opj.pack_sequences(seqs, 2)
+    with pytest.raises(ValueError, match=r"sequences\[1\]"):
+        opj.pack_sequences([{"a": np.ones(2)}, {"b": np.ones(2)}], 4)
+    with pytest.raises(ValueError, match=r"sequences\[0\] arrays"):
+        opj.pack_sequences([{"a": np.ones(2), "b": np.ones(3)}], 4)
+    with pytest.raises(TypeError, match=r"sequences\[0\]"):
+        opj.pack_sequences([np.ones(2)], 4)
+    with pytest.raises(ValueError, match="max_segments"):
+        opj.pack_sequences(seqs, 4, max_segments=0)
+    with pytest.raises(ValueError, match="length"):
+        opj.unpack_sequences(packed.arrays, packed.segment_ids, 1, length=2)
+    with pytest.raises(TypeError, match="segment_ids"):
+        opj.unpack_sequences(packed.arrays, packed.segment_ids.astype(float), 1)
+
+
+# --------------------------------------------------------------------------- segment reductions
+
+OPS = ("sum", "min", "max")
+
+
+def _expected(op, value, population, ids, k):
+    inside = (population > 0) & (ids == k)
+    if op == "sum":
+        return np.where(inside, value * population, 0.0).sum(-1)
+    fill = np.inf if op == "min" else -np.inf
+    x = np.where(inside, value, fill)
+    return x.min(-1, initial=fill) if op == "min" else x.max(-1, initial=fill)
+
+
+@pytest.mark.parametrize("shape", [(6, 64), (2, 3, 40), (5, 13), (3, 0), (64, 256)])
+@pytest.mark.parametrize("n", [1, 3, 8, 20])
+@pytest.mark.parametrize("num_segments", [1, 3, 8])
+def test_segment_reduce_matches_numpy(shape, n, num_segments):
+    rng = np.random.default_rng(n * 100 + shape[-1] + num_segments)
+    population = np.where(rng.random(shape) < 0.7, rng.choice([1.0, 0.5, 2.0], shape), 0.0)
+    population = population.astype(np.float32)
+    values = rng.normal(size=(n, *shape)).astype(np.float32)
+    ids = rng.integers(-1, num_segments + 2, size=shape).astype(np.int32)  # out-of-range = padding
+    values[:, (population == 0) | (ids < 1) | (ids > num_segments)] = np.nan
+
+    def fn(values, population, ids):
+        columns = {f"c{i}": _reduce.Column(OPS[i % 3], values[i], population) for i in range(n)}
+        return _segments.segment_reduce(columns, ids, num_segments, MeshAxes())
+
+    got = jax.jit(fn)(values, population, ids)
+    for i in range(n):
+        want = np.stack(
+            [
+                _expected(OPS[i % 3], values[i], population, ids, k)
+                for k in range(1, num_segments + 1)
+            ],
+            -1,
+        )
+        assert got[f"c{i}"].shape == (*shape[:-1], num_segments)
+        np.testing.assert_allclose(got[f"c{i}"], want, rtol=1e-5, atol=1e-5, err_msg=f"c{i}")
+
+
+def _gather(values, ids, fill=0.0):
+    padded = np.concatenate([np.full((*values.shape[:-1], 1), fill), values], -1)
+    inside = (ids >= 1) & (ids <= values.shape[-1])
+    return np.take_along_axis(padded, np.where(inside, ids, 0), -1)
+
+
+def test_segment_sum_gradient_is_the_gather():
+    rng = np.random.default_rng(0)
+    shape, num_segments = (4, 3, 37), 5
+    x = rng.normal(size=shape).astype(np.float32)
+    population = (rng.random(shape) < 0.8).astype(np.float32)
+    ids = rng.integers(0, num_segments + 2, size=shape).astype(np.int32)
+    cot = rng.normal(size=(*shape[:-1], num_segments)).astype(np.float32)
+
+    def sums(x):
+        columns = {"s": _reduce.total(x, population), "n": _reduce.count(population)}
+        return _segments.segment_reduce(columns, ids, num_segments, MeshAxes())["s"]
+
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(sums(x) * cot)))(x)
+    np.testing.assert_allclose(grad, _gather(cot, ids) * population, rtol=1e-6)
+    # forward mode, and under vmap
+    tangent = rng.normal(size=shape).astype(np.float32)
+    _, jvp = jax.jvp(sums, (x,), (tangent,))
+    want = np.stack(
+        [np.where(ids == k, tangent * population, 0).sum(-1) for k in range(1, num_segments + 1)],
+        -1,
+    )
+    np.testing.assert_allclose(jvp, want, rtol=1e-5, atol=1e-5)
+
+    def sums_of(x, population, ids):
+        columns = {"s": _reduce.total(x, population)}
+        return _segments.segment_reduce(columns, ids, num_segments, MeshAxes())["s"]
+
+    vmapped = jax.vmap(sums_of)(x, population, ids)
+    np.testing.assert_allclose(vmapped, sums(x), rtol=1e-5, atol=1e-6)
+    # the backward stores nothing [..., K, T]-sized: one elementwise pass
+    hlo = jax.jit(jax.grad(lambda x: jnp.sum(sums(x) * cot))).lower(x).compile().as_text()
+    assert f"{num_segments},{shape[-1]}]" not in hlo.replace(" ", "")
+
+
+def test_segment_broadcast():
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=(3, 4)).astype(np.float32)
+    ids = rng.integers(-1, 6, size=(3, 9)).astype(np.int32)
+    got = jax.jit(_segments.segment_broadcast, static_argnums=2)(values, ids, -7.0)
+    np.testing.assert_array_equal(got, _gather(values, ids, -7.0).astype(np.float32))
+    flags = values > 0
+    np.testing.assert_array_equal(
+        _segments.segment_broadcast(flags, ids, False), _gather(flags, ids, False).astype(bool)
+    )
+    cot = rng.normal(size=ids.shape).astype(np.float32)
+    grad = jax.grad(lambda v: jnp.sum(_segments.segment_broadcast(v, ids) * cot))(values)
+    want = np.stack([np.where(ids == k, cot, 0).sum(-1) for k in range(1, 5)], -1)
+    np.testing.assert_allclose(grad, want, rtol=1e-6)
+
+
+def test_check_segments_errors():
+    shape = (2, 5)
+    ids = np.ones(shape, np.int32)
+    assert _segments.check_segments(None, None, shape) is None
+    with pytest.raises(ValueError, match="without num_segments"):
+        _segments.check_segments(ids, None, shape)
+    with pytest.raises(ValueError, match="without segment_ids"):
+        _segments.check_segments(None, 3, shape)
+    with pytest.raises(TypeError, match="segment_ids must be an integer"):
+        _segments.check_segments(ids.astype(np.float32), 3, shape)
+    with pytest.raises(TypeError, match="segment_ids must be an integer"):
+        _segments.check_segments(ids.astype(bool), 3, shape)
+    with pytest.raises(ValueError, match="segment_ids has shape"):
+        _segments.check_segments(ids[:, :4], 3, shape)
+    with pytest.raises(TypeError, match="num_segments must be a static Python int"):
+        _segments.check_segments(ids, 3.0, shape)
+    with pytest.raises(TypeError, match="num_segments must be a static Python int"):
+        _segments.check_segments(ids, jnp.int32(3), shape)
+    with pytest.raises(ValueError, match="num_segments must be >= 1"):
+        _segments.check_segments(ids, 0, shape)
+    assert _segments.check_segments(ids.astype(np.int64), np.int64(3), shape).dtype == jnp.int32
+
+
+# --------------------------------------------------------------------------- the harness
+
+
+@given(seed=st.integers(0, 2**31 - 1))
+def test_harness_per_sequence_reductions(seed):
+    """Per-(row, segment) statistics on the packed batch == per-row ones on the unpacked."""
+    k = 4
+    batch = pc.packed_batch(seed, num_segments=k)
+    flat = pc.unpack(batch, k)
+
+    def stats(old, rollout, mask, reduce):
+        valid = mask > 0
+        delta = jnp.where(valid, old - rollout, 0.0)
+        sums = reduce(
+            {
+                "delta": _reduce.total(delta, mask),
+                "count": _reduce.count(mask),
+                "min": _reduce.minimum(delta, mask),
+            }
+        )
+        geo = _reduce.seq_mean_of_values(
+            _reduce.safe_divide(sums["delta"], sums["count"]), sums["count"], "sequence"
+        )
+        means = _reduce.batch_means({"geo": geo}, MeshAxes())
+        return means["geo"].value(), jnp.sum(jnp.where(sums["count"] > 0, sums["min"], 0.0))
+
+    ids = jnp.asarray(batch["segment_ids"])
+    packed_mask = jnp.where(
+        _segments.in_segment(ids, k), jnp.asarray(batch["mask"], jnp.float32), 0
+    )
+    got = stats(
+        batch["old_logp"],
+        batch["rollout_logp"],
+        packed_mask,
+        lambda c: _segments.segment_reduce(c, ids, k, MeshAxes()),
+    )
+    want = stats(
+        flat["old_logp"],
+        flat["rollout_logp"],
+        flat["mask"].astype(np.float32),
+        lambda c: _reduce.seq_reduce(c, MeshAxes()),
+    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
