@@ -279,3 +279,359 @@ def test_harness_per_sequence_reductions(seed):
         lambda c: _reduce.seq_reduce(c, MeshAxes()),
     )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- public API
+# Packed == one-per-row for compute_correction and policy_loss: every correction
+# config of strategies.py (every level, mode, RS level, veto, batch norm), every
+# algorithm, aggregation and metric reduction, one jitted program per layout.
+
+K = 4
+
+
+def _loss_configs():
+    import mesh_cases as mc
+
+    configs = {name: config for name, (config, _) in mc.LOSSES.items()}
+    for algorithm in ("ppo", "bypass_ppo", "decoupled_ppo", "reinforce_is"):
+        for aggregation in ("sequence_mean", "token_mean", "sequence_sum"):
+            correction = None
+            if algorithm in ("decoupled_ppo", "reinforce_is"):
+                correction = mc.CORRECTIONS["sequence_mask_rs_geometric"]
+            configs[f"{algorithm}/{aggregation}"] = opj.LossConfig(
+                algorithm=algorithm,
+                correction=correction,
+                aggregation=aggregation,
+                get_mismatch_metrics=True,
+                rejected_in_denominator=aggregation == "token_mean",
+            )
+    return configs
+
+
+def _evaluate(batch, corrections, losses, segments=None, axis_names=None):
+    """Every correction (both reductions) and loss (value, metrics, gradient)."""
+    packed = {} if segments is None else {"segment_ids": segments, "num_segments": K}
+    out = {}
+    for name, config in corrections.items():
+        for reduction in ("sequence", "token"):
+            res = opj.compute_correction(
+                batch["old_logp"],
+                batch["rollout_logp"],
+                batch["mask"],
+                config,
+                reduction=reduction,
+                axis_names=axis_names,
+                **packed,
+            )
+            out[f"c/{name}/{reduction}"] = dict(w=res.weights, m=res.mask, metrics=res.metrics)
+    for name, config in losses.items():
+        old = None if config.algorithm in ("bypass_ppo", "reinforce_is") else batch["old_logp"]
+
+        def loss_fn(logp, config=config, old=old):
+            return opj.policy_loss(
+                logp,
+                old,
+                batch["rollout_logp"],
+                batch["advantages"],
+                batch["mask"],
+                config,
+                axis_names=axis_names,
+                **packed,
+            )
+
+        (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(batch["logp"])
+        out[f"l/{name}"] = dict(loss=loss, grad=grad, metrics=metrics)
+    return out
+
+
+def _one_per_row(batch, corrections, losses):
+    flat = pc.unpack(batch, K)
+    got = jax.jit(lambda b: _evaluate(b, corrections, losses))(flat)
+    return jax.tree.map(
+        lambda x: pc.repack(x, batch["segment_ids"], K) if np.ndim(x) == 2 else np.asarray(x),
+        got,
+    )
+
+
+def _assert_matches(got, want, segment_ids):
+    padding = np.asarray(segment_ids) == 0
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name]["metrics"].keys() == want[name]["metrics"].keys(), name
+        for key, w in want[name].items():
+            if key == "metrics":
+                for metric, value in w.items():
+                    np.testing.assert_allclose(
+                        np.asarray(got[name]["metrics"][metric]),
+                        value,
+                        rtol=1e-5,
+                        atol=1e-6,
+                        err_msg=f"{name} {metric}",
+                    )
+                continue
+            g = np.asarray(got[name][key])
+            assert g.dtype == np.float32, (name, key)
+            if g.ndim == 2:
+                assert np.all(g[padding] == 0), f"{name} {key}: padding is not 0"
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{name} {key}")
+
+
+def _corrections():
+    from strategies import ALL_CORRECTION_CONFIGS
+
+    return {str(i): c for i, c in enumerate(ALL_CORRECTION_CONFIGS)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_correction_config_packed_equals_one_per_row(seed):
+    batch = pc.packed_batch(seed, rows=6, length=24, num_segments=K)
+    corrections = _corrections()
+    want = _one_per_row(batch, corrections, {})
+    got = jax.jit(lambda b, s: _evaluate(b, corrections, {}, s))(batch, batch["segment_ids"])
+    _assert_matches(got, want, batch["segment_ids"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [2, 3])
+def test_every_algorithm_packed_equals_one_per_row(seed):
+    batch = pc.packed_batch(seed, rows=6, length=24, num_segments=K)
+    losses = _loss_configs()
+    want = _one_per_row(batch, {}, losses)
+    got = jax.jit(lambda b, s: _evaluate(b, {}, losses, s))(batch, batch["segment_ids"])
+    _assert_matches(got, want, batch["segment_ids"])
+
+
+@pytest.mark.slow
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    config=st.sampled_from(sorted(_corrections().items())),
+    loss=st.sampled_from(sorted(_loss_configs().items())),
+)
+def test_random_packed_batches_equal_one_per_row(seed, config, loss):
+    batch = pc.packed_batch(seed, rows=5, length=19, num_segments=K)
+    corrections, losses = dict([config]), dict([loss])
+    want = _one_per_row(batch, corrections, losses)
+    got = jax.jit(lambda b, s: _evaluate(b, corrections, losses, s))(batch, batch["segment_ids"])
+    _assert_matches(got, want, batch["segment_ids"])
+
+
+def test_padding_is_never_trained_on_whatever_the_mask_says():
+    batch = pc.packed_batch(7, num_segments=K, garbage=False)
+    mask = np.ones_like(batch["mask"])  # padding claims to be trained on
+    config = opj.LossConfig(algorithm="ppo")
+
+    def loss(logp, ids):
+        return opj.policy_loss(
+            logp,
+            batch["old_logp"],
+            None,
+            batch["advantages"],
+            mask,
+            config,
+            segment_ids=ids,
+            num_segments=K,
+        )[0]
+
+    grad = jax.grad(loss)(batch["logp"], batch["segment_ids"])
+    assert np.all(np.asarray(grad)[batch["segment_ids"] == 0] == 0)
+    res = opj.compute_correction(
+        batch["old_logp"],
+        batch["rollout_logp"],
+        mask,
+        opj.CorrectionConfig(use_tis=True),
+        segment_ids=batch["segment_ids"],
+        num_segments=K,
+    )
+    assert np.all(np.asarray(res.mask)[batch["segment_ids"] == 0] == 0)
+
+
+def test_packed_argument_errors():
+    batch = pc.packed_batch(0, num_segments=K)
+    args = (batch["old_logp"], batch["rollout_logp"], batch["mask"], opj.CorrectionConfig())
+    ids = batch["segment_ids"]
+    with pytest.raises(ValueError, match="without num_segments"):
+        opj.compute_correction(*args, segment_ids=ids)
+    with pytest.raises(ValueError, match="without segment_ids"):
+        opj.compute_correction(*args, num_segments=K)
+    with pytest.raises(TypeError, match="segment_ids must be an integer"):
+        opj.compute_correction(*args, segment_ids=ids.astype(np.float32), num_segments=K)
+    with pytest.raises(ValueError, match="segment_ids has shape"):
+        opj.compute_correction(*args, segment_ids=ids[:, :-1], num_segments=K)
+    config = opj.LossConfig(algorithm="ppo")
+    loss_args = (batch["logp"], batch["old_logp"], None)
+    with pytest.raises(ValueError, match="advantages"):
+        opj.policy_loss(
+            *loss_args,
+            batch["advantages"][:, 0],
+            batch["mask"],
+            config,
+            segment_ids=ids,
+            num_segments=K,
+        )
+    with pytest.raises(ValueError, match="without num_segments"):
+        opj.policy_loss(*loss_args, batch["advantages"], batch["mask"], config, segment_ids=ids)
+    with pytest.raises(TypeError, match="num_segments must be a static"):
+        jax.jit(
+            lambda k: opj.policy_loss(
+                *loss_args,
+                batch["advantages"],
+                batch["mask"],
+                config,
+                segment_ids=ids,
+                num_segments=k,
+            )
+        )(K)
+
+
+# --------------------------------------------------------------------------- sharded
+
+
+def _mesh(axis_type):
+    from jax.sharding import AxisType  # noqa: F401  (the caller passes one)
+
+    return jax.make_mesh(
+        (2, 4), ("data", "seq"), axis_types=(axis_type,) * 2, devices=jax.devices("cpu")[:8]
+    )
+
+
+def _sharded_configs():
+    import mesh_cases as mc
+
+    losses = {k: c for k, (c, _) in mc.LOSSES.items() if k in mc.CORE_LOSSES}
+    losses["vanilla"] = mc.LOSSES["decoupled_vanilla_tis"][0]
+    corrections = {k: mc.CORRECTIONS[k] for k in mc.FULL_CORRECTIONS}
+    return corrections, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["shard_map", "jit"])
+def test_sharded_packed_equals_unsharded(path):
+    """8 devices, ``P('data', 'seq')``: sequences cross token-shard boundaries."""
+    import mesh_cases as mc
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    batch = pc.packed_batch(11, rows=8, length=32, num_segments=K)
+    # a long sequence that spans every token shard of row 0
+    batch["segment_ids"][0] = np.where(np.arange(32) < 30, 1, 0)
+    corrections, losses = _sharded_configs()
+    want = mc.to_numpy(
+        jax.jit(lambda b, s: _evaluate(b, corrections, losses, s))(batch, batch["segment_ids"])
+    )
+    mesh = _mesh(AxisType.Explicit)
+    spec = P("data", "seq")
+    with jax.set_mesh(mesh):
+        arrays = {k: jax.device_put(v, NamedSharding(mesh, spec)) for k, v in batch.items()}
+        ids = arrays["segment_ids"]
+        if path == "shard_map":
+            axes = opj.MeshAxes(batch="data", token="seq")
+
+            def body(b, s):
+                return _evaluate(b, corrections, losses, s, axis_names=axes)
+
+            shapes = jax.eval_shape(lambda b, s: _evaluate(b, corrections, losses, s), arrays, ids)
+            fn = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=(spec, spec), out_specs=mc.output_specs(shapes, spec)
+                )
+            )
+        else:
+            fn = jax.jit(lambda b, s: _evaluate(b, corrections, losses, s))
+        got = mc.to_numpy(fn(arrays, ids))
+    _assert_matches(got, want, batch["segment_ids"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["shard_map", "jit"])
+def test_packed_hlo_moves_no_token_data(path):
+    """Only ``[B_local, K]`` per-segment partials and scalars cross devices."""
+    import mesh_cases as mc
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows, length, k = 8, 512, 8
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 120, size=(rows * 6,))
+    seqs = [
+        dict(
+            logp=rng.normal(-1, 0.3, n).astype(np.float32),
+            old_logp=rng.normal(-1, 0.3, n).astype(np.float32),
+            rollout_logp=rng.normal(-1, 0.3, n).astype(np.float32),
+            advantages=rng.normal(size=n).astype(np.float32),
+            mask=np.ones(n, bool),
+        )
+        for n in lengths
+    ]
+    packed = opj.pack_sequences(seqs, length, max_segments=k, num_rows=rows)
+    correction = opj.CorrectionConfig(
+        use_tis=True,
+        tis_level="geometric",
+        tis_mode="mask",
+        tis_lower_bound=0.05,
+        tis_upper_bound=20.0,
+        tis_batch_normalize=True,
+        use_rs=True,
+        rs_level="sequence",
+        rs_lower_bound=0.1,
+        rs_upper_bound=10.0,
+        rs_veto_threshold=1e-4,
+    )
+    config = opj.LossConfig(
+        algorithm="decoupled_ppo", correction=correction, get_mismatch_metrics=True
+    )
+    mesh = _mesh(AxisType.Explicit)
+    spec = P("data", "seq")
+
+    def step(a, ids, axis_names=None):
+        def loss_fn(logp):
+            return opj.policy_loss(
+                logp,
+                a["old_logp"],
+                a["rollout_logp"],
+                a["advantages"],
+                a["mask"],
+                config,
+                axis_names=axis_names,
+                segment_ids=ids,
+                num_segments=k,
+            )
+
+        (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(a["logp"])
+        res = opj.compute_correction(
+            a["old_logp"],
+            a["rollout_logp"],
+            a["mask"],
+            correction,
+            axis_names=axis_names,
+            segment_ids=ids,
+            num_segments=k,
+        )
+        return loss, metrics, grad, res.weights, res.mask, res.metrics
+
+    with jax.set_mesh(mesh):
+        arrays = {
+            key: jax.device_put(v, NamedSharding(mesh, spec)) for key, v in packed.arrays.items()
+        }
+        ids = jax.device_put(packed.segment_ids, NamedSharding(mesh, spec))
+        if path == "shard_map":
+            shapes = jax.eval_shape(step, arrays, ids)
+            axes = opj.MeshAxes(batch="data", token="seq")
+            fn = jax.jit(
+                jax.shard_map(
+                    lambda a, s: step(a, s, axes),
+                    mesh=mesh,
+                    in_specs=(spec, spec),
+                    out_specs=mc.output_specs(shapes, spec),
+                )
+            )
+        else:
+            fn = jax.jit(step)
+        collectives = mc.hlo_collectives(mc.compiled_text(fn, arrays, ids))
+    print(f"\n[packed / {path}]\n{mc.summarize_collectives(collectives)}")
+    assert collectives
+    local = length // 4
+    for c in collectives:
+        for shape in c["shapes"]:
+            assert int(np.prod(shape)) < local, c["line"][:300]
+            assert local not in shape and length not in shape, c["line"][:300]
