@@ -635,3 +635,18 @@ def test_packed_hlo_moves_no_token_data(path):
         for shape in c["shapes"]:
             assert int(np.prod(shape)) < local, c["line"][:300]
             assert local not in shape and length not in shape, c["line"][:300]
+
+
+def test_readme_packed_example_runs():
+    import pathlib
+    import re
+
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    blocks = re.findall(
+        r"<!-- packed-example -->\s*```python\n(.*?)```", readme.read_text(), flags=re.S
+    )
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], str(readme), "exec"), namespace)  # noqa: S102 - our own README
+    assert np.isfinite(float(namespace["loss"]))
+    assert namespace["packed"].segment_ids.max() <= 4
