@@ -3,7 +3,8 @@
 For each ``[B, T]`` size, the padded workload of ``benchmarks/workloads.py`` (one
 sequence per row, lengths uniform in ``[T/8, T]``, so about 44% of the tokens are
 padding) is taken apart into its ``B`` sequences, which are packed first fit into
-rows of ``--row-factor · T`` tokens holding at most ``--segments`` sequences each
+rows of ``--row-factor · T`` tokens (4.5: room for 8 sequences of the mean
+length ``9T/16``) holding at most ``--segments`` sequences each
 (:func:`offpolicy_jax.pack_sequences`). Both layouts then run the same step,
 forward + backward of :func:`offpolicy_jax.policy_loss` (decoupled PPO, the
 reference ``mis.yaml`` correction, every metric), on the same valid tokens.
@@ -77,7 +78,8 @@ def cold_compile(fn, args, repeats):
 def measure(batch: int, length: int, args) -> dict:
     host = workloads.make_inputs(batch, length)
     config = workloads.reference_loss_config()
-    packed = packed_inputs(host, args.row_factor * length, args.segments)
+    row_length = max(128, round(args.row_factor * length / 128) * 128)
+    packed = packed_inputs(host, row_length, args.segments)
     k = packed.num_segments
     padded_args = tuple(jnp.asarray(host[n]) for n in NAMES)
     packed_args = tuple(jnp.asarray(packed.arrays[n]) for n in NAMES) + (
@@ -162,7 +164,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.packing", description=__doc__)
     parser.add_argument("--sizes", default="64x2048,256x4096")
     parser.add_argument("--segments", type=int, default=8, help="K: most sequences per row")
-    parser.add_argument("--row-factor", type=int, default=4, help="packed row length / T")
+    parser.add_argument(
+        "--row-factor", type=float, default=4.5, help="packed row length / T (rounded to 128)"
+    )
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile-repeats", type=int, default=1)
