@@ -4,7 +4,7 @@ The evidence behind ``offpolicy_jax._segments``: per-segment sums ``[B, T] -> [B
 of ``C`` columns (cheap ones, ``x·y + i``, and ones holding an ``exp``, as the
 mismatch metrics do), forward and forward + backward, for every way of writing
 them, against the one-sequence-per-row reduction of the same columns
-(``_reduce.seq_reduce``, ``[B, T] -> [B]``). Times are the minimum over
+(``_reduce.Rows.reduce``, ``[B, T] -> [B]``). Times are the minimum over
 ``--repeats`` calls, the variants interleaved call by call so that a busy machine
 slows them alike; temp memory is XLA's compiled temporary allocation.
 
@@ -63,7 +63,7 @@ def columns(x, y, pop, n, kind):
 
 def variants(k: int, n: int, kind: str):
     def row(x, y, ids, pop):
-        return _reduce.seq_reduce(columns(x, y, pop, n, kind), MeshAxes())
+        return _reduce.Rows(MeshAxes()).reduce(columns(x, y, pop, n, kind))
 
     def fused_compare(x, y, ids, pop):
         return _segments.segment_reduce(columns(x, y, pop, n, kind), ids, k, MeshAxes())
@@ -83,7 +83,7 @@ def variants(k: int, n: int, kind: str):
             for name, c in cols.items()
             for s in range(1, k + 1)
         }
-        sums = _reduce.seq_reduce(flat, MeshAxes())
+        sums = _reduce.Rows(MeshAxes()).reduce(flat)
         return {name: jnp.stack([sums[(name, s)] for s in range(1, k + 1)], -1) for name in cols}
 
     def jnp_sum(x, y, ids, pop):

@@ -5,7 +5,7 @@ names the sequence of every token: ``1..K`` (``K = num_segments``, a static int)
 are the sequences of a row and 0 is padding. A per-sequence value is then
 ``[..., K]`` (one per (row, segment)) instead of ``[...]`` (one per row).
 
-* :func:`segment_reduce` is :func:`offpolicy_jax._reduce.seq_reduce` per segment:
+* :func:`segment_reduce` is :meth:`offpolicy_jax._reduce.Rows.reduce` per segment:
   every column's sum / min / max over the tokens of each segment, ``[..., T] ->
   [..., K]``, all columns in few fused loops. Inside ``shard_map`` with a sharded
   token axis the ``[..., K]`` partial results are ``psum``-ed (``pmin``/``pmax``)
@@ -13,19 +13,26 @@ are the sequences of a row and 0 is padding. A per-sequence value is then
   ``[..., K]``-sized values cross devices, never token data.
 * :func:`segment_broadcast` is the way back, ``[..., K] -> [..., T]``: each token
   gets its segment's value (the gather), padding a fill value.
+* :class:`Packed` is the layout object behind the seam of ``_reduce.Rows``: the
+  correction pipeline, the losses and every rule reduce and broadcast through it,
+  so they are all packed-aware without knowing it.
 
-How (measured with ``python -m benchmarks.segments``, jax 0.10.2, XLA:CPU, K = 8):
-the sum over the tokens of each segment is a compare-and-reduce, ``Σ_t [id_t = k]
-x_t`` for ``k = 1..K``, run as :mod:`~offpolicy_jax._reduce`'s fused variadic loop
-over ``[..., K, T]`` operands that XLA never writes out (the compare and the select
-are fused into the loop). The alternatives were 2-10x slower: a one-hot
-``einsum`` (XLA:CPU materialises the ``[..., T, K]`` indicator and runs a poor
-batched matrix-vector product), ``jax.ops.segment_sum`` over flattened (row,
-segment) ids (a serial scatter-add, and a flattening that the partitioner cannot
-keep sharded), a plain ``jnp.sum`` of the ``[..., K, T]`` select (the reduction
-kernel cannot fuse its producer, so the select is written to memory) and one
-reduction per segment. The gather back is a chain of ``K`` selects, fused into
-whatever elementwise pass consumes it (``take_along_axis`` was 3x slower).
+How (measured with ``python -m benchmarks.segments``, jax 0.10.2, XLA:CPU, ``[64, 2048]``,
+K = 8, 8 columns): the sum over the tokens of each segment is a compare-and-reduce,
+``Σ_t [id_t = k] x_t`` for ``k = 1..K``, run as :mod:`~offpolicy_jax._fusion`'s fused
+variadic loop over ``[..., K, T]`` operands that XLA never writes out (the compare
+and the select are fused into the loop): about 2-3x the time of the
+one-sequence-per-row reduction of the same columns. The alternatives, relative to
+it: a one-hot ``einsum`` 1.7-2.5x (XLA:CPU writes the ``[..., T, K]`` indicator and
+runs small batched matrix products), ``jax.ops.segment_sum`` over flattened (row,
+segment) ids 3-8x (a serial scatter-add, and a flattening the partitioner cannot keep
+sharded), a plain ``jnp.sum`` of the ``[..., K, T]`` select 15-40x (the reduction
+kernel cannot fuse its producer, so the select is written out), one fused loop
+per (column, segment) 0.7-1.5x (faster only when a column holds an ``exp`` that the
+compare form evaluates K times), materialising the columns first about 1x, and a
+windowed two-level sum (at most two segments per window of 64 tokens, with a
+``cond`` fallback) no faster. The gather back is a chain of ``K`` selects, fused
+into whatever elementwise pass consumes it (``take_along_axis`` was 3x slower).
 
 Gradients: a segment sum is linear, and its JVP is written as ``K`` plain sums of
 the tangent, whose transpose is the chain of selects: the backward of a segment
@@ -37,6 +44,7 @@ padding, whatever the mask says.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 
@@ -44,8 +52,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import _reduce
-from offpolicy_jax._reduce import _COLLECTIVE, _INIT, Column, MeshAxes
+from offpolicy_jax import _fusion, _reduce
+from offpolicy_jax._fusion import INIT as _INIT
+from offpolicy_jax._reduce import _COLLECTIVE, Column, MeshAxes, Rows
 
 
 def check_segments(segment_ids, num_segments, shape: tuple[int, ...]) -> jax.Array | None:
@@ -125,7 +134,7 @@ def _segment_fused(
     operands = tuple(
         jnp.where(hit, v[..., None, :], _INIT[op]) for op, v in zip(ops, values, strict=True)
     )
-    return _reduce._fused_reduce(ops, operands)
+    return _fusion.reduce_columns(ops, operands)
 
 
 def _segment_fused_jvp(ops, num_segments, primals, tangents):
@@ -143,7 +152,7 @@ def _segment_fused_jvp(ops, num_segments, primals, tangents):
 
             def plain(v, op=op, hit=hit):
                 masked = jnp.where(hit, v[..., None, :], _INIT[op])
-                return _reduce._plain_reduce(op, masked)
+                return _fusion.plain_reduce(op, masked)
 
             dout.append(jax.jvp(plain, (value,), (dvalue,))[1])
     return out, tuple(dout)
@@ -153,7 +162,10 @@ _segment_fused.defjvp(_segment_fused_jvp, symbolic_zeros=True)
 
 
 def segment_reduce(
-    columns: Mapping[str, Column], segment_ids: jax.Array, num_segments: int, axes: MeshAxes
+    columns: Mapping[str, Column],
+    segment_ids: jax.Array,
+    num_segments: int,
+    axes: MeshAxes,
 ) -> dict[str, jax.Array]:
     """Every column's per-segment reduction, ``[..., T] -> [..., K]``, computed together.
 
@@ -191,9 +203,10 @@ def segment_reduce(
     results = dict(zip(names, _segment_fused(ops, num_segments, values, ids), strict=True))
     if axes.token:
         for op, collective in _COLLECTIVE.items():
-            same = {n: results[n] for n in names if columns[n].op == op}
-            if same:
-                results.update(collective(same, axes.token))
+            same = [n for n in names if columns[n].op == op]
+            if same:  # a list: column names may be of mixed types (no sorted pytree keys)
+                combined = collective([results[n] for n in same], axes.token)
+                results.update(zip(same, combined, strict=True))
     return results
 
 
@@ -236,15 +249,77 @@ def segment_any(
 ) -> jax.Array:
     """Per-segment ``any(condition)`` over the population, ``[..., T] -> [..., K]`` bool."""
     hits = segment_reduce(
-        {"hits": _reduce.count_where(condition, population)}, segment_ids, num_segments, axes
+        {"hits": _reduce.count_where(condition, population)},
+        segment_ids,
+        num_segments,
+        axes,
     )["hits"]
     return hits > 0
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packed(Rows):
+    """The packed layout: several sequences per row, named by ``segment_ids``.
+
+    The same seam as :class:`~offpolicy_jax._reduce.Rows`, with per-sequence arrays
+    ``[..., K]`` (one value per (row, segment)) instead of ``[...]``: :meth:`reduce`
+    is :func:`segment_reduce`, :meth:`broadcast` is :func:`segment_broadcast`, and
+    ``batch_means`` (inherited) sums the ``[..., K]`` terms like any other axis. A
+    segment that a row does not use is an empty sequence: every mean leaves it out.
+
+    Attributes:
+      axes: mesh axes to combine over inside ``shard_map``.
+      segment_ids: int32 ``[..., T]``; 1..K name the sequences of a row.
+      num_segments: ``K``, static.
+    """
+
+    segment_ids: jax.Array | None = None
+    num_segments: int = 1
+
+    def reduce(self, columns: Mapping[str, Column]) -> dict[str, jax.Array]:
+        """Every column's per-segment reduction, ``[..., T] -> [..., K]`` (see
+        :func:`segment_reduce`)."""
+        return segment_reduce(columns, self.segment_ids, self.num_segments, self.axes)
+
+    def broadcast(self, per_seq: jax.Array) -> jax.Array:
+        """A per-segment value ``[..., K]`` on every token of its segment, ``[..., T]``
+        (0 / False on padding)."""
+        return segment_broadcast(jnp.asarray(per_seq), self.segment_ids)
+
+
+def layout(axes: MeshAxes, segment_ids, num_segments, shape: tuple[int, ...]) -> Rows:
+    """The layout of a public call: :class:`Rows` without ``segment_ids``, else
+    :class:`Packed` (the arguments validated, errors naming them)."""
+    ids = check_segments(segment_ids, num_segments, shape)
+    if ids is None:
+        return Rows(axes)
+    return Packed(axes, ids, int(num_segments))
+
+
+def only_segments(layout: Rows, mask: jax.Array) -> jax.Array:
+    """The mask without padding: 0 outside the segments ``1..K`` of a packed layout
+    (padding is never trained on, whatever the mask says); unchanged otherwise."""
+    if not isinstance(layout, Packed):
+        return mask
+    return jnp.where(in_segment(layout.segment_ids, layout.num_segments), mask, 0.0)
+
+
+def segment_arguments(layout: Rows) -> dict:
+    """``segment_ids`` / ``num_segments`` keyword arguments for a user correction
+    callable, or none for the one-sequence-per-row layout."""
+    if not isinstance(layout, Packed):
+        return {}
+    return {"segment_ids": layout.segment_ids, "num_segments": layout.num_segments}
+
+
 __all__ = [
+    "Packed",
     "check_segments",
     "in_segment",
+    "layout",
+    "only_segments",
     "segment_any",
+    "segment_arguments",
     "segment_broadcast",
     "segment_reduce",
 ]

@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, bounds, metrics, normalize, ratios, rejection, stages
+from offpolicy_jax import _reduce, _segments, bounds, metrics, normalize, ratios, rejection, stages
 from offpolicy_jax._reduce import REDUCTIONS, AxisNames, Reduction
 from offpolicy_jax._validation import (
     as_float_logp,
@@ -94,6 +94,8 @@ def compute_correction(
     *,
     reduction: Reduction = "sequence",
     axis_names: AxisNames = None,
+    segment_ids: jax.typing.ArrayLike | None = None,
+    num_segments: int | None = None,
 ) -> CorrectionResult:
     """Rollout correction: IS weights, rejection mask and mismatch metrics.
 
@@ -116,6 +118,12 @@ def compute_correction(
         name or names of data-parallel axes, or ``MeshAxes(batch=..., token=...)``
         when the token axis is sharded too. Reductions are ``psum``-ed so the
         result equals the unsharded call.
+      segment_ids: packed rows (docs/semantics.md §10): int ``[..., T]``, 1..K name
+        the sequences of a row, 0 is padding (never trained on, whatever ``mask``
+        says). Every per-sequence quantity is then per (row, segment). None: one
+        sequence per row.
+      num_segments: ``K``, a static int, the most sequences a row may hold; given
+        exactly when ``segment_ids`` is.
 
     Returns:
       A :class:`CorrectionResult` with float32 ``weights`` and ``mask`` of the
@@ -141,11 +149,17 @@ def compute_correction(
     rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
     weights_mask = as_float_mask("mask", mask)
     check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
+    layout = _segments.layout(axes, segment_ids, num_segments, old.shape)
+    weights_mask = _segments.only_segments(layout, weights_mask)
     check_split_over(
-        axes.batch + axes.token, old_logp=old_logp, rollout_logp=rollout_logp, mask=mask
+        axes.batch + axes.token,
+        old_logp=old_logp,
+        rollout_logp=rollout_logp,
+        mask=mask,
+        segment_ids=segment_ids,
     )
     weights, final_mask, parts = correction_parts(
-        old, rollout, weights_mask, config, reduction=reduction, layout=_reduce.Rows(axes)
+        old, rollout, weights_mask, config, reduction=reduction, layout=layout
     )
     return CorrectionResult(
         weights=jnp.broadcast_to(weights * final_mask, old.shape).astype(jnp.float32),

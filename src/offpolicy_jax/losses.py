@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, metrics
+from offpolicy_jax import _reduce, _segments, metrics
 from offpolicy_jax._reduce import AxisNames, MeanParts
 from offpolicy_jax._validation import (
     as_array,
@@ -57,6 +57,8 @@ def aggregate(
     denominator_mask: jax.Array,
     aggregation: str,
     axis_names: AxisNames = None,
+    segment_ids: jax.typing.ArrayLike | None = None,
+    num_segments: int | None = None,
 ) -> MeanParts:
     """Aggregates per-token losses ``ℓ'`` over the final mask ``m'`` (docs/semantics.md §5).
 
@@ -75,6 +77,7 @@ def aggregate(
       denominator_mask: ``[..., T]`` ``m''``: ``m'`` (D5) or the original mask.
       aggregation: one of the three names above.
       axis_names: mesh axes to ``psum`` over inside ``shard_map``.
+      segment_ids, num_segments: packed rows (see :func:`policy_loss`).
 
     Returns:
       :class:`MeanParts`; an empty batch gives 0 / 0, whose value is 0.
@@ -86,9 +89,13 @@ def aggregate(
       >>> float(opj.aggregate(x, m, m, "sequence_mean").value())
       3.5
     """
-    layout = _reduce.Rows(_reduce.as_mesh_axes(axis_names))
     final_mask = as_float_mask("final_mask", final_mask)
     denominator_mask = as_float_mask("denominator_mask", denominator_mask)
+    layout = _segments.layout(
+        _reduce.as_mesh_axes(axis_names), segment_ids, num_segments, final_mask.shape
+    )
+    final_mask = _segments.only_segments(layout, final_mask)
+    denominator_mask = _segments.only_segments(layout, denominator_mask)
     sums = layout.reduce(
         {
             "loss": _reduce.total(per_token_loss, final_mask),
@@ -184,7 +191,14 @@ def _correct(config, old, rollout, mask, reduction, layout, precomputed):
             old, rollout, mask, clip_low=clip_low, clip=clip, reduction=reduction, layout=layout
         )
         return weights, mask, parts
-    result = correction(old, rollout, mask, reduction=reduction, axis_names=layout.axes)
+    result = correction(
+        old,
+        rollout,
+        mask,
+        reduction=reduction,
+        axis_names=layout.axes,
+        **_segments.segment_arguments(layout),
+    )
     return (*_precomputed("config.correction's result", result, mask.shape), dict(result.metrics))
 
 
@@ -221,6 +235,8 @@ def policy_loss_terms(
     *,
     axis_names: AxisNames = None,
     correction_result: CorrectionResult | None = None,
+    segment_ids: jax.typing.ArrayLike | None = None,
+    num_segments: int | None = None,
 ) -> PolicyLossTerms:
     """:func:`policy_loss` with its per-token terms and its final mask.
 
@@ -250,16 +266,27 @@ def policy_loss_terms(
     theta, old, rollout, adv, mask = _check_inputs(
         config, logp, old_logp, rollout_logp, advantages, mask
     )
+    axes = _reduce.as_mesh_axes(axis_names)
+    layout = _segments.layout(axes, segment_ids, num_segments, theta.shape)
+    if segment_ids is not None and jnp.shape(advantages) != theta.shape:
+        raise ValueError(
+            f"advantages has shape {jnp.shape(advantages)}; with segment_ids they must be "
+            f"per token, {theta.shape} (give each token its sequence's advantage)"
+        )
+    mask = _segments.only_segments(layout, mask)
     if correction_result is not None and not config.reweights:
         raise ValueError(
             f"correction_result is only used by algorithms that apply IS weights "
             f"(decoupled_ppo, reinforce_is), not {config.algorithm!r}"
         )
-    axes = _reduce.as_mesh_axes(axis_names)
-    layout = _reduce.Rows(axes)
     # Per-sequence advantages are legitimately replicated across token shards.
     check_split_over(
-        axes.batch + axes.token, logp=logp, old_logp=old_logp, rollout_logp=rollout_logp, mask=mask
+        axes.batch + axes.token,
+        logp=logp,
+        old_logp=old_logp,
+        rollout_logp=rollout_logp,
+        mask=mask,
+        segment_ids=segment_ids,
     )
     reduction = config.metric_reduction
     algorithm = config.algorithm
@@ -390,6 +417,8 @@ def policy_loss_parts(
     *,
     axis_names: AxisNames = None,
     correction_result: CorrectionResult | None = None,
+    segment_ids: jax.typing.ArrayLike | None = None,
+    num_segments: int | None = None,
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
     """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
 
@@ -424,6 +453,8 @@ def policy_loss_parts(
         config,
         axis_names=axis_names,
         correction_result=correction_result,
+        segment_ids=segment_ids,
+        num_segments=num_segments,
     )
     return terms.parts, terms.metrics
 
@@ -438,6 +469,8 @@ def policy_loss(
     *,
     axis_names: AxisNames = None,
     correction_result: CorrectionResult | None = None,
+    segment_ids: jax.typing.ArrayLike | None = None,
+    num_segments: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Policy-gradient loss with rollout correction (docs/semantics.md §5).
 
@@ -460,6 +493,14 @@ def policy_loss(
       axis_names: mesh axes to ``psum`` over inside ``shard_map`` (see
         :func:`~offpolicy_jax.compute_correction`).
       correction_result: optional precomputed correction for these tokens.
+      segment_ids: packed rows (docs/semantics.md §10): int ``[..., T]``, 1..K name
+        the sequences of a row, 0 is padding (never trained on, whatever ``mask``
+        says); every per-sequence quantity (ratios, rejection, veto, batch
+        normalisation, ``sequence_mean`` / ``sequence_sum``, sequence metrics) is
+        then per (row, segment). ``advantages`` must be per token. None: one
+        sequence per row.
+      num_segments: ``K``, a static int, the most sequences a row may hold; given
+        exactly when ``segment_ids`` is.
 
     Returns:
       ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing
@@ -489,5 +530,7 @@ def policy_loss(
         config,
         axis_names=axis_names,
         correction_result=correction_result,
+        segment_ids=segment_ids,
+        num_segments=num_segments,
     )
     return loss.value().astype(jnp.float32), metrics.finalize(parts)
