@@ -12,11 +12,11 @@ Variants:
 
 * ``row``: the unpacked layout's fused reduction (the baseline);
 * ``fused_compare``: the library's choice: ``[B, K, T]`` compare-and-select
-  operands, reduced by ``_reduce``'s chunked variadic loop, custom JVP;
+  operands, reduced by ``_fusion``'s chunked variadic loop, custom JVP;
 * ``materialized``: the same after writing the column values once
   (``optimization_barrier``), so that an ``exp`` is not evaluated K times;
 * ``per_segment_loop``: K operands per column (``where(id == k, x, 0)``) in
-  ``_reduce``'s grouped variadic loops;
+  ``_fusion``'s grouped variadic loops;
 * ``jnp_sum``: ``jnp.sum`` of the ``[B, K, T]`` select (a library kernel);
 * ``einsum``: one-hot ``[B, T, K]`` indicator, ``einsum`` with the stacked columns;
 * ``segment_sum``: ``jax.ops.segment_sum`` over flattened (row, segment) ids.
