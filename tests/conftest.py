@@ -53,7 +53,39 @@ def clear_jax_caches():
     jax.clear_caches()
 
 
+# Test tiers. `pytest -m "not slow"` is the edit loop (a few minutes on 2 cores); CI runs
+# everything. Whole modules that compile many multi-device or end-to-end programs are
+# slow; of the shared reference packs, which compile one program per case, the fast tier
+# keeps every CONFORMANCE_SAMPLE-th case (a spread over every kind of case), and the slow
+# tier holds the rest: no case is dropped, only deferred to the full run.
+SLOW_MODULES = frozenset(
+    {
+        "test_sharding.py",
+        "test_sharding_rules.py",
+        "test_hlo_communication.py",
+        "test_multiprocess.py",
+        "test_mesh_examples.py",
+        "test_notebook.py",
+    }
+)
+CONFORMANCE_SAMPLE = 8
+
+
+def _mark_tiers(items) -> None:
+    seen: dict[str, int] = {}
+    for item in items:
+        module = item.path.name
+        if module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        elif item.get_closest_marker("conformance") is not None:
+            index = seen.get(module, 0)
+            seen[module] = index + 1
+            if index % CONFORMANCE_SAMPLE:
+                item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_tiers(items)
     count = jax.device_count()
     if count >= 8:
         return
