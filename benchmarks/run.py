@@ -1,6 +1,6 @@
 """Benchmark suite: ``python -m benchmarks.run`` writes ``results.md`` and ``results.json``.
 
-For every ``[B, T]`` size and for both computations of ``workloads`` (the
+For every ``[B, T]`` size and for every computation of ``workloads`` (the
 ``policy_loss`` training step and ``compute_correction``) it measures, in one
 run and on whatever JAX backend is present:
 
@@ -46,6 +46,10 @@ VARIANTS = ("floor", "jit", "op_by_op", "numpy")
 TITLES = {
     "loss": "`policy_loss` forward + backward (decoupled_ppo, mis.yaml, all metrics)",
     "correction": "`compute_correction` forward (mis.yaml)",
+    "loss_trm_icepop": (
+        "`policy_loss` forward + backward (decoupled_ppo, Trust Region Masking "
+        "`seq_max_k2` + `seq_mean_k3` with IcePop weights, all metrics)"
+    ),
 }
 
 
@@ -205,7 +209,7 @@ def markdown(report: dict) -> str:
             "in B·T); *floor ns/token* shows how far the floor itself is from linear."
         ),
     ]
-    for name in ("loss", "correction"):
+    for name in TITLES:
         rows = [r for r in report["results"] if r["computation"] == name]
         if not rows:
             continue
@@ -305,6 +309,13 @@ def targets(report: dict) -> list[str]:
         + ", ".join(f"{p:.2f}" for p in per_token)
         + f" (target within ±25%): {mark(spread <= 0.25)}"
     )
+    trm = [r for r in report["results"] if r["computation"] == "loss_trm_icepop"]
+    if trm:
+        ratio = trm[-1]["ns_per_token"] / big["ns_per_token"]
+        out.append(
+            f"Trust Region Masking + IcePop loss / mis.yaml loss, time per token = "
+            f"{ratio:.2f} (target <= 1.5): {mark(ratio <= 1.5)}"
+        )
     if slowest_other:
         speedup, variant, b, t = min(slowest_other)
         out.append(

@@ -1,6 +1,6 @@
 """What the benchmark measures: inputs, the reference configuration, and every variant.
 
-One workload is a padded ``[B, T]`` float32 batch with ragged lengths and two
+One workload is a padded ``[B, T]`` float32 batch with ragged lengths and three
 computations on it:
 
 * ``loss``: forward + backward of :func:`offpolicy_jax.policy_loss` for
@@ -8,7 +8,10 @@ computations on it:
   truncated IS, token-level rejection sampling, veto at 1e-4, batch
   normalisation) and every metric;
 * ``correction``: forward of :func:`offpolicy_jax.compute_correction` with the
-  same configuration.
+  same configuration;
+* ``loss_trm_icepop``: the ``loss`` step with Trust Region Masking (``seq_max_k2`` +
+  ``seq_mean_k3``) and IcePop weights instead of ``mis.yaml`` (docs/semantics.md §8);
+  its time per token is compared with ``loss``'s in the same run.
 
 Each computation comes in four variants, all measured in the same run:
 
@@ -48,6 +51,21 @@ def reference_loss_config() -> opj.LossConfig:
     """decoupled PPO with the reference correction and every metric turned on."""
     return opj.LossConfig(
         algorithm="decoupled_ppo", correction=reference_correction(), get_mismatch_metrics=True
+    )
+
+
+def trm_icepop_loss_config() -> opj.LossConfig:
+    """decoupled PPO with Trust Region Masking (``seq_max_k2`` + ``seq_mean_k3``) and
+    token-level IcePop weights (docs/semantics.md §8), every metric turned on."""
+    correction = opj.CorrectionConfig(
+        use_tis=True,
+        tis_mode="icepop",
+        tis_lower_bound=0.5,
+        tis_upper_bound=5.0,
+        rs_criteria=("seq_max_k2:2.5", "seq_mean_k3:0.01"),
+    )
+    return opj.LossConfig(
+        algorithm="decoupled_ppo", correction=correction, get_mismatch_metrics=True
     )
 
 
@@ -160,7 +178,8 @@ def computations(batch: int, length: int, numpy_reference: ModuleType | None) ->
     device = {k: jnp.asarray(v) for k, v in host.items()}
     loss_config = reference_loss_config()
     correction_config = loss_config.correction
-    loss_numpy = correction_numpy = None
+    trm_config = trm_icepop_loss_config()
+    loss_numpy = correction_numpy = trm_numpy = None
     if numpy_reference is not None:
         ref = numpy_reference
         corr = correction_config.to_dict()
@@ -176,6 +195,14 @@ def computations(batch: int, length: int, numpy_reference: ModuleType | None) ->
         def correction_numpy():
             return ref.correction(*(host[k] for k in CORRECTION_INPUTS), **corr)
 
+        def trm_numpy():
+            return ref.policy_loss(
+                *(host[k] for k in LOSS_INPUTS),
+                algorithm="decoupled_ppo",
+                correction=trm_config.correction.to_dict(),
+                get_mismatch_metrics=True,
+            )
+
     return [
         Computation(
             "loss",
@@ -190,5 +217,12 @@ def computations(batch: int, length: int, numpy_reference: ModuleType | None) ->
             {k: host[k] for k in CORRECTION_INPUTS},
             correction_step(correction_config),
             correction_numpy,
+        ),
+        Computation(
+            "loss_trm_icepop",
+            {k: device[k] for k in LOSS_INPUTS},
+            {k: host[k] for k in LOSS_INPUTS},
+            loss_step(trm_config),
+            trm_numpy,
         ),
     ]

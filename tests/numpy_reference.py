@@ -46,6 +46,7 @@ import math
 from typing import Any
 
 import numpy as np
+import numpy_reference_rules as rules_ref
 
 __all__ = [
     "S",
@@ -73,7 +74,7 @@ S = 20.0
 BATCH_NORM_EPS = 1e-8
 
 LEVELS = ("token", "sequence", "geometric")
-MODES = ("truncate", "clip", "mask")
+MODES = ("truncate", "clip", "mask", "icepop", "none")
 ALGORITHMS = ("ppo", "bypass_ppo", "decoupled_ppo", "reinforce_is")
 AGGREGATIONS = ("sequence_mean", "token_mean", "sequence_sum")
 REDUCTIONS = ("sequence", "token")
@@ -293,6 +294,14 @@ def _apply_mode(rho, mode: str, lower: float, upper: float):
     if mode not in MODES:
         raise ValueError(f"tis_mode must be one of {MODES}, got {mode!r}")
     low, high = rho < lower, rho > upper
+    if mode == "none":  # §8: no IS weight, only the rejection rules
+        return np.ones_like(rho), np.ones_like(rho, bool), {}
+    if mode == "icepop":  # §8: weight 0 outside [L, U], the token stays in the mask
+        return (
+            np.where(~low & ~high, rho, 0.0),
+            np.ones_like(rho, bool),
+            {"mis_tis_icepop_fraction_low": low, "mis_tis_icepop_fraction_high": high},
+        )
     if mode == "truncate":
         return np.minimum(rho, upper), np.ones_like(rho, bool), {"mis_tis_truncate_fraction": high}
     if mode == "clip":
@@ -357,6 +366,9 @@ def _correction_core(
     rs_upper_bound,
     rs_veto_threshold,
     reduction,
+    rs_criteria=(),
+    seq_logprob_error_threshold=None,
+    m2po_tau=None,
 ):
     """Shared body of :func:`correction`: returns ``(w, m_final, metrics)``.
 
@@ -371,6 +383,7 @@ def _correction_core(
         m_valid = np.where(_seq_broadcast(bad_seq, m.shape), 0.0, m)
         delta = np.where(m_valid > 0, o - b, 0.0)
         metrics = monitoring_metrics(o, b, m_valid, reduction)
+        metrics.update(rules_ref.probability_metrics(o, b, m_valid, reduction))
         if not use_tis:
             # metrics only: weights = m, mask unchanged, nothing rejected (§7)
             return np.ones_like(m), m.copy(), metrics
@@ -414,6 +427,19 @@ def _correction_core(
                 _seq_broadcast(cat_seq.astype(np.float64), m.shape), m_valid, reduction
             )
 
+        # §8 rules, each on the valid tokens
+        keep_rules, rule_metrics = rules_ref.apply_rules(
+            o,
+            b,
+            m_valid,
+            reduction,
+            rs_criteria=rs_criteria,
+            seq_logprob_error_threshold=seq_logprob_error_threshold,
+            m2po_tau=m2po_tau,
+        )
+        keep &= keep_rules
+        metrics.update(rule_metrics)
+
         m_final = np.where(keep, m_valid, 0.0)
 
         # 5. mean of the bounded weights over the final mask
@@ -432,6 +458,7 @@ def _correction_core(
             metrics[f"mis_is_ratio_{kind}_final"] = reduce_metric(
                 _seq_broadcast(ext, m.shape), m_final, reduction
             )
+        metrics["mis_ess"] = rules_ref.ess(w, m_final)
         return np.where(m_final > 0, w, 0.0), m_final, metrics
 
 
@@ -452,8 +479,11 @@ def correction(
     rs_upper_bound=None,
     rs_veto_threshold=None,
     reduction="sequence",
+    rs_criteria=(),
+    seq_logprob_error_threshold=None,
+    m2po_tau=None,
 ):
-    """Reference ``compute_correction`` (§0, §2-§4, §7).
+    """Reference ``compute_correction`` (§0, §2-§4, §7, §8).
 
     With ``δ = o − b`` over the valid tokens of finite sequences:
 
@@ -490,6 +520,9 @@ def correction(
         rs_upper_bound=rs_upper_bound,
         rs_veto_threshold=rs_veto_threshold,
         reduction=reduction,
+        rs_criteria=tuple(rs_criteria),
+        seq_logprob_error_threshold=seq_logprob_error_threshold,
+        m2po_tau=m2po_tau,
     )
     weights = np.where(m_final > 0, w * m_final, 0.0)
     return weights, m_final, metrics
@@ -607,6 +640,9 @@ def _correction_kwargs(corr: dict) -> dict:
         rs_lower_bound=None,
         rs_upper_bound=None,
         rs_veto_threshold=None,
+        rs_criteria=(),
+        seq_logprob_error_threshold=None,
+        m2po_tau=None,
     )
     unknown = set(corr) - set(defaults)
     if unknown:
@@ -727,6 +763,7 @@ def policy_loss(
         bad_seq = _nonfinite_sequences(src, b, m)
         m_valid = np.where(_seq_broadcast(bad_seq, m.shape), 0.0, m)
         metrics.update(monitoring_metrics(src, b, m_valid, metric_reduction))
+        metrics.update(rules_ref.probability_metrics(src, b, m_valid, metric_reduction))
 
     m_den = m if rejected_in_denominator else m_final
 

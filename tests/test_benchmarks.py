@@ -25,7 +25,9 @@ def test_benchmark_command_writes_its_report(tmp_path):
     assert report["environment"]["backend"]
     assert report["environment"]["cpus_used"] == 1
     assert {(r["computation"], r["batch"], r["length"]) for r in report["results"]} == {
-        (name, b, t) for name in ("loss", "correction") for b, t in ((4, 64), (8, 128))
+        (name, b, t)
+        for name in ("loss", "correction", "loss_trm_icepop")
+        for b, t in ((4, 64), (8, 128))
     }
     for row in report["results"]:
         assert set(row["seconds"]) == {"floor", "jit", "op_by_op", "numpy"}

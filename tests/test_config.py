@@ -39,6 +39,9 @@ def test_defaults_match_reference_mis_yaml_keys():
         "rs_lower_bound": None,
         "rs_upper_bound": None,
         "rs_veto_threshold": None,
+        "rs_criteria": [],
+        "seq_logprob_error_threshold": None,
+        "m2po_tau": None,
     }
 
 
@@ -119,7 +122,7 @@ def test_error_missing_yaml_file():
     "kwargs, key",
     [
         (dict(tis_level="seq"), "tis_level"),
-        (dict(tis_mode="icepop"), "tis_mode"),
+        (dict(tis_mode="icepops"), "tis_mode"),
         (dict(use_rs=True, rs_level="bogus"), "rs_level"),
         (dict(use_tis="yes"), "use_tis"),
         (dict(tis_batch_normalize=1), "tis_batch_normalize"),

@@ -157,7 +157,8 @@ def test_weights_carry_no_gradient():
 
 # ------------------------------------------------------------------------ metric keys
 
-MONITORING = set(ref.MONITORING_KEYS)
+# §4, plus the probability metrics of §8 that come with them.
+MONITORING = set(ref.MONITORING_KEYS) | {"mis_token_mult_prob_error", "mis_js_divergence"}
 
 
 @pytest.mark.parametrize(
@@ -182,6 +183,28 @@ MONITORING = set(ref.MONITORING_KEYS)
                 "mis_rs_catastrophic_seq_fraction",
             },
         ),
+        (
+            opj.CorrectionConfig(
+                use_tis=True,
+                tis_mode="icepop",
+                rs_criteria=("token_k1:2.0", "seq_max_k2:2.5"),
+                seq_logprob_error_threshold=2.0,
+                m2po_tau=0.1,
+            ),
+            {"mis_tis_icepop_fraction_low", "mis_tis_icepop_fraction_high", "mis_m2po_m2_after"}
+            | {
+                f"{p}_{s}"
+                for p in (
+                    "mis_rs_token_k1",
+                    "mis_rs_seq_max_k2",
+                    "mis_seq_logprob_error",
+                    "mis_m2po",
+                )
+                for s in ("mean", "max", "min", "fraction_high", "seq_fraction")
+            }
+            | {"mis_rs_token_k1_fraction_low"},
+        ),
+        (opj.CorrectionConfig(use_tis=True, tis_mode="none"), set()),
     ],
 )
 def test_metric_keys_follow_config(config, extra):
@@ -196,6 +219,7 @@ def test_metric_keys_follow_config(config, extra):
         "mis_is_ratio_min_final",
         "mis_is_ratio_max_final",
         "mis_nonfinite_seq_fraction",
+        "mis_ess",
     }
     assert keys == MONITORING | (common | extra if config.use_tis else set())
 

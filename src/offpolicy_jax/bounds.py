@@ -31,12 +31,18 @@ def apply_mode(weights, mode: str, lower: float, upper: float):
     if mode == "mask":
         keep = (weights >= lower) & (weights <= upper)
         return jnp.where(keep, weights, 0), keep
-    raise ValueError(f"mode must be one of 'truncate', 'clip', 'mask', got {mode!r}")
+    if mode == "icepop":  # §8: weight 0 outside [L, U]; the token stays in the mask
+        return jnp.where((weights >= lower) & (weights <= upper), weights, 0), None
+    if mode == "none":  # §8: no IS weight, only the rejection rules
+        return jnp.ones_like(weights), None
+    raise ValueError(
+        f"mode must be one of 'truncate', 'clip', 'mask', 'icepop', 'none', got {mode!r}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class TISWeights(Stage):
-    """Truncated / clipped / masked importance weights at one level."""
+    """Truncated / clipped / masked / IcePop importance weights at one level (or none)."""
 
     level: str
     mode: str
@@ -53,8 +59,8 @@ class TISWeights(Stage):
         }
         # Keyed like rejection sampling's fractions: RS at this level and bound
         # (the reference mis.yaml) shares the column.
-        sides = (("high", self.upper),)
-        if self.mode != "truncate":
+        sides = (("high", self.upper),) if self.mode != "none" else ()
+        if self.mode not in ("truncate", "none"):
             sides = (("low", self.lower), *sides)
         for side, bound in sides:
             outside = raw < bound if side == "low" else raw > bound

@@ -20,10 +20,10 @@ import numpy as np
 import yaml
 
 Level = Literal["token", "sequence", "geometric"]
-Mode = Literal["truncate", "clip", "mask"]
+Mode = Literal["truncate", "clip", "mask", "icepop", "none"]
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
-MODES: tuple[str, ...] = ("truncate", "clip", "mask")
+MODES: tuple[str, ...] = ("truncate", "clip", "mask", "icepop", "none")
 ALGORITHMS: tuple[str, ...] = ("ppo", "bypass_ppo", "decoupled_ppo", "reinforce_is")
 AGGREGATIONS: tuple[str, ...] = ("sequence_mean", "token_mean", "sequence_sum")
 METRIC_REDUCTIONS: tuple[str, ...] = ("sequence", "token")
@@ -162,8 +162,11 @@ class CorrectionConfig:
       use_tis: apply importance weights (and rejection); False = metrics only.
       tis_level: ``"token"``, ``"sequence"`` (product of ratios) or ``"geometric"``
         (geometric mean) aggregation of the log-ratio for the IS weight.
-      tis_mode: ``"truncate"`` (``min(w, U)``), ``"clip"`` (``clip(w, L, U)``) or
-        ``"mask"`` (reject tokens with ``w`` outside ``[L, U]``).
+      tis_mode: ``"truncate"`` (``min(w, U)``), ``"clip"`` (``clip(w, L, U)``),
+        ``"mask"`` (reject tokens with ``w`` outside ``[L, U]``), ``"icepop"`` (IcePop:
+        weight ``w`` inside ``[L, U]``, 0 outside, the token stays in the mask and the
+        loss denominator) or ``"none"`` (no IS weight: ``w = 1``; the rejection rules
+        below still apply).
       tis_lower_bound: ``L``; ``None`` means ``1 / tis_upper_bound``. Unused by truncate.
       tis_upper_bound: ``U``.
       tis_batch_normalize: rescale the weights to mean 1 over what stays in the loss.
@@ -175,6 +178,16 @@ class CorrectionConfig:
       rs_veto_threshold: reject a sequence with any token ratio below this; ``None``
         disables the veto. Like every rejection, it acts only when ``use_tis`` is
         true (with or without ``use_rs``, D1); a metrics-only config ignores it.
+      rs_criteria: KL-estimator rejection criteria (docs/semantics.md §8), each a string
+        ``"criterion:threshold"`` with verl's names and threshold syntax, e.g.
+        ``("seq_max_k2:2.5", "seq_mean_k3:0.01")``; a token stays only if every
+        criterion keeps it. ``k1`` criteria take ``"lo_hi"`` (or ``hi`` for
+        ``[1/hi, hi]``) bounds on π_rollout / π_old, ``k2`` / ``k3`` an upper bound.
+      seq_logprob_error_threshold: NeMo-RL's rule: drop a sequence whose mean over its
+        tokens of ``exp(|δ|)`` exceeds this (``≥ 1``); ``None`` disables it.
+      m2po_tau: M2PO second-moment budget ``τ > 0``: drop the tokens with the largest
+        ``δ²`` until the batch mean of ``δ²`` over the kept tokens is ``≤ τ``; ``None``
+        disables it.
 
     Ratio bounds and the veto threshold are checked as the float32 values the
     computation uses: each must be a normal, finite float32 (``1.2e-38`` to
@@ -192,6 +205,9 @@ class CorrectionConfig:
     rs_lower_bound: float | None = None
     rs_upper_bound: float | None = None
     rs_veto_threshold: float | None = None
+    rs_criteria: tuple[str, ...] = ()
+    seq_logprob_error_threshold: float | None = None
+    m2po_tau: float | None = None
 
     def __post_init__(self):
         owner = "CorrectionConfig"
@@ -211,12 +227,18 @@ class CorrectionConfig:
             _check_positive(owner, key, getattr(self, key))
             _check_f32_ratio(owner, key, getattr(self, key))
         # The resolved lower bound 1 / U is used by clip / mask and, as the RS default, by RS.
-        lower_used = self.tis_mode in ("clip", "mask") or (
+        lower_used = self.tis_mode in ("clip", "mask", "icepop") or (
             self.use_rs and self.rs_lower_bound is None
         )
         if lower_used and self.tis_lower_bound is None:
             _check_f32_ratio(
                 owner, "tis_upper_bound", self.lower_bound, shown="1 / tis_upper_bound"
+            )
+        self._check_rules(owner)
+        if self.tis_mode == "icepop" and self.lower_bound > self.upper_bound:
+            raise ValueError(
+                f"{owner}: tis_lower_bound must be <= tis_upper_bound for tis_mode='icepop', "
+                f"got {self.lower_bound!r} > tis_upper_bound = {self.upper_bound!r}"
             )
         if self.tis_mode in ("clip", "mask"):
             source = (
@@ -240,6 +262,50 @@ class CorrectionConfig:
                 self.rs_lower,
                 self.rs_upper,
             )
+
+    def _check_rules(self, owner: str) -> None:
+        """Validates and canonicalises the keys of docs/semantics.md §8."""
+        from offpolicy_jax import criteria  # the formulas module; imported late to stay light
+
+        key = f"{owner}.rs_criteria"
+        specs = self.rs_criteria
+        if isinstance(specs, str):
+            specs = (specs,)
+        if not isinstance(specs, (tuple, list)):
+            raise ValueError(
+                f"{key} must be a list of 'criterion:threshold' strings, got {specs!r}"
+            )
+        parsed = [criteria.parse_spec(spec, key) for spec in specs]
+        names = [c.name for c in parsed]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"{key} lists {name!r} twice; give each criterion once")
+        object.__setattr__(self, "rs_criteria", tuple(c.spec for c in parsed))
+        for name in ("seq_logprob_error_threshold", "m2po_tau"):
+            value = _check_number(owner, name, getattr(self, name), optional=True)
+            _check_positive(owner, name, value)
+            object.__setattr__(self, name, value)
+        if not self.use_tis:
+            for name in ("rs_criteria", "seq_logprob_error_threshold", "m2po_tau"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"{owner}.{name} rejects tokens, but use_tis is false (metrics only); "
+                        "set use_tis: true (with tis_mode: none for rejection without IS "
+                        "weights)"
+                    )
+        threshold = self.seq_logprob_error_threshold
+        if threshold is not None and threshold < 1.0:
+            raise ValueError(
+                f"{owner}.seq_logprob_error_threshold must be >= 1 (exp|δ| >= 1, so a smaller "
+                f"threshold rejects every sequence), got {threshold!r}"
+            )
+
+    @property
+    def criteria(self):
+        """The parsed ``rs_criteria`` (:class:`offpolicy_jax.criteria.Criterion` tuples)."""
+        from offpolicy_jax import criteria
+
+        return tuple(criteria.parse_spec(spec, "rs_criteria") for spec in self.rs_criteria)
 
     # Resolved bounds (docs/semantics.md §1: the nulls fall back in this order).
     @property
@@ -280,30 +346,59 @@ class CorrectionConfig:
         """Builds a config from a YAML file path or YAML text (read with ``yaml.safe_load``)."""
         return cls.from_dict(_load_yaml_mapping(source, "CorrectionConfig"))
 
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["rs_criteria"] = list(self.rs_criteria)  # YAML (safe_dump) has lists, not tuples
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_verl(cls, rollout_correction: Mapping[str, Any]) -> CorrectionConfig:
+        """Builds the native config from verl's ``algorithm.rollout_correction`` block.
+
+        Takes verl's own keys and values (``rollout_is``, ``rollout_is_threshold`` incl.
+        ``"lo_hi"`` IcePop strings, ``rollout_is_batch_normalize``, ``rollout_rs`` incl.
+        comma lists, ``rollout_rs_threshold``); the loss-only keys ``bypass_mode`` and
+        ``loss_type`` are ignored here (``LossConfig.from_verl`` reads them). The mapping
+        is in :mod:`offpolicy_jax.verl`. Invalid values raise ``ValueError`` naming the
+        verl key.
+        """
+        from offpolicy_jax import verl
+
+        return cls(**verl.correction_kwargs(rollout_correction))
+
     @classmethod
     def preset(cls, name: str) -> CorrectionConfig:
-        """A configuration shipped with the package: ``"mis"`` is the reference ``mis.yaml``.
+        """A named recipe: a configuration shipped with the package (``"mis"`` is the
+        reference ``mis.yaml``) or any of verl's ``RolloutCorrectionConfig`` preset names
+        (``"decoupled_token_icepop"``, ``"decoupled_geo_rs"``, ``"bypass_pg_is"``, ...;
+        their correction part, see :data:`offpolicy_jax.verl.VERL_PRESETS`).
 
         Examples:
           >>> import offpolicy_jax as opj
           >>> cfg = opj.CorrectionConfig.preset("mis")
           >>> cfg.use_tis, cfg.tis_mode, cfg.rs_veto_threshold
           (True, 'truncate', 0.0001)
+          >>> opj.CorrectionConfig.preset("decoupled_token_icepop").tis_mode
+          'icepop'
         """
-        available = sorted(
+        from offpolicy_jax import verl
+
+        shipped = sorted(
             p.name[: -len(".yaml")]
             for p in resources.files("offpolicy_jax").joinpath("configs").iterdir()
             if p.name.endswith(".yaml")
         )
-        if name not in available:
-            raise ValueError(f"preset must be one of {available}, got {name!r}")
-        return cls.from_yaml(resources.files("offpolicy_jax") / "configs" / f"{name}.yaml")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if name in shipped:
+            return cls.from_yaml(resources.files("offpolicy_jax") / "configs" / f"{name}.yaml")
+        if name in verl.VERL_PRESETS:
+            return cls.from_verl(verl.preset_block(name))
+        known = shipped + sorted(verl.VERL_PRESETS)
+        close = difflib.get_close_matches(str(name), known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"preset must be one of {known}, got {name!r}{hint}")
 
 
 # --------------------------------------------------------------------------- VanillaTIS
@@ -366,6 +461,9 @@ class LossConfig:
         reference's behaviour); False = they leave it (D5).
       get_mismatch_metrics: add the §4 mismatch metrics without changing the loss.
       metric_reduction: ``"sequence"`` or ``"token"`` reduction of the metrics.
+      opsm_delta: DeepSeek-V3.2 off-policy sequence masking (docs/semantics.md §8): drop
+        a sequence whose mean advantage is negative and whose mean
+        ``log π_rollout − log π_θ`` over its tokens exceeds ``δ > 0``; None disables it.
     """
 
     algorithm: str = "ppo"
@@ -377,6 +475,7 @@ class LossConfig:
     rejected_in_denominator: bool = False
     get_mismatch_metrics: bool = False
     metric_reduction: str = "sequence"
+    opsm_delta: float | None = None
 
     def __post_init__(self):
         owner = "LossConfig"
@@ -390,8 +489,9 @@ class LossConfig:
         for key in ("rejected_in_denominator", "get_mismatch_metrics"):
             set_(key, _check_bool(owner, key, getattr(self, key)))
         set_("clip_eps", _check_number(owner, "clip_eps", self.clip_eps, optional=False))
-        for key in ("clip_eps_high", "dual_clip_c"):
+        for key in ("clip_eps_high", "dual_clip_c", "opsm_delta"):
             set_(key, _check_number(owner, key, getattr(self, key), optional=True))
+        _check_positive(owner, "opsm_delta", self.opsm_delta)
         # In float32 terms: the clip range [1 - ε, 1 + ε_high] must differ from 1 on both
         # sides and stay finite, and ε < 1 keeps the lower clip above 0 (at ε >= 1 every
         # ratio, being positive, would pass the lower clip: it would silently be off).

@@ -4,7 +4,8 @@ The JAX equivalent of the reference rollout-correction helper (miles/slime
 ``mis.py``). :func:`correction_stages` lists the stages the config names, in the
 order of docs/semantics.md §3: the mismatch metrics (``metrics``), ``w = ρ`` at
 ``tis_level`` bounded by ``tis_mode`` (``bounds``), rejection sampling and the veto
-(``rejection``); ``stages.run`` takes their per-sequence sums in two fused passes,
+(``rejection``), then the field's rules of §8 (``rules``: KL criteria, sequence
+log-prob error, M2PO, and the probability metrics); ``stages.run`` takes their per-sequence sums in two fused passes,
 applies batch normalisation (``normalize``) and puts the weights on the final mask.
 A new rule is one stage there plus its config key.
 
@@ -20,7 +21,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, _segments, bounds, metrics, normalize, ratios, rejection, stages
+from offpolicy_jax import (
+    _reduce,
+    _segments,
+    bounds,
+    metrics,
+    normalize,
+    ratios,
+    rejection,
+    rules,
+    stages,
+)
 from offpolicy_jax._reduce import REDUCTIONS, AxisNames, Reduction
 from offpolicy_jax._validation import (
     as_float_logp,
@@ -55,7 +66,7 @@ def _check_reduction(reduction: str) -> None:
 
 def correction_stages(config: CorrectionConfig) -> list[stages.Stage]:
     """The stages ``config`` names, in the order of docs/semantics.md §3."""
-    chain: list[stages.Stage] = [metrics.MismatchMetrics()]
+    chain: list[stages.Stage] = [metrics.MismatchMetrics(), rules.ProbabilityMetrics()]
     if config.use_tis:
         lower, upper = config.lower_bound, config.upper_bound
         chain.append(bounds.TISWeights(config.tis_level, config.tis_mode, lower, upper))
@@ -65,6 +76,7 @@ def correction_stages(config: CorrectionConfig) -> list[stages.Stage]:
             )
         if config.rs_veto_threshold is not None:
             chain.append(rejection.Veto(config.rs_veto_threshold))
+        chain.extend(rules.rule_stages(config))  # §8: the field's rejection rules
     return chain
 
 
@@ -83,6 +95,7 @@ def correction_parts(old, rollout, mask, config: CorrectionConfig, *, reduction,
     )
     if not config.use_tis:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts
+    parts["mis_ess"] = rules.ess_parts(layout, weights, final)
     return jax.lax.stop_gradient(weights), final, parts
 
 

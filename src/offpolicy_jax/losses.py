@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, _segments, metrics
+from offpolicy_jax import _reduce, _segments, metrics, rules
 from offpolicy_jax._reduce import AxisNames, MeanParts
 from offpolicy_jax._validation import (
     as_array,
@@ -318,6 +318,14 @@ def policy_loss_terms(
             proxy_old, rollout, mask, METRICS_ONLY, reduction=reduction, layout=layout
         )
         parts.update(mismatch)
+
+    if config.opsm_delta is not None:  # §8 OPSM: drops sequences, like a rejection
+        behaviour = rollout if rollout is not None else proxy_old
+        keep, opsm_parts = rules.opsm(
+            theta_sg, behaviour, adv, mask, config.opsm_delta, layout, reduction
+        )
+        final_mask = jnp.where(keep, final_mask, 0.0)
+        parts.update(opsm_parts)
 
     # The loss and its metrics are per-sequence sums of per-token terms: one pass
     # (layout.reduce) takes them all, and its backward is one elementwise pass.

@@ -1,0 +1,304 @@
+"""Rejection rules of the field (docs/semantics.md §8): their specs and per-token formulas.
+
+Every function here is pure and takes plain arrays and numbers; the pipeline stages
+that apply them live in :mod:`offpolicy_jax.rules`.
+
+* **KL-estimator criteria** (verl ``rollout_rs``): with ``λ_t = clip(δ_t, −S, S)``,
+  ``δ_t = log π_old − log π_rollout``,
+
+  - ``k1 = −λ``              (log of π_rollout / π_old: verl's sign convention),
+  - ``k2 = ½ λ²``,
+  - ``k3 = e^λ − 1 − λ``,
+
+  tested per token (``token_k*``) or on the per-sequence sum, mean or max
+  (``seq_sum_k*``, ``seq_mean_k*``, ``seq_max_k2``, ``seq_max_k3``). A ``k1`` criterion
+  keeps ``lo ≤ exp(stat) ≤ hi`` (bounds on the ratio π_rollout / π_old, or its product /
+  geometric mean; a single value ``hi`` means ``[1/hi, hi]``); ``k2`` / ``k3`` keep
+  ``stat ≤ hi``. A token stays only if every criterion keeps it.
+* **Sequence log-prob error** (NeMo-RL ``seq_logprob_error_threshold``): a sequence is
+  dropped when ``mean_t exp(|δ_t|) > threshold``.
+* **M2PO** (Zheng et al., 2025, "Prosperity before Collapse: How Far Can Off-Policy RL
+  Reach with Stale Data on LLMs?", arXiv:2510.01161): drop the tokens with the largest
+  ``δ²`` until the batch mean of ``δ²`` over the kept tokens is ``≤ τ``.
+* **OPSM** (DeepSeek-AI, 2025, "DeepSeek-V3.2", off-policy sequence masking): in the
+  loss, drop a sequence whose advantage is negative and whose mean
+  ``log(π_rollout / π_θ)`` exceeds ``δ``.
+* Probability metrics: NeMo-RL's ``token_mult_prob_error`` (``exp(|δ|)``) and
+  Jensen–Shannon estimate, and the effective sample size of the weights.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+LOG_RATIO_CLAMP = 20.0  # S, as ratios.LOG_RATIO_CLAMP (verl's SAFETY_BOUND)
+
+ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATES = ("token", "seq_sum", "seq_mean", "seq_max")
+KL_CRITERIA: tuple[str, ...] = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+"""verl's eleven ``rollout_rs`` options (``seq_max_k1`` does not exist: ``max(−λ)`` of a
+ratio bound in both directions is not a trust region)."""
+
+
+class Criterion(NamedTuple):
+    """One parsed KL-estimator criterion.
+
+    Attributes:
+      name: e.g. ``"seq_max_k2"``.
+      aggregate: ``"token"``, ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"``.
+      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+      lower: bound on the statistic (``log lo`` for k1), None for one-sided k2/k3.
+      upper: bound on the statistic (``log hi`` for k1).
+      lo: the written lower bound (k1: on the ratio), or None.
+      hi: the written upper bound.
+    """
+
+    name: str
+    aggregate: str
+    estimator: str
+    lower: float | None
+    upper: float
+    lo: float | None
+    hi: float
+
+    @property
+    def spec(self) -> str:
+        """The canonical ``"name:threshold"`` string of the native config."""
+        bound = f"{self.lo!r}_{self.hi!r}" if self.lo is not None else repr(self.hi)
+        return f"{self.name}:{bound}"
+
+
+def _hint(value: str, allowed: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(value, allowed, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_criterion_name(name: object, key: str) -> str:
+    """``name`` if it is one of :data:`KL_CRITERIA`, else ``ValueError`` naming ``key``."""
+    if isinstance(name, str) and name in KL_CRITERIA:
+        return name
+    hint = _hint(name, KL_CRITERIA) if isinstance(name, str) else ""
+    raise ValueError(
+        f"{key}: unknown rejection criterion {name!r}{hint}; must be one of {list(KL_CRITERIA)}"
+    )
+
+
+def _number(text: str, key: str, what: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: malformed threshold {what!r} (not a number)") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{key}: threshold {what!r} must be finite")
+    return value
+
+
+def parse_threshold(name: str, threshold: object, key: str) -> Criterion:
+    """Parses one criterion's threshold, verl's syntax: ``hi`` or ``"lo_hi"`` (k1 only).
+
+    Args:
+      name: a :data:`KL_CRITERIA` name (already checked).
+      threshold: a number or a string: ``"2.0"``, ``"0.5_2.0"``.
+      key: the config key named in errors.
+
+    Returns:
+      the :class:`Criterion`; ``ValueError`` naming ``key`` for a malformed or
+      non-positive threshold, ``lo > hi``, or ``lo_hi`` on a k2/k3 criterion.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
+        raise ValueError(
+            f"{key}: threshold of {name!r} must be a number or string, got {threshold!r}"
+        )
+    text = str(threshold).strip()
+    aggregate, estimator = name.rsplit("_", 1)
+    if estimator == "k1":
+        if "_" in text:
+            lo_text, hi_text = text.split("_", 1)
+            lo, hi = _number(lo_text, key, text), _number(hi_text, key, text)
+        else:
+            hi = _number(text, key, text)
+            lo = 1.0 / hi if hi > 0 else hi
+        if lo <= 0 or hi <= 0:
+            raise ValueError(f"{key}: thresholds of {name!r} must be positive, got {text!r}")
+        if lo > hi:
+            raise ValueError(f"{key}: thresholds of {name!r} must be lower <= upper, got {text!r}")
+        return Criterion(name, aggregate, estimator, math.log(lo), math.log(hi), lo, hi)
+    if "_" in text:
+        raise ValueError(
+            f"{key}: {name!r} takes a single upper bound without '_' (it is >= 0), got {text!r}"
+        )
+    hi = _number(text, key, text)
+    if hi <= 0:
+        raise ValueError(f"{key}: threshold of {name!r} must be positive, got {text!r}")
+    return Criterion(name, aggregate, estimator, None, hi, None, hi)
+
+
+def parse_spec(spec: object, key: str) -> Criterion:
+    """Parses a native ``rs_criteria`` entry ``"name:threshold"`` (e.g. ``"seq_max_k2:2.5"``)."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(
+            f"{key}: each entry must be a string 'criterion:threshold' such as "
+            f"'seq_max_k2:2.5' or 'token_k1:0.5_2.0', got {spec!r}"
+        )
+    name, threshold = (part.strip() for part in spec.split(":", 1))
+    return parse_threshold(check_criterion_name(name, key), threshold, key)
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+def kl_statistic(delta: jax.Array, estimator: str) -> jax.Array:
+    """Per-token ``k1 = −λ``, ``k2 = ½λ²`` or ``k3 = e^λ − 1 − λ``, ``λ = clip(δ, −S, S)``.
+
+    Args:
+      delta: ``[..., T]`` log-ratio ``log π_old − log π_rollout`` (finite where valid).
+      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+      ``[..., T]`` float32 statistic (garbage where ``delta`` is).
+    """
+    lam = jnp.clip(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return -lam
+    if estimator == "k2":
+        return 0.5 * lam * lam
+    if estimator == "k3":
+        return jnp.exp(lam) - 1.0 - lam
+    raise ValueError(f"unknown KL estimator {estimator!r}; must be one of {list(ESTIMATORS)}")
+
+
+MULT_PROB_LOG_CAP = 50.0
+"""``|δ|`` is capped here before ``exp`` (e^50 ≈ 5e21: a sum of many stays finite)."""
+
+
+def mult_prob_error(delta: jax.Array) -> jax.Array:
+    """NeMo-RL's multiplicative probability error per token, ``exp(min(|δ_t|, 50)) ≥ 1``.
+
+    Its masked token mean is ``token_mult_prob_error``; its per-sequence mean is the
+    statistic of the sequence log-prob error rule (``seq_mult_prob_error``). The cap
+    only matters for ``|δ| > 50``, where every sensible threshold rejects anyway.
+    """
+    return jnp.exp(jnp.minimum(jnp.abs(delta), MULT_PROB_LOG_CAP))
+
+
+def js_divergence(old_logp: jax.Array, rollout_logp: jax.Array) -> jax.Array:
+    """NeMo-RL's per-token Jensen–Shannon estimate between π_old and π_rollout.
+
+    With ``log M = log(½ e^o + ½ e^b)`` and ``k3(x) = e^x − x − 1`` (the k3 estimate of
+    KL from one sample): ``JS_t = ½ k3(o − log M) + ½ k3(b − log M)``, which simplifies
+    to ``log cosh(δ/2)`` with ``δ = o − b`` (``≥ 0``, 0 iff ``o = b``); see
+    :func:`probability_errors` for how it is computed.
+    """
+    return probability_errors(old_logp - rollout_logp)[1]
+
+
+def probability_errors(delta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(exp|δ|, log cosh(δ/2))``: :func:`mult_prob_error` and :func:`js_divergence`
+    from one ``expm1`` and one ``log1p`` per token (transcendentals dominate on CPU).
+
+    With ``y = |δ|/2`` and ``u = e^y − 1``: ``exp|δ| = (1 + u)²`` and
+    ``log cosh y = log1p(u² / (2(1 + u)))`` (``cosh y − 1 = u² / 2e^y``), exact near
+    ``δ = 0`` where the textbook forms cancel. ``|δ|`` is capped at
+    :data:`MULT_PROB_LOG_CAP`; above ``|δ| = 40`` ``log cosh y = y − log 2`` to float32.
+    """
+    y = 0.5 * jnp.minimum(jnp.abs(delta), MULT_PROB_LOG_CAP)
+    u = jnp.expm1(y)
+    e = 1.0 + u
+    small = jnp.log1p(u * (u / (2.0 * e)))
+    js = jnp.where(y > 20.0, y - math.log(2.0), small)
+    return e * e, js
+
+
+def effective_sample_size(sum_w: jax.Array, sum_w2: jax.Array, n: jax.Array) -> jax.Array:
+    """``ESS = (Σ w)² / (n · Σ w²)`` in ``[0, 1]``; 0 when nothing is kept.
+
+    verl's ``rollout_is_eff_sample_size`` (``1 / mean((w / mean w)²)``) is the same
+    quantity. Sums run over the kept tokens.
+    """
+    denom = n * sum_w2
+    safe = jnp.where(denom > 0, denom, 1.0)
+    return jnp.where(denom > 0, sum_w * sum_w / safe, 0.0)
+
+
+def opsm_keep(mean_log_ratio: jax.Array, mean_advantage: jax.Array, delta: float) -> jax.Array:
+    """DeepSeek-V3.2 off-policy sequence masking, per sequence.
+
+    Drops a sequence iff ``Ā < 0`` and ``mean_t log(π_rollout / π_θ) > δ``.
+
+    Args:
+      mean_log_ratio: ``[...]`` per-sequence mean of ``log π_rollout − sg(log π_θ)``.
+      mean_advantage: ``[...]`` per-sequence mean advantage.
+      delta: the threshold ``δ > 0``.
+
+    Returns:
+      ``[...]`` bool, True where the sequence stays; no gradient flows through it.
+    """
+    drop = (mean_advantage < 0) & (mean_log_ratio > delta)
+    return jax.lax.stop_gradient(~drop)
+
+
+def m2po_cutoff(
+    values: jax.Array,
+    valid: jax.Array,
+    tau: float,
+    psum: Callable[[jax.Array], jax.Array] = lambda x: x,
+    pmax: Callable[[jax.Array], jax.Array] = lambda x: x,
+) -> jax.Array:
+    """M2PO's cut-off: the largest ``c`` with ``mean{v ≤ c} ≤ τ`` over the valid tokens.
+
+    Dropping the tokens with the largest ``v = δ²`` one at a time until the mean of the
+    rest is ``≤ τ`` keeps exactly ``{v ≤ c}`` for this ``c`` (ties at the cut leave
+    together, so the rule does not depend on the tokens' order). ``g(c) = Σ (v − τ)·[v ≤ c]``
+    is non-decreasing for ``c ≥ τ`` and ``g(c) ≤ 0`` is the condition, so a bisection
+    finds ``c``: on the bit patterns of non-negative float32 (monotone as integers), 32
+    steps, each one global sum (``psum``) of a scalar: exact under sharding, no sort.
+
+    Args:
+      values: ``[..., T]`` float32 ``v ≥ 0`` (anything where not ``valid``).
+      valid: ``[..., T]`` bool, the tokens that take part.
+      tau: the second-moment budget ``τ > 0``.
+      psum / pmax: global sum / max over the devices the batch is split across
+        (identity when unsharded).
+
+    Returns:
+      float32 scalar ``c``: keep the valid tokens with ``v ≤ c`` (``+inf``: keep all).
+    """
+    v = jnp.where(valid, values, 0.0).astype(jnp.float32)
+
+    def excess(cut):  # g(cut) = Σ (v − τ) [v ≤ cut]
+        inside = valid & (v <= cut)
+        return psum(jnp.sum(jnp.where(inside, v - tau, 0.0)))
+
+    vmax = pmax(jnp.max(jnp.where(valid, v, 0.0), initial=0.0))
+    keep_all = excess(vmax) <= 0
+    bits = jax.lax.bitcast_convert_type
+
+    def step(_, lo_hi):
+        lo, hi = lo_hi  # g(from_bits(lo)) <= 0 < g(from_bits(hi))
+        mid = lo + (hi - lo) // 2
+        ok = excess(bits(mid, jnp.float32)) <= 0
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    # g(0) = −τ·#{v = 0} <= 0 always, so bit pattern 0 is a valid start.
+    lo0 = jnp.zeros((), jnp.int32)
+    hi0 = bits(vmax, jnp.int32)
+    lo, _ = jax.lax.fori_loop(0, 32, step, (lo0, hi0))
+    return jnp.where(keep_all, jnp.inf, bits(lo, jnp.float32))

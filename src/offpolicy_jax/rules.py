@@ -1,0 +1,321 @@
+"""The field's rejection rules as pipeline stages (docs/semantics.md §8).
+
+Each rule is a :class:`~offpolicy_jax.stages.Stage` that tests the valid tokens on its
+own (its keep mask is ANDed into ``m'`` by the pipeline) and reports, with prefix ``P``:
+
+* ``P_mean``: its statistic over the valid tokens (a per-sequence statistic broadcast
+  to its tokens), with the call's reduction;
+* ``P_max`` / ``P_min``: the batch extremes of the statistic (over valid tokens, or over
+  non-empty sequences for a per-sequence statistic); as per-sequence terms that all
+  carry the global value, so pooled micro-batches report the sequence-weighted mean of
+  their extremes;
+* ``P_fraction_low`` (two-sided bounds only) / ``P_fraction_high``: the share of valid
+  tokens below / above the bound;
+* ``P_seq_fraction``: the share of sequences the rule rejects tokens of.
+
+Stages: :class:`KLCriterion` (verl ``rollout_rs``, ``P = mis_rs_<criterion>``),
+:class:`SeqLogprobError` (NeMo-RL, ``P = mis_seq_logprob_error``), :class:`M2PO`
+(``P = mis_m2po``), and :class:`ProbabilityMetrics` (``mis_token_mult_prob_error``,
+``mis_js_divergence``). Per-sequence quantities go through ``t.layout`` only, so packed
+layouts work unchanged. Formulas: :mod:`offpolicy_jax.criteria`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from offpolicy_jax import _reduce, criteria
+from offpolicy_jax._reduce import MeanParts
+from offpolicy_jax.criteria import Criterion
+from offpolicy_jax.stages import Decision, Mean, Stage
+
+
+def _indicator(x: jax.Array) -> jax.Array:
+    return jnp.where(x, 1.0, 0.0)
+
+
+def _batch_axes(layout) -> tuple[str, ...]:
+    return tuple(getattr(getattr(layout, "axes", None), "batch", ()) or ())
+
+
+def _all_axes(t) -> tuple[str, ...]:
+    axes = getattr(t.layout, "axes", None)
+    if axes is None:
+        return ()
+    return tuple(axes.batch) + tuple(axes.token)
+
+
+def batch_extreme(layout, per_seq: jax.Array, count: jax.Array, kind: str) -> MeanParts:
+    """The batch max (``kind="max"``) or min of per-sequence values over non-empty
+    sequences, as per-sequence :class:`MeanParts` terms ``(g·[N>0], [N>0])`` whose batch
+    total divides out to ``g`` (0 for an empty batch)."""
+    nonempty = count > 0
+    fill = -jnp.inf if kind == "max" else jnp.inf
+    values = jnp.where(nonempty, per_seq, fill)
+    extreme = jnp.max(values, initial=fill) if kind == "max" else jnp.min(values, initial=fill)
+    axes = _batch_axes(layout)
+    if axes:
+        extreme = (jax.lax.pmax if kind == "max" else jax.lax.pmin)(extreme, axes)
+    extreme = jnp.where(jnp.isfinite(extreme), extreme, 0.0)
+    return MeanParts(jnp.where(nonempty, extreme, 0.0), _indicator(nonempty))
+
+
+@dataclasses.dataclass(frozen=True)
+class KLCriterion(Stage):
+    """verl's KL-estimator rejection criterion (``rollout_rs``), e.g. ``seq_max_k2 ≤ 2.5``.
+
+    Per token ``k1 = −λ``, ``k2 = ½λ²``, ``k3 = e^λ − 1 − λ`` (``λ = clip(δ, −S, S)``),
+    tested per token or as the per-sequence sum, mean or max; keep iff
+    ``lower ≤ stat ≤ upper`` (k1: ``[log lo, log hi]``; k2/k3: ``stat ≤ hi``).
+    """
+
+    criterion: Criterion
+
+    @property
+    def prefix(self) -> str:
+        return f"mis_rs_{self.criterion.name}"
+
+    def _stat(self, t) -> jax.Array:
+        return criteria.kl_statistic(t.delta, self.criterion.estimator)
+
+    def _outside(self, value):
+        c = self.criterion
+        low = value < c.lower if c.lower is not None else None
+        high = value > c.upper
+        return low, high
+
+    def columns(self, t):
+        stat, c = self._stat(t), self.criterion
+        if c.aggregate == "token":
+            low, high = self._outside(stat)
+            out = high if low is None else low | high
+            return {
+                "out": _reduce.count_where(out, t.population),
+                "max": _reduce.maximum(stat, t.population),
+                "min": _reduce.minimum(stat, t.population),
+            }
+        if c.aggregate == "seq_max":
+            return {"agg": _reduce.maximum(stat, t.population)}
+        return {"agg": _reduce.total(stat, t.population)}
+
+    def decide(self, t, sums):
+        c, count, p = self.criterion, sums["count"], self.prefix
+        if c.aggregate == "token":
+            value = self._stat(t)
+            per_seq = False
+            high_ext, low_ext = sums["max"], sums["min"]
+            rejected_seq = sums["out"] > 0
+        else:
+            agg = sums["agg"]
+            if c.aggregate == "seq_mean":
+                agg = _reduce.safe_divide(agg, count)
+            # An empty sequence has statistic 0 (verl's convention); it has no token to drop.
+            value = jnp.where(count > 0, agg, 0.0)
+            per_seq = True
+            high_ext = low_ext = value
+        low, high = self._outside(value)
+        keep = ~high if low is None else ~(low | high)
+        if per_seq:
+            rejected_seq = ~keep
+        metrics = {
+            f"{p}_mean": Mean(value, per_seq=per_seq),
+            f"{p}_max": batch_extreme(t.layout, high_ext, count, "max"),
+            f"{p}_min": batch_extreme(t.layout, low_ext, count, "min"),
+            f"{p}_fraction_high": Mean(_indicator(high), per_seq=per_seq),
+            f"{p}_seq_fraction": Mean(_indicator(rejected_seq), per_seq=True),
+        }
+        if low is not None:
+            metrics[f"{p}_fraction_low"] = Mean(_indicator(low), per_seq=per_seq)
+        return Decision(keep=keep, per_seq=per_seq, metrics=metrics)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqLogprobError(Stage):
+    """NeMo-RL's sequence log-prob error: drop a sequence iff
+    ``Σ_t exp(|δ_t|) m_t / N > threshold``."""
+
+    threshold: float
+    prefix: str = "mis_seq_logprob_error"
+
+    def columns(self, t):
+        return {"e": _reduce.total(criteria.mult_prob_error(t.delta), t.population)}
+
+    def decide(self, t, sums):
+        count, p = sums["count"], self.prefix
+        value = _reduce.safe_divide(sums["e"], count)
+        high = value > self.threshold
+        return Decision(
+            keep=~high,
+            per_seq=True,
+            metrics={
+                f"{p}_mean": Mean(value, per_seq=True),
+                f"{p}_max": batch_extreme(t.layout, value, count, "max"),
+                f"{p}_min": batch_extreme(t.layout, value, count, "min"),
+                f"{p}_fraction_high": Mean(_indicator(high), per_seq=True),
+                f"{p}_seq_fraction": Mean(_indicator(high), per_seq=True),
+            },
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class M2PO(Stage):
+    """M2PO's second-moment budget: keep the valid tokens with ``δ² ≤ c``, ``c`` the
+    largest cut-off with ``mean{δ² ≤ c} ≤ τ`` over the whole batch the call sees
+    (:func:`offpolicy_jax.criteria.m2po_cutoff`: a bisection of scalar ``psum`` s, so a
+    sharded call decides exactly as the unsharded one)."""
+
+    tau: float
+    prefix: str = "mis_m2po"
+
+    def columns(self, t):
+        v = t.delta * t.delta
+        return {
+            "max": _reduce.maximum(v, t.population),
+            "min": _reduce.minimum(v, t.population),
+        }
+
+    def decide(self, t, sums):
+        count, p = sums["count"], self.prefix
+        v = t.delta * t.delta
+        valid = t.population > 0
+        axes = _all_axes(t)
+
+        def psum(x):
+            return jax.lax.psum(x, axes) if axes else x
+
+        def pmax(x):
+            return jax.lax.pmax(x, axes) if axes else x
+
+        cut = criteria.m2po_cutoff(v, valid, self.tau, psum, pmax)
+        keep = v <= cut
+        kept = jnp.where(keep, t.population, 0.0)
+        after = t.layout.reduce(
+            {
+                "dropped": _reduce.count_where(~keep, t.population),
+                "v": _reduce.total(v, kept),
+                "n": _reduce.count(kept),
+            }
+        )
+        return Decision(
+            keep=keep,
+            metrics={
+                f"{p}_mean": Mean(v),
+                f"{p}_max": batch_extreme(t.layout, sums["max"], count, "max"),
+                f"{p}_min": batch_extreme(t.layout, sums["min"], count, "min"),
+                f"{p}_fraction_high": Mean(_indicator(~keep)),
+                f"{p}_seq_fraction": Mean(_indicator(after["dropped"] > 0), per_seq=True),
+                # The quantity the budget bounds: a token mean whatever the reduction.
+                f"{p}_m2_after": _reduce.seq_mean(after["v"], after["n"], "token"),
+            },
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbabilityMetrics(Stage):
+    """NeMo-RL's probability-space mismatch metrics over the valid tokens:
+    ``mis_token_mult_prob_error`` (``exp|δ|``) and ``mis_js_divergence``
+    (:func:`offpolicy_jax.criteria.js_divergence`)."""
+
+    def decide(self, t, sums):
+        # A reduction of its own rather than pass 1's columns: measured on XLA:CPU, the
+        # expm1/log1p of these two columns inside pass 1's fused loop cost ~6x more
+        # (the decoupled PPO step +65%, vs +10% here; benchmarks/, one CPU).
+        mult, js = criteria.probability_errors(t.delta)
+        own = t.layout.reduce(
+            {"mult": _reduce.total(mult, t.population), "js": _reduce.total(js, t.population)}
+        )
+        count, how = sums["count"], t.reduction
+        return Decision(
+            metrics={
+                "mis_token_mult_prob_error": _reduce.seq_mean(own["mult"], count, how),
+                "mis_js_divergence": _reduce.seq_mean(own["js"], count, how),
+            }
+        )
+
+
+def rule_stages(config) -> list[Stage]:
+    """The §8 stages a :class:`~offpolicy_jax.CorrectionConfig` names (after §3's)."""
+    out: list[Stage] = [KLCriterion(c) for c in config.criteria]
+    if config.seq_logprob_error_threshold is not None:
+        out.append(SeqLogprobError(config.seq_logprob_error_threshold))
+    if config.m2po_tau is not None:
+        out.append(M2PO(config.m2po_tau))
+    return out
+
+
+def ess_parts(layout, weights: jax.Array, final: jax.Array) -> MeanParts:
+    """``mis_ess = (Σ w)² / (n Σ w²)`` over the final mask, as ``(ESS, 1)`` (pooled
+    over micro-batches: their mean ESS)."""
+    sums = layout.reduce(
+        {
+            "w": _reduce.total(weights, final),
+            "w2": _reduce.total(weights * weights, final),
+            "n": _reduce.count(final),
+        }
+    )
+    totals = layout.batch_means(
+        {"a": MeanParts(sums["w"], sums["w2"]), "b": MeanParts(sums["n"], sums["n"])}
+    )
+    value = criteria.effective_sample_size(
+        totals["a"].numerator, totals["a"].denominator, totals["b"].numerator
+    )
+    return MeanParts(value, jnp.ones((), jnp.float32))
+
+
+def opsm(
+    theta: jax.Array,
+    behaviour: jax.Array,
+    advantages: jax.Array,
+    population: jax.Array,
+    delta: float,
+    layout,
+    reduction: str,
+) -> tuple[jax.Array, dict[str, MeanParts]]:
+    """DeepSeek-V3.2 off-policy sequence masking (OPSM), decided per sequence in the loss.
+
+    A sequence is dropped iff its mean advantage is ``< 0`` and
+    ``Σ_t (b_t − sg(θ_t)) m_t / N > δ`` (``b``: the sampling policy's log-probs). No
+    gradient flows through the decision. A sequence with a non-finite ``θ`` or ``b`` at a
+    valid token is left to the loss's own non-finite rule and out of the metrics.
+
+    Args:
+      theta: ``[..., T]`` current log-probs (stop-gradient is applied here).
+      behaviour: ``[..., T]`` log-probs of the policy that sampled (π_rollout).
+      advantages: ``[..., T]`` advantages (0 where not valid).
+      population: ``[..., T]`` float mask of the valid tokens.
+      delta: the threshold ``δ > 0``.
+      layout: the pipeline's layout (per-sequence sums, broadcast, batch totals).
+      reduction: the metrics' reduction.
+
+    Returns:
+      ``(keep, parts)``: ``[..., T]`` bool keep mask and batch-total metric parts
+      ``mis_opsm_mean/_max/_min`` (the statistic), ``mis_opsm_fraction_high`` (share
+      above ``δ``, whatever the advantage) and ``mis_opsm_seq_fraction`` (share dropped).
+    """
+    diff = behaviour - jax.lax.stop_gradient(theta)
+    finite = jnp.isfinite(diff)
+    sums = layout.reduce(
+        {
+            "ratio": _reduce.total(jnp.where(finite, diff, 0.0), population),
+            "adv": _reduce.total(advantages, population),
+            "count": _reduce.count(population),
+            "bad": _reduce.count_where(~finite, population),
+        }
+    )
+    count = jnp.where(sums["bad"] > 0, 0.0, sums["count"])
+    stat = _reduce.safe_divide(sums["ratio"], count)
+    keep = criteria.opsm_keep(stat, _reduce.safe_divide(sums["adv"], count), delta)
+    keep = keep | (count == 0)
+    parts = {
+        "mis_opsm_mean": _reduce.seq_mean_of_values(stat, count, reduction),
+        "mis_opsm_max": batch_extreme(layout, stat, count, "max"),
+        "mis_opsm_min": batch_extreme(layout, stat, count, "min"),
+        "mis_opsm_fraction_high": _reduce.seq_mean_of_values(
+            _indicator(stat > delta), count, reduction
+        ),
+        "mis_opsm_seq_fraction": _reduce.seq_mean_of_values(_indicator(~keep), count, reduction),
+    }
+    return layout.broadcast(keep), layout.batch_means(parts)

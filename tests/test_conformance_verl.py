@@ -1,0 +1,49 @@
+"""The verl-parity pack (../shared/conformance-verl) through the public API under jit.
+
+``verl_correction``: ``CorrectionConfig.from_verl`` + ``compute_correction`` give verl's
+effective weights (``rollout_is_weights · modified_response_mask``) and mask;
+``verl_config_error``: ``from_verl`` raises ``ValueError`` where verl does.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conformance_verl import SKIP_REASON, assert_close, load_arrays, load_cases, params, verl_dir
+
+import offpolicy_jax as opj
+
+pytestmark = [
+    pytest.mark.conformance,
+    pytest.mark.skipif(verl_dir() is None, reason=SKIP_REASON),
+]
+
+_correct = jax.jit(
+    lambda o, b, m, config: opj.compute_correction(o, b, m, config), static_argnums=3
+)
+
+
+@params("verl_correction")
+def test_verl_correction_case(case):
+    config = opj.CorrectionConfig.from_verl(case["rollout_correction"])
+    data = load_arrays(case)
+    res = _correct(data["old_logp"], data["rollout_logp"], data["mask"], config)
+    assert res.weights.dtype == np.float32 and res.mask.dtype == np.float32
+    if case["compare"]["weights"]:
+        assert_close(res.weights, data["weights"], case, "weights")
+    if case["compare"]["mask_out"]:
+        np.testing.assert_array_equal(np.asarray(res.mask), data["mask_out"], err_msg=case["name"])
+
+
+@params("verl_config_error")
+def test_verl_config_error_case(case):
+    with pytest.raises(ValueError) as info:
+        opj.CorrectionConfig.from_verl(case["rollout_correction"])
+    # The message names the verl key at fault.
+    assert "rollout_correction.rollout_" in str(info.value), str(info.value)
+
+
+def test_verl_pack_is_not_empty():
+    assert len(load_cases("verl_correction")) >= 98
+    assert len(load_cases("verl_config_error")) >= 10
