@@ -266,3 +266,41 @@ def test_decoupled_loss_with_rules_matches_reference(name):
     np.testing.assert_allclose(grad, np.nan_to_num(want_grad), rtol=1e-5, atol=1e-6)
     for key in ("mis_ess", "mis_js_divergence"):
         np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------- packed sequences
+
+
+@pytest.mark.parametrize("name", ["trm_icepop", "seq_truncate_logprob_m2po", "none_k1_family"])
+def test_rules_on_packed_rows_equal_one_sequence_per_row(name):
+    """docs/semantics.md §10: the rules read "sequence" as (row, segment)."""
+    rng = np.random.default_rng(11)
+    lengths = [7, 3, 1, 9, 5, 4, 6]
+    sequences = []
+    for n in lengths:
+        old = (rng.integers(-96, 0, n) / 16).astype(np.float32)
+        rollout = (old - rng.integers(-8, 9, n) / 16).astype(np.float32)
+        sequences.append({"old": old, "rollout": rollout, "mask": np.ones(n, np.float32)})
+    packed = opj.pack_sequences(sequences, 12, max_segments=3)
+    config = RULE_CONFIGS[name]
+    ids, k = jnp.asarray(packed.segment_ids), packed.num_segments
+    a = packed.arrays
+    got = jax.jit(
+        lambda o, b, m, s: opj.compute_correction(o, b, m, config, segment_ids=s, num_segments=k)
+    )(a["old"], a["rollout"], a["mask"], ids)
+    rows = max(lengths)
+    flat = {
+        key: np.stack([np.pad(s[key], (0, rows - len(s[key]))) for s in sequences])
+        for key in ("old", "rollout", "mask")
+    }
+    want = correct(flat["old"], flat["rollout"], flat["mask"], config=config)
+    got_w, got_m = opj.unpack_sequences(
+        (np.asarray(got.weights), np.asarray(got.mask)), packed.segment_ids, k, length=rows
+    )
+    order = [(r * k + s - 1) for r, s in zip(packed.rows, packed.segments, strict=True)]
+    got_w = got_w.reshape(-1, rows)[order]
+    got_m = got_m.reshape(-1, rows)[order]
+    np.testing.assert_array_equal(got_m, np.asarray(want.mask))
+    np.testing.assert_allclose(got_w, np.asarray(want.weights), rtol=1e-5, atol=1e-6)
+    for key, value in want.metrics.items():
+        np.testing.assert_allclose(got.metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
