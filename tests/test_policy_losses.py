@@ -508,3 +508,289 @@ def test_every_verl_surrogate_has_a_native_name():
     assert set(config._VERL_AGGREGATIONS.values()) <= set(config.AGGREGATIONS)
     for a, b in itertools.combinations(config.POLICY_LOSSES, 2):
         assert a != b
+
+
+# --------------------------------------------------------------------------- through policy_loss
+
+import numpy_reference as mis_ref  # noqa: E402  (the correction oracle)
+
+AGGREGATIONS = (
+    "token_mean",
+    "sequence_mean",
+    "sequence_sum",
+    "sequence_sum_norm",
+    "token_sum",
+    "row_mean",
+)
+# Token-level truncated IS at 2 with token rejection outside [0.5, 2]: weights and a
+# smaller final mask (the rejected tokens leave the loss).
+TIS_RS = dict(use_tis=True, use_rs=True, tis_upper_bound=2.0, rs_lower_bound=0.5)
+POLICY_LOSS_HYPER = {
+    "gspo": dict(clip_eps_high=EPS_HIGH),
+    "gspo_token": dict(clip_eps_high=EPS_HIGH),
+    "cispo": dict(clip_eps_high=EPS_HIGH),
+    "gmpo": dict(clip_eps_high=EPS_HIGH),
+    "sapo": dict(tau_pos=1.0, tau_neg=1.05),
+    "gpg": {},
+    "dppo_tv": dict(clip_eps_high=EPS_HIGH, dppo_ratio_cap=3.0),
+    "dppo_kl": dict(clip_eps_high=EPS_HIGH, dppo_ratio_cap=3.0),
+    "dro": dict(dro_beta=0.1),
+}
+
+
+def loss_config(name, aggregation="token_mean", algorithm="decoupled_ppo", **extra):
+    correction = opj.CorrectionConfig(**TIS_RS) if algorithm == "decoupled_ppo" else None
+    return opj.LossConfig(
+        algorithm=algorithm,
+        correction=correction,
+        policy_loss=name,
+        aggregation=aggregation,
+        clip_eps=EPS,
+        **POLICY_LOSS_HYPER[name],
+        **extra,
+    )
+
+
+def policy_batch(seed, garbage=True):
+    theta, old, adv, valid = batch(seed, spread=0.5, garbage=garbage)
+    rng = np.random.default_rng(seed + 100)
+    rollout = np.where(valid, old + rng.normal(0, 0.6, old.shape), np.nan).astype(np.float32)
+    return theta, old, rollout, adv, valid
+
+
+def numpy_policy_loss(name, config, theta, old, rollout, adv, valid):
+    """The loss and its gradient from the two oracles: correction, then surrogate."""
+    if config.algorithm == "decoupled_ppo":
+        w, m_final, _ = mis_ref.correction(old, rollout, valid, **TIS_RS)
+        w = np.where(m_final > 0, w, 0.0)
+    else:
+        w, m_final = np.ones(valid.shape), valid.astype(np.float64)
+    d = rollout if config.algorithm == "bypass_ppo" else old
+    kept = m_final > 0
+    terms = numpy_loss(name, theta, d, adv, kept, weights=w if name == "gmpo" else None)
+    scale = config.loss_scale_factor
+    if name == "gmpo":
+        per_token = np.broadcast_to(terms.loss[:, None], valid.shape)
+        value, agg_w = ref.aggregate(per_token, m_final, m_final, config.aggregation, scale)
+        return value, terms.vjp(agg_w.sum(-1))
+    per_token = w * terms.loss
+    value, agg_w = ref.aggregate(per_token, m_final, m_final, config.aggregation, scale)
+    return value, terms.vjp(agg_w * w)
+
+
+def _jit_loss(config):
+    def f(lp, old, rollout, adv, mask, **kw):
+        return opj.policy_loss(lp, old, rollout, adv, mask, config, **kw)
+
+    return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+
+# Every surrogate in every mode; every aggregation with the per-sequence surrogates and
+# one per-token one (the full product is the slow variant).
+ORACLE_CASES = [
+    (name, "token_mean", algorithm)
+    for name in SURROGATES
+    for algorithm in ("ppo", "bypass_ppo", "decoupled_ppo")
+] + [
+    (name, aggregation, "decoupled_ppo")
+    for name in ("gspo", "gmpo", "dppo_kl")
+    for aggregation in AGGREGATIONS[1:]
+]
+SLOW_ORACLE_CASES = [
+    pytest.param(*case, marks=pytest.mark.slow)
+    for case in itertools.product(SURROGATES, AGGREGATIONS, ("ppo", "bypass_ppo", "decoupled_ppo"))
+    if case not in ORACLE_CASES
+]
+
+
+@pytest.mark.parametrize(("name", "aggregation", "algorithm"), ORACLE_CASES + SLOW_ORACLE_CASES)
+def test_policy_loss_matches_the_oracles(name, aggregation, algorithm):
+    theta, old, rollout, adv, valid = policy_batch(21)
+    config = loss_config(name, aggregation, algorithm)
+    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, valid)
+    value, expected_grad = numpy_policy_loss(name, config, theta, old, rollout, adv, valid)
+    np.testing.assert_allclose(float(loss), value, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=2e-5, atol=2e-6)
+    assert np.all(np.asarray(grad)[~valid] == 0)
+    np.testing.assert_allclose(float(metrics["pg_loss"]), value, rtol=2e-5, atol=2e-6)
+    assert "ppo_kl" in metrics
+
+
+def test_sequence_sum_norm_divides_by_the_padded_length_or_the_scale():
+    theta, old, rollout, adv, valid = policy_batch(22)
+    base = _jit_loss(loss_config("cispo", "sequence_sum", "ppo"))(theta, old, rollout, adv, valid)
+    for scale, divisor in ((None, theta.shape[-1]), (4096.0, 4096.0)):
+        config = loss_config("cispo", "sequence_sum_norm", "ppo", loss_scale_factor=scale)
+        (loss, _), grad = _jit_loss(config)(theta, old, rollout, adv, valid)
+        np.testing.assert_allclose(float(loss), float(base[0][0]) / divisor, rtol=1e-6)
+        np.testing.assert_allclose(grad, np.asarray(base[1]) / divisor, rtol=1e-6, atol=1e-12)
+
+
+def test_row_mean_counts_empty_rows_and_sequence_mean_does_not():
+    theta, old, rollout, adv, valid = policy_batch(23)
+    seq = _jit_loss(loss_config("gmpo", "sequence_mean", "ppo"))(theta, old, rollout, adv, valid)
+    row = _jit_loss(loss_config("gmpo", "row_mean", "ppo"))(theta, old, rollout, adv, valid)
+    nonempty, rows = valid.any(-1).sum(), valid.shape[0]
+    np.testing.assert_allclose(float(row[0][0]) * rows, float(seq[0][0]) * nonempty, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", *SURROGATES])
+def test_dual_clip_and_clip_fractions_are_reported(name):
+    theta, old, rollout, adv, valid = policy_batch(24)
+    if name == "ppo_clip":
+        config = opj.LossConfig(clip_eps_high=0.28, dual_clip_c=3.0)
+    else:
+        config = loss_config(name, algorithm="ppo")
+    _, metrics = opj.policy_loss(theta, old, rollout, adv, valid, config)
+    expected = {
+        "ppo_clip": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"},
+        "gmpo": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"},
+        "dppo_tv": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"},
+        "dppo_kl": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"},
+        "gspo": {"pg_clipfrac", "ppo_kl"},
+        "gspo_token": {"pg_clipfrac", "ppo_kl"},
+        "cispo": {"pg_clipfrac", "ppo_kl"},
+    }.get(name, {"ppo_kl"})
+    assert expected <= set(metrics), set(metrics)
+    assert not ({"pg_clipfrac", "pg_clipfrac_lower"} - expected) & set(metrics)
+    for key in expected:
+        assert 0.0 <= float(metrics[key]) <= 1.0 or key == "ppo_kl"
+
+
+def test_pg_clipfrac_lower_counts_the_dual_clip_floor():
+    # A < 0 and r = e^2 > c = 3: the floor −c·A is active on every token.
+    valid = np.ones((2, 3), bool)
+    old = np.full(valid.shape, -2.0, np.float32)
+    theta = old + np.float32(2.0)
+    adv = -np.ones(valid.shape, np.float32)
+    config = opj.LossConfig(dual_clip_c=3.0)
+    _, metrics = opj.policy_loss(theta, old, None, adv, valid, config)
+    assert float(metrics["pg_clipfrac_lower"]) == 1.0
+    _, metrics = opj.policy_loss(theta, old, None, -adv, valid, config)
+    assert float(metrics["pg_clipfrac_lower"]) == 0.0
+
+
+COVERAGE = [(name, "sequence_mean") for name in SURROGATES] + [
+    ("gmpo", aggregation) for aggregation in AGGREGATIONS if aggregation != "sequence_mean"
+]
+
+
+@pytest.mark.parametrize(("name", "aggregation"), COVERAGE)
+def test_empty_and_fully_rejected_batches_give_zero(name, aggregation):
+    theta, old, rollout, adv, valid = policy_batch(25)
+    config = loss_config(name, aggregation)
+    empty = np.zeros_like(valid)
+    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, empty)
+    assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0.0)
+    assert all(np.isfinite(float(v)) for v in metrics.values())
+    far = np.where(valid, old + 5.0, np.nan).astype(np.float32)  # every ratio e^-5: rejected
+    (loss, metrics), grad = _jit_loss(config)(theta, old, far, adv, valid)
+    assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0.0)
+    assert all(np.isfinite(float(v)) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", SURROGATES)
+def test_policy_loss_ignores_padding_garbage(name):
+    theta, old, rollout, adv, valid = policy_batch(26, garbage=True)
+    clean = [np.where(valid, x, -1.0).astype(np.float32) for x in (theta, old, rollout)]
+    config = loss_config(name, "sequence_mean")
+    (loss_g, _), grad_g = _jit_loss(config)(theta, old, rollout, adv, valid)
+    (loss_c, _), grad_c = _jit_loss(config)(*clean, np.where(valid, adv, 0.0), valid)
+    assert float(loss_g) == float(loss_c)
+    np.testing.assert_array_equal(np.asarray(grad_g), np.asarray(grad_c))
+
+
+@pytest.mark.parametrize(("name", "aggregation"), COVERAGE)
+def test_micro_batches_pool_to_the_full_batch(name, aggregation):
+    theta, old, rollout, adv, valid = policy_batch(27)
+    config = loss_config(name, aggregation)
+    full = opj.compute_correction(old, rollout, valid, config.correction)
+    (full_loss, full_metrics), full_grad = _jit_loss(config)(theta, old, rollout, adv, valid)
+    num, den, grads, pooled = 0.0, 0.0, [], None
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        given = opj.CorrectionResult(full.weights[rows], full.mask[rows], {})
+
+        def numerator(lp, rows=rows, given=given):
+            parts, metrics = opj.policy_loss_parts(
+                lp,
+                old[rows],
+                rollout[rows],
+                adv[rows],
+                valid[rows],
+                config,
+                correction_result=given,
+            )
+            return parts.numerator, (parts.denominator, metrics)
+
+        (n, (d, metrics)), g = jax.jit(jax.value_and_grad(numerator, has_aux=True))(theta[rows])
+        num, den = num + n, den + d
+        grads.append(np.asarray(g))
+        pooled = metrics if pooled is None else jax.tree.map(jnp.add, pooled, metrics)
+    np.testing.assert_allclose(
+        float(opj.LossParts(num, den).value()), float(full_loss), rtol=1e-5, atol=1e-6
+    )
+    grad = opj.LossParts(np.concatenate(grads), den).value()
+    np.testing.assert_allclose(grad, np.asarray(full_grad), rtol=1e-5, atol=1e-7)
+    pooled = opj.finalize_metrics(pooled)
+    for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        if key in pooled:
+            np.testing.assert_allclose(
+                pooled[key], full_metrics[key], rtol=1e-5, atol=1e-6, err_msg=key
+            )
+
+
+# --------------------------------------------------------------------------- KL and entropy
+
+
+@pytest.mark.parametrize("estimator", pl.KL_ESTIMATORS)
+@pytest.mark.parametrize("off_policy", [False, True])
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_kl_term_matches_numpy(estimator, off_policy, aggregation):
+    theta, old, rollout, adv, valid = policy_batch(28)
+    rng = np.random.default_rng(5)
+    ref_logp = np.where(valid, theta + rng.normal(0, 0.7, theta.shape), np.inf).astype(np.float32)
+    coef = 0.05
+    base_config = loss_config("cispo", aggregation)
+    config = loss_config(
+        "cispo", aggregation, kl_coef=coef, kl_estimator=estimator, kl_off_policy=off_policy
+    )
+    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, valid, ref_logp=ref_logp)
+    (base, _), base_grad = _jit_loss(base_config)(theta, old, rollout, adv, valid)
+    _, m_final, _ = mis_ref.correction(old, rollout, valid, **TIS_RS)
+    kl = ref.kl(theta, ref_logp, m_final > 0, estimator=estimator, d=old if off_policy else None)
+    kl_value, agg_w = ref.aggregate(kl.loss, m_final, m_final, aggregation)
+    np.testing.assert_allclose(float(metrics["kl_loss"]), kl_value, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(float(loss), float(base) + coef * kl_value, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(
+        np.asarray(grad), np.asarray(base_grad) + coef * kl.vjp(agg_w), rtol=2e-5, atol=2e-6
+    )
+    np.testing.assert_allclose(float(metrics["pg_loss"]), float(base), rtol=1e-6, atol=1e-7)
+
+
+def test_entropy_bonus_and_its_gradient():
+    theta, old, rollout, adv, valid = policy_batch(29)
+    entropy = np.where(valid, np.random.default_rng(6).uniform(0, 3, theta.shape), np.nan)
+    entropy = entropy.astype(np.float32)
+    config = loss_config("gpg", "token_mean", entropy_coef=0.01)
+    base = opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg", "token_mean"))[0]
+
+    def f(ent):
+        return opj.policy_loss(theta, old, rollout, adv, valid, config, entropy=ent)[0]
+
+    loss, grad_entropy = jax.value_and_grad(f)(entropy)
+    _, m_final, _ = mis_ref.correction(old, rollout, valid, **TIS_RS)
+    h, agg_w = ref.aggregate(entropy, m_final, m_final, "token_mean")
+    np.testing.assert_allclose(float(loss), float(base) - 0.01 * h, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(grad_entropy), -0.01 * agg_w, rtol=2e-5, atol=1e-9)
+    metrics = opj.policy_loss(theta, old, rollout, adv, valid, config, entropy=entropy)[1]
+    np.testing.assert_allclose(float(metrics["entropy"]), h, rtol=2e-5)
+
+
+def test_regularisers_need_their_inputs():
+    theta, old, rollout, adv, valid = policy_batch(30)
+    with pytest.raises(ValueError, match="ref_logp is required"):
+        opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg", kl_coef=0.1))
+    with pytest.raises(ValueError, match="entropy is required"):
+        opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg", entropy_coef=0.1))
+    with pytest.raises(ValueError, match="ref_logp"):
+        opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg"), ref_logp=theta[:, :3])
