@@ -19,7 +19,7 @@ name           per-token loss ``ℓ`` (``x = θ − d``, ``r = e^x``)           
 ``gpg``        ``−A·θ``                                                        Chu et al. 2025 (GPG)
 ``dppo_tv``    ``−A·sg(min(r, C))·θ`` inside the TV trust region, else 0       DPPO, 2026
 ``dppo_kl``    same with the binary-KL trust region                            DPPO, 2026
-``dro``        ``−(A·θ − ½β(θ − d)²)``                                          Kimi K1.5/K2 (DRO)
+``dro``        ``−(A·θ − ½β(θ − d)²)``                                          Kimi k1.5, 2025
 =============  ==============================================================  =========================
 
 Gradients at kinks follow the PyTorch reference (verl): a clamp passes the full
@@ -284,7 +284,7 @@ def sapo(
 
 
 def gpg(logp: jax.Array, advantages: jax.Array, valid: jax.Array) -> SurrogateTerms:
-    """Group Policy Gradient (Chu et al., 2025, arXiv:2504.02546): ``ℓ = −A·log π_θ``.
+    """Group Policy Gradient (Chu et al., 2025; github.com/AMAP-ML/GPG): ``ℓ = −A·log π_θ``.
 
     Plain REINFORCE with group-normalised advantages: no ratio, no clipping, no KL. IS
     weights of a correction multiply it like every other surrogate.
@@ -375,10 +375,12 @@ def dro(
     *,
     beta: float,
 ) -> SurrogateTerms:
-    """Direct Reward Optimization with a quadratic log-ratio penalty (Kimi K1.5/K2).
+    """DRO: REINFORCE with a quadratic log-ratio penalty (Kimi k1.5).
 
     ``ℓ = −(A·log π_θ − ½·β·(θ − d)²)``: REINFORCE plus a squared-log-ratio penalty that
-    keeps ``π_θ`` near ``π_d`` (Kimi Team, arXiv:2501.12599, §2.3; verl's ``dro``).
+    keeps ``π_θ`` near ``π_d``: the squared-log-ratio regularised policy-mirror-descent
+    surrogate of Kimi k1.5 (Kimi Team, 2025, arXiv:2501.12599), as verl's and Tinker's
+    ``dro`` loss.
     Gradient ``−A + β(θ − d)``. Hyperparameter ``β`` (``dro_beta``).
     """
     x = safe_log_ratio(logp, denominator_logp, valid)
@@ -433,7 +435,7 @@ def off_policy_kl_estimate(
 
     Tokens are drawn from π_d (π_old or π_rollout), not π_θ; weighting the estimator by
     ``r = π_θ/π_d`` (differentiable, ``exp(clip(θ − d, −20, 20))``) makes both its value
-    and its gradient unbiased for ``KL(π_θ ‖ π_ref)`` (DeepSeek-V3.2, arXiv:2512.02556,
+    and its gradient unbiased for ``KL(π_θ ‖ π_ref)`` (DeepSeek-V3.2 technical report, 2025,
     "unbiased KL estimate"; for k3: ``∇(r·k3) = r·(θ − ref)·∇θ``).
 
     Returns:
