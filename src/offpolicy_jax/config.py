@@ -555,7 +555,10 @@ class LossConfig:
                 f"LossConfig.correction: algorithm {algorithm!r} needs importance weights "
                 f"(a CorrectionConfig with use_tis: true, a VanillaTIS or a callable), got {what}"
             )
-        if algorithm in ("ppo", "bypass_ppo") and weights_on:
+        # bypass_ppo takes a rejection-only correction (tis_mode "none", weights 1): its
+        # mask, decided on sg(π_θ)/π_rollout, is verl's bypass PPO-clip with rollout_rs.
+        rejects_only = algorithm == "bypass_ppo" and self.rejects_only
+        if algorithm in ("ppo", "bypass_ppo") and weights_on and not rejects_only:
             instead = "decoupled_ppo" if algorithm == "ppo" else "reinforce_is"
             raise ValueError(
                 f"LossConfig.correction: algorithm {algorithm!r} does not apply importance "
@@ -572,6 +575,16 @@ class LossConfig:
         if isinstance(correction, CorrectionConfig):
             return correction.use_tis
         return True  # VanillaTIS or a user callable
+
+    @property
+    def rejects_only(self) -> bool:
+        """A CorrectionConfig that rejects tokens but leaves every weight at 1."""
+        correction = self.correction
+        return (
+            isinstance(correction, CorrectionConfig)
+            and correction.use_tis
+            and getattr(correction, "tis_mode", None) == "none"
+        )
 
     @property
     def upper_clip_eps(self) -> float:

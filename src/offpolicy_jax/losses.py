@@ -356,7 +356,8 @@ def policy_loss_terms(
 
     parts: dict[str, MeanParts | jax.Array] = {}
     if config.reweights:
-        is_numerator = theta_sg if algorithm == "reinforce_is" else old
+        # In reinforce_is (and a rejection-only bypass_ppo) π_old is sg(θ).
+        is_numerator = theta_sg if algorithm in ("reinforce_is", "bypass_ppo") else old
         weights, final_mask, correction_metrics = _correct(
             config, is_numerator, rollout, mask, reduction, layout, correction_result
         )
