@@ -116,7 +116,7 @@ class MeanParts:
 
     def value(self) -> jax.Array:
         """``numerator / denominator``, and 0 (never NaN) for an empty population."""
-        return safe_divide(self.numerator, self.denominator)
+        return pooled_value(self.numerator, self.denominator)
 
     def __add__(self, other: MeanParts) -> MeanParts:
         if not isinstance(other, MeanParts):
@@ -135,6 +135,18 @@ def safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """
     nonzero = denominator != 0
     return jnp.where(nonzero, numerator / jnp.where(nonzero, denominator, 1), 0)
+
+
+def pooled_value(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """The value of pooled ``(numerator, denominator)`` parts.
+
+    ``numerator / denominator`` where the denominator is non-zero; elsewhere the
+    numerator itself. A mean over an empty population has numerator 0 too, so it is 0
+    (never NaN); a *sum* (the ``token_sum`` aggregation) is written with denominator 0,
+    so that it pools like every mean: add the parts, then take the value.
+    """
+    nonzero = denominator != 0
+    return jnp.where(nonzero, numerator / jnp.where(nonzero, denominator, 1), numerator)
 
 
 def masked(x: jax.Array, population: jax.Array) -> jax.Array:

@@ -25,7 +25,27 @@ Mode = Literal["truncate", "clip", "mask", "icepop", "none"]
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 MODES: tuple[str, ...] = ("truncate", "clip", "mask", "icepop", "none")
 ALGORITHMS: tuple[str, ...] = ("ppo", "bypass_ppo", "decoupled_ppo", "reinforce_is")
-AGGREGATIONS: tuple[str, ...] = ("sequence_mean", "token_mean", "sequence_sum")
+AGGREGATIONS: tuple[str, ...] = (
+    "sequence_mean",
+    "token_mean",
+    "sequence_sum",
+    "sequence_sum_norm",
+    "token_sum",
+    "row_mean",
+)
+POLICY_LOSSES: tuple[str, ...] = (
+    "ppo_clip",
+    "gspo",
+    "gspo_token",
+    "cispo",
+    "gmpo",
+    "sapo",
+    "gpg",
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+)
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 METRIC_REDUCTIONS: tuple[str, ...] = ("sequence", "token")
 
 
@@ -456,7 +476,18 @@ class LossConfig:
       correction: a :class:`CorrectionConfig`, a :class:`VanillaTIS`, a callable
         with the signature of ``compute_correction`` minus ``config``
         (``fn(old_logp, rollout_logp, mask, *, reduction, axis_names)``), or None.
-      aggregation: ``"sequence_mean"``, ``"token_mean"`` or ``"sequence_sum"``.
+      aggregation: how per-token losses become one number, over the final mask ``m'``
+        (``m''`` = the denominator mask, see ``rejected_in_denominator``):
+        ``"sequence_mean"`` (mean over non-empty sequences of ``Σ_t ℓ'/Σ_t m''``),
+        ``"token_mean"`` (``Σ ℓ' / Σ m''``), ``"sequence_sum"`` (mean over non-empty
+        sequences of ``Σ_t ℓ'``), ``"sequence_sum_norm"`` (``sequence_sum`` divided by
+        ``loss_scale_factor``, by default the padded length ``T`` of the token axis),
+        ``"token_sum"`` (``Σ ℓ'``, no normalisation) and ``"row_mean"`` (mean over every
+        sequence slot of the batch, empty or rejected ones included, of
+        ``Σ_t ℓ'/Σ_t m''``). verl's ``loss_agg_mode`` names map one to one:
+        ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``,
+        ``seq-mean-token-sum-norm``, ``token-sum``; ``row_mean`` is how verl averages
+        GMPO (``torch.mean`` over the rows).
       rejected_in_denominator: keep rejected tokens in the loss denominator (the
         reference's behaviour); False = they leave it (D5).
       get_mismatch_metrics: add the §4 mismatch metrics without changing the loss.
@@ -464,6 +495,26 @@ class LossConfig:
       opsm_delta: DeepSeek-V3.2 off-policy sequence masking (docs/semantics.md §8): drop
         a sequence whose mean advantage is negative and whose mean
         ``log π_rollout − log π_θ`` over its tokens exceeds ``δ > 0``; None disables it.
+      policy_loss: the surrogate, orthogonal to ``algorithm`` (which decides the ratio
+        denominator ``d`` and the IS weights): ``"ppo_clip"`` (default, the clipped PPO
+        surrogate), ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"gmpo"``, ``"sapo"``,
+        ``"gpg"``, ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``; formulas and papers in
+        :mod:`offpolicy_jax.policy_losses`. ``reinforce_is`` has its own term and takes
+        only the default.
+      tau_pos: SAPO gate temperature for ``A > 0`` (None = 1.0; only with ``"sapo"``).
+      tau_neg: SAPO gate temperature for ``A ≤ 0`` (None = 1.05; only with ``"sapo"``).
+      dro_beta: DRO's quadratic penalty ``β`` (None = 0.1; only with ``"dro"``).
+      dppo_ratio_cap: DPPO's truncation ``C`` of the stop-gradient ratio (None = 20.0;
+        only with ``"dppo_tv"`` / ``"dppo_kl"``, whose trust-region thresholds are
+        ``clip_eps`` / ``clip_eps_high``).
+      loss_scale_factor: the divisor of ``"sequence_sum_norm"`` (None = the padded
+        length ``T``; a constant keeps the loss scale independent of padding).
+      kl_coef: coefficient of the KL-to-reference term (needs ``ref_logp``); 0 = off.
+      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (low variance) per-token estimator
+        of ``KL(π_θ ‖ π_ref)``.
+      kl_off_policy: weight the estimator by ``π_θ/π_d`` (DeepSeek-V3.2's unbiased
+        estimate for samples drawn from ``π_d``).
+      entropy_coef: coefficient of the entropy bonus ``−c·H`` (needs ``entropy``); 0 = off.
     """
 
     algorithm: str = "ppo"
@@ -476,6 +527,16 @@ class LossConfig:
     get_mismatch_metrics: bool = False
     metric_reduction: str = "sequence"
     opsm_delta: float | None = None
+    policy_loss: str = "ppo_clip"
+    tau_pos: float | None = None
+    tau_neg: float | None = None
+    dro_beta: float | None = None
+    dppo_ratio_cap: float | None = None
+    loss_scale_factor: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_off_policy: bool = False
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
         owner = "LossConfig"
@@ -514,7 +575,64 @@ class LossConfig:
                 f"{owner}.dual_clip_c must be > 1 and finite in float32 (or None), got "
                 f"{self.dual_clip_c!r}"
             )
+        self._check_policy_loss()
         self._check_correction()
+
+    def _check_policy_loss(self) -> None:
+        """The surrogate, its hyperparameters and the optional KL / entropy terms."""
+        owner = "LossConfig"
+        set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen)
+        loss = _check_choice(owner, "policy_loss", self.policy_loss, POLICY_LOSSES)
+        set_("policy_loss", loss)
+        set_("kl_estimator", _check_choice(owner, "kl_estimator", self.kl_estimator, KL_ESTIMATORS))
+        set_("kl_off_policy", _check_bool(owner, "kl_off_policy", self.kl_off_policy))
+        for key in ("kl_coef", "entropy_coef"):
+            set_(key, _check_number(owner, key, getattr(self, key), optional=False))
+        if self.kl_coef < 0:
+            raise ValueError(f"{owner}.kl_coef must be >= 0, got {self.kl_coef!r}")
+        # A hyperparameter of another surrogate would be silently ignored: refuse it.
+        used_by = {
+            "tau_pos": ("sapo",),
+            "tau_neg": ("sapo",),
+            "dro_beta": ("dro",),
+            "dppo_ratio_cap": ("dppo_tv", "dppo_kl"),
+            "dual_clip_c": ("ppo_clip",),
+            "clip_eps_high": (
+                "ppo_clip",
+                "gspo",
+                "gspo_token",
+                "cispo",
+                "gmpo",
+                "dppo_tv",
+                "dppo_kl",
+            ),
+        }
+        for key, losses in used_by.items():
+            value = _check_number(owner, key, getattr(self, key), optional=True)
+            set_(key, value)
+            if value is not None and loss not in losses:
+                raise ValueError(
+                    f"{owner}.{key} is a hyperparameter of policy_loss "
+                    f"{' / '.join(repr(x) for x in losses)}, not of {loss!r}; leave it None"
+                )
+            if key != "dual_clip_c":
+                _check_positive(owner, key, value)
+        set_(
+            "loss_scale_factor",
+            _check_number(owner, "loss_scale_factor", self.loss_scale_factor, optional=True),
+        )
+        _check_positive(owner, "loss_scale_factor", self.loss_scale_factor)
+        if self.loss_scale_factor is not None and self.aggregation != "sequence_sum_norm":
+            raise ValueError(
+                f"{owner}.loss_scale_factor only applies to aggregation='sequence_sum_norm', "
+                f"not {self.aggregation!r}; leave it None"
+            )
+        if self.algorithm == "reinforce_is" and loss != "ppo_clip":
+            raise ValueError(
+                f"{owner}.policy_loss: algorithm 'reinforce_is' has its own per-token term "
+                f"−sg(w)·A·log π_θ, so policy_loss {loss!r} does not apply; use 'gpg' with "
+                "'bypass_ppo' or 'decoupled_ppo', or leave policy_loss at 'ppo_clip'"
+            )
 
     def _check_correction(self) -> None:
         correction, algorithm = self.correction, self.algorithm
@@ -537,7 +655,10 @@ class LossConfig:
                 f"LossConfig.correction: algorithm {algorithm!r} needs importance weights "
                 f"(a CorrectionConfig with use_tis: true, a VanillaTIS or a callable), got {what}"
             )
-        if algorithm in ("ppo", "bypass_ppo") and weights_on:
+        # bypass_ppo takes a rejection-only correction (tis_mode "none", weights 1): its
+        # mask, decided on sg(π_θ)/π_rollout, is verl's bypass PPO-clip with rollout_rs.
+        rejects_only = algorithm == "bypass_ppo" and self.rejects_only
+        if algorithm in ("ppo", "bypass_ppo") and weights_on and not rejects_only:
             instead = "decoupled_ppo" if algorithm == "ppo" else "reinforce_is"
             raise ValueError(
                 f"LossConfig.correction: algorithm {algorithm!r} does not apply importance "
@@ -556,8 +677,35 @@ class LossConfig:
         return True  # VanillaTIS or a user callable
 
     @property
+    def rejects_only(self) -> bool:
+        """A CorrectionConfig that rejects tokens but leaves every weight at 1."""
+        correction = self.correction
+        return (
+            isinstance(correction, CorrectionConfig)
+            and correction.use_tis
+            and getattr(correction, "tis_mode", None) == "none"
+        )
+
+    @property
     def upper_clip_eps(self) -> float:
         return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+    # Resolved surrogate hyperparameters (None = the surrogate's default).
+    @property
+    def sapo_tau_pos(self) -> float:
+        return 1.0 if self.tau_pos is None else self.tau_pos
+
+    @property
+    def sapo_tau_neg(self) -> float:
+        return 1.05 if self.tau_neg is None else self.tau_neg
+
+    @property
+    def dro_penalty(self) -> float:
+        return 0.1 if self.dro_beta is None else self.dro_beta
+
+    @property
+    def dppo_cap(self) -> float:
+        return 20.0 if self.dppo_ratio_cap is None else self.dppo_ratio_cap
 
     @property
     def wants_mismatch_metrics(self) -> bool:
@@ -625,3 +773,274 @@ class LossConfig:
         elif use_tis:
             correction = VanillaTIS(clip_low=tis_clip_low, clip=tis_clip)
         return cls(algorithm=algorithm, correction=correction, **other_fields)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LossConfig:
+        """Builds a config from a mapping of field names, rejecting unknown keys with a
+        did-you-mean hint (``correction`` may be a mapping of ``CorrectionConfig`` keys)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"LossConfig.from_dict expects a mapping, got {type(data).__name__}")
+        _reject_unknown_keys("LossConfig", data, tuple(f.name for f in dataclasses.fields(cls)))
+        fields = dict(data)
+        if isinstance(fields.get("correction"), Mapping):
+            fields["correction"] = CorrectionConfig.from_dict(fields["correction"])
+        return cls(**fields)
+
+    @classmethod
+    def from_verl(
+        cls, rollout_correction: Mapping[str, Any] | None, actor: Mapping[str, Any] | None
+    ) -> LossConfig:
+        """Maps verl's ``algorithm.rollout_correction`` block and actor settings to a config.
+
+        verl is an input format here: the result reproduces verl's loss and gradient.
+
+        * Mode (``rollout_correction``): ``bypass_mode: false`` (decoupled, the default) uses
+          π_old as the ratio denominator and the correction's IS weights and rejection
+          (``decoupled_ppo``; plain ``ppo`` when the correction neither reweights nor
+          rejects). ``bypass_mode: true`` sets π_old := π_rollout and, like verl, replaces
+          ``loss_mode`` by ``loss_type``: ``"ppo_clip"`` (default) → ``bypass_ppo`` with the
+          rejection mask but *without* IS weights (verl ignores ``rollout_is`` there: the
+          PPO ratio already is π_θ/π_rollout); ``"reinforce"`` → ``reinforce_is`` (IS weights
+          from sg(π_θ)/π_rollout), or ``bypass_ppo`` with ``gpg`` when ``rollout_is`` is off.
+          The ``rollout_is*`` / ``rollout_rs*`` keys go to :meth:`CorrectionConfig.from_verl`.
+        * Surrogate (``actor.loss_mode``, also read from ``actor.policy_loss.loss_mode``):
+          ``vanilla`` → ``ppo_clip`` with dual clip ``c = clip_ratio_c`` (verl always
+          applies it; default 3.0), ``gspo`` → ``gspo_token`` (verl implements the token
+          form), ``cispo``, ``geo_mean`` → ``gmpo``, ``sapo``, ``gpg``, ``dppo_tv``,
+          ``dppo_kl`` (``clip_ratio_c`` → ``dppo_ratio_cap``), ``dro``.
+          ``clip_ratio_low`` / ``clip_ratio_high`` (default ``clip_ratio``, 0.2) →
+          ``clip_eps`` / ``clip_eps_high``; ``tau_pos``, ``tau_neg``, ``dro_beta`` as named.
+        * Aggregation (``actor.loss_agg_mode``, default ``token-mean``): ``token-mean`` →
+          ``token_mean``, ``seq-mean-token-sum`` → ``sequence_sum``, ``seq-mean-token-mean``
+          → ``sequence_mean``, ``seq-mean-token-sum-norm`` → ``sequence_sum_norm``
+          (``loss_scale_factor``, default the padded length ``T``), ``token-sum`` →
+          ``token_sum``. verl's ``gspo`` and ``sapo`` always use ``seq-mean-token-mean``
+          and ``geo_mean`` the plain mean over rows, whatever ``loss_agg_mode`` says; so do
+          the configs built here. Rejected tokens leave the denominator (verl replaces the
+          response mask), as in this library's default.
+        * Regularisers: ``use_kl_loss`` with ``kl_loss_coef`` (default 0.001) and
+          ``kl_loss_type`` (``kl``/``k1``, ``mse``/``k2``, ``low_var_kl``/``k3``; default
+          ``low_var_kl``) → ``kl_coef``, ``kl_estimator``; ``entropy_coeff`` →
+          ``entropy_coef``. Difference: verl aggregates these two with ``loss_agg_mode``
+          even where it forces the policy term's aggregation (gspo, sapo, geo_mean); here
+          they share the policy term's aggregation.
+
+        Other keys of verl's ``ActorConfig`` (batch sizes, optimiser, engine, ...) are
+        accepted and ignored; a key verl does not have raises ``ValueError`` naming it,
+        with a did-you-mean hint.
+
+        Args:
+          rollout_correction: verl's ``algorithm.rollout_correction`` mapping, or None.
+          actor: verl's ``actor_rollout_ref.actor`` mapping (or its loss keys), or None.
+
+        Returns:
+          A validated :class:`LossConfig`.
+        """
+        rc = _verl_mapping("rollout_correction", rollout_correction)
+        actor = _verl_mapping("actor", actor)
+        _reject_unknown_keys("verl actor", actor, _VERL_ACTOR_KEYS)
+        policy = _verl_mapping("actor.policy_loss", actor.get("policy_loss"))
+        _reject_unknown_keys("verl actor.policy_loss", policy, _VERL_POLICY_LOSS_KEYS)
+
+        bypass = _check_bool("rollout_correction", "bypass_mode", rc.get("bypass_mode", False))
+        loss_type = rc.get("loss_type", "ppo_clip")
+        _check_choice("rollout_correction", "loss_type", loss_type, ("ppo_clip", "reinforce"))
+        loss_mode = actor.get("loss_mode", policy.get("loss_mode", "vanilla"))
+        if "loss_mode" in actor and "loss_mode" in policy and policy["loss_mode"] != loss_mode:
+            raise ValueError(
+                f"actor.loss_mode {loss_mode!r} contradicts actor.policy_loss.loss_mode "
+                f"{policy['loss_mode']!r}"
+            )
+        _check_choice("actor", "loss_mode", loss_mode, tuple(_VERL_LOSS_MODES))
+        agg_mode = actor.get("loss_agg_mode", "token-mean")
+        _check_choice("actor", "loss_agg_mode", agg_mode, tuple(_VERL_AGGREGATIONS))
+
+        fields: dict[str, Any] = {}
+        clip_ratio = _check_number(
+            "actor", "clip_ratio", actor.get("clip_ratio", 0.2), optional=False
+        )
+        low = _check_number("actor", "clip_ratio_low", actor.get("clip_ratio_low"), optional=True)
+        high = _check_number(
+            "actor", "clip_ratio_high", actor.get("clip_ratio_high"), optional=True
+        )
+        low = clip_ratio if low is None else low
+        high = clip_ratio if high is None else high
+        # verl's ActorConfig default; vanilla's dual clip and DPPO's ratio cap both read it.
+        clip_c = _check_number(
+            "actor", "clip_ratio_c", actor.get("clip_ratio_c", 3.0), optional=False
+        )
+
+        if bypass:
+            # verl's apply_bypass_mode swaps loss_mode for its own "bypass_mode" loss.
+            surrogate = "gpg" if loss_type == "reinforce" else "ppo_clip"
+            aggregation = _VERL_AGGREGATIONS[agg_mode]
+        else:
+            surrogate = _VERL_LOSS_MODES[loss_mode]
+            aggregation = _VERL_FORCED_AGGREGATIONS.get(loss_mode, _VERL_AGGREGATIONS[agg_mode])
+        fields.update(policy_loss=surrogate, aggregation=aggregation, clip_eps=low)
+        if surrogate not in ("sapo", "gpg", "dro"):
+            fields["clip_eps_high"] = high
+        if surrogate == "ppo_clip":
+            if clip_c <= 1:
+                raise ValueError(
+                    f"actor.clip_ratio_c must be > 1 (verl's dual-clip constant), got {clip_c!r}"
+                )
+            fields["dual_clip_c"] = clip_c
+        elif surrogate in ("dppo_tv", "dppo_kl"):
+            fields["dppo_ratio_cap"] = clip_c
+        elif surrogate == "sapo":
+            fields["tau_pos"] = actor.get("tau_pos", 1.0)
+            fields["tau_neg"] = actor.get("tau_neg", 1.05)
+        elif surrogate == "dro":
+            fields["dro_beta"] = actor.get("dro_beta", 0.1)
+        if aggregation == "sequence_sum_norm" and actor.get("loss_scale_factor") is not None:
+            fields["loss_scale_factor"] = actor["loss_scale_factor"]
+
+        if _check_bool("actor", "use_kl_loss", actor.get("use_kl_loss", False)):
+            kl_type = actor.get("kl_loss_type", "low_var_kl")
+            _check_choice("actor", "kl_loss_type", kl_type, tuple(_VERL_KL_TYPES))
+            fields["kl_coef"] = actor.get("kl_loss_coef", 0.001)
+            fields["kl_estimator"] = _VERL_KL_TYPES[kl_type]
+        fields["entropy_coef"] = actor.get("entropy_coeff", 0.0)
+
+        correction_keys = dict(rc)
+        if bypass and loss_type == "ppo_clip":
+            correction_keys["rollout_is"] = None  # verl computes, then ignores, the weights
+        correction = _verl_correction(correction_keys)
+        reweights = correction.use_tis
+        if not bypass:
+            algorithm = "decoupled_ppo" if reweights else "ppo"
+        elif loss_type == "reinforce" and reweights:
+            algorithm, fields["policy_loss"] = "reinforce_is", "ppo_clip"
+        else:
+            algorithm = "bypass_ppo"
+        return cls(algorithm=algorithm, correction=correction, **fields)
+
+
+# --------------------------------------------------------------------------- verl names
+
+_VERL_LOSS_MODES: dict[str, str] = {
+    "vanilla": "ppo_clip",
+    "gspo": "gspo_token",
+    "cispo": "cispo",
+    "geo_mean": "gmpo",
+    "sapo": "sapo",
+    "gpg": "gpg",
+    "dppo_tv": "dppo_tv",
+    "dppo_kl": "dppo_kl",
+    "dro": "dro",
+}
+_VERL_AGGREGATIONS: dict[str, str] = {
+    "token-mean": "token_mean",
+    "seq-mean-token-sum": "sequence_sum",
+    "seq-mean-token-mean": "sequence_mean",
+    "seq-mean-token-sum-norm": "sequence_sum_norm",
+    "token-sum": "token_sum",
+}
+# verl's gspo / sapo call agg_loss with "seq-mean-token-mean" and geo_mean takes
+# torch.mean over the rows, ignoring loss_agg_mode.
+_VERL_FORCED_AGGREGATIONS: dict[str, str] = {
+    "gspo": "sequence_mean",
+    "sapo": "sequence_mean",
+    "geo_mean": "row_mean",
+}
+_VERL_KL_TYPES: dict[str, str] = {
+    "kl": "k1",
+    "k1": "k1",
+    "mse": "k2",
+    "k2": "k2",
+    "low_var_kl": "k3",
+    "k3": "k3",
+}
+_VERL_LOSS_KEYS: tuple[str, ...] = (
+    "loss_mode",
+    "loss_agg_mode",
+    "clip_ratio",
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "tau_pos",
+    "tau_neg",
+    "dro_beta",
+    "loss_scale_factor",
+    "entropy_coeff",
+    "use_kl_loss",
+    "kl_loss_coef",
+    "kl_loss_type",
+    "policy_loss",
+)
+# The rest of verl's (FSDP / Megatron / VeOmni) ActorConfig: accepted, no effect on the loss.
+_VERL_ACTOR_OTHER_KEYS: tuple[str, ...] = (
+    "_target_",
+    "strategy",
+    "ppo_mini_batch_size",
+    "ppo_micro_batch_size",
+    "ppo_micro_batch_size_per_gpu",
+    "ppo_infer_micro_batch_size_per_gpu",
+    "use_dynamic_bsz",
+    "ppo_max_token_len_per_gpu",
+    "ppo_infer_max_token_len_per_gpu",
+    "freeze_vision_tower",
+    "calculate_entropy",
+    "use_prefix_grouper",
+    "use_torch_compile",
+    "ppo_epochs",
+    "shuffle",
+    "data_loader_seed",
+    "checkpoint",
+    "optim",
+    "use_fused_kernels",
+    "profiler",
+    "engine",
+    "rollout_n",
+    "model_config",
+    "router_replay",
+    "global_batch_info",
+    "grad_clip",
+    "ulysses_sequence_parallel_size",
+    "entropy_from_logits_with_chunking",
+    "entropy_checkpointing",
+    "fsdp_config",
+    "use_remove_padding",
+    "use_rollout_log_probs",
+    "calculate_sum_pi_squared",
+    "sum_pi_squared_checkpointing",
+    "load_weight",
+    "megatron",
+    "profile",
+    "veomni",
+)
+_VERL_ACTOR_KEYS = _VERL_LOSS_KEYS + _VERL_ACTOR_OTHER_KEYS
+_VERL_POLICY_LOSS_KEYS: tuple[str, ...] = (
+    "_target_",
+    "loss_mode",
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "ppo_kl_coef",
+    "rollout_correction",
+)
+
+
+def _verl_mapping(name: str, value: Any) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"verl {name} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _verl_correction(rollout_correction: Mapping[str, Any]) -> CorrectionConfig:
+    """``CorrectionConfig.from_verl``: the ``rollout_is*`` / ``rollout_rs*`` keys."""
+    from_verl = getattr(CorrectionConfig, "from_verl", None)
+    if from_verl is not None:
+        return from_verl(rollout_correction)
+    # Until the rollout_is / rollout_rs converter is merged: without IS or RS verl only
+    # logs the mismatch metrics, which is the default CorrectionConfig.
+    if (
+        rollout_correction.get("rollout_is") is None
+        and rollout_correction.get("rollout_rs") is None
+    ):
+        return CorrectionConfig()
+    raise NotImplementedError("CorrectionConfig.from_verl is not available yet")

@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, _segments, metrics, rules
+from offpolicy_jax import _objective, _reduce, _segments, metrics, rules
 from offpolicy_jax._reduce import AxisNames, MeanParts
 from offpolicy_jax._validation import (
     as_array,
@@ -59,6 +59,8 @@ def aggregate(
     axis_names: AxisNames = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    *,
+    loss_scale_factor: float | None = None,
 ) -> MeanParts:
     """Aggregates per-token losses ``ℓ'`` over the final mask ``m'`` (docs/semantics.md §5).
 
@@ -66,6 +68,12 @@ def aggregate(
     * ``"token_mean"``: ``Σ ℓ' m' / Σ m''``
     * ``"sequence_sum"``: ``Σ_t ℓ' m'`` averaged over the same sequences as
       ``sequence_mean`` (no length normalisation)
+    * ``"sequence_sum_norm"``: ``sequence_sum / loss_scale_factor`` (default: the padded
+      length ``T`` of the token axis; verl's ``seq-mean-token-sum-norm``)
+    * ``"token_sum"``: ``Σ ℓ' m'`` (no normalisation; its parts have denominator 0, and
+      the value of parts with denominator 0 is their numerator)
+    * ``"row_mean"``: ``Σ_t ℓ' m' / Σ m''`` averaged over every sequence slot, empty
+      and fully rejected ones included (verl's GMPO: ``torch.mean`` over the rows)
 
     Use it with :func:`policy_loss_terms` to add a per-token term (KL, entropy) over
     the same post-rejection mask as the policy loss.
@@ -75,9 +83,10 @@ def aggregate(
       final_mask: ``[..., T]`` mask ``m'`` of the tokens in the loss (a float value
         is the token's loss weight).
       denominator_mask: ``[..., T]`` ``m''``: ``m'`` (D5) or the original mask.
-      aggregation: one of the three names above.
+      aggregation: one of the names above.
       axis_names: mesh axes to ``psum`` over inside ``shard_map``.
       segment_ids, num_segments: packed rows (see :func:`policy_loss`).
+      loss_scale_factor: ``sequence_sum_norm``'s divisor (None: the padded length).
 
     Returns:
       :class:`MeanParts`; an empty batch gives 0 / 0, whose value is 0.
@@ -102,22 +111,65 @@ def aggregate(
             "count": _reduce.count(denominator_mask),
         }
     )
-    terms = aggregation_terms(sums["loss"], sums["count"], aggregation)
+    horizon = _horizon(aggregation, loss_scale_factor, final_mask.shape[-1], layout)
+    terms = aggregation_terms(sums["loss"], sums["count"], aggregation, horizon=horizon)
     return layout.batch_means({"loss": terms})["loss"]
 
 
-def aggregation_terms(per_seq_total: jax.Array, count: jax.Array, aggregation: str) -> MeanParts:
-    """:func:`aggregate`'s per-sequence terms, from ``Σ_t ℓ' m'`` and ``Σ_t m''``."""
+def _horizon(aggregation, loss_scale_factor, length, layout):
+    """``sequence_sum_norm``'s divisor: the configured constant, or the padded length."""
+    if aggregation != "sequence_sum_norm":
+        return 1.0
+    if loss_scale_factor is not None:
+        return loss_scale_factor
+    # The whole token axis: a context-parallel shard holds 1/n of it.
+    return length * (jax.lax.psum(1, layout.axes.token) if layout.axes.token else 1)
+
+
+def aggregation_terms(
+    per_seq_total: jax.Array,
+    count: jax.Array,
+    aggregation: str,
+    *,
+    horizon: float | jax.Array = 1.0,
+) -> MeanParts:
+    """:func:`aggregate`'s per-sequence terms, from ``Σ_t ℓ' m'`` and ``Σ_t m''``.
+
+    ``horizon`` is ``sequence_sum_norm``'s divisor.
+    """
     if aggregation == "token_mean":
         return MeanParts(per_seq_total, count)
-    if aggregation == "sequence_mean":
+    if aggregation == "token_sum":
+        return MeanParts(per_seq_total, jnp.zeros_like(count))
+    if aggregation in ("sequence_mean", "row_mean"):
         per_seq = _reduce.safe_divide(per_seq_total, count)
-    elif aggregation == "sequence_sum":
+    elif aggregation in ("sequence_sum", "sequence_sum_norm"):
         per_seq = per_seq_total
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
     nonempty = count > 0
-    return MeanParts(jnp.where(nonempty, per_seq, 0.0), jnp.where(nonempty, 1.0, 0.0))
+    if aggregation == "row_mean":
+        return MeanParts(jnp.where(nonempty, per_seq, 0.0), jnp.ones_like(count))
+    weight = horizon if aggregation == "sequence_sum_norm" else 1.0
+    return MeanParts(jnp.where(nonempty, per_seq, 0.0), jnp.where(nonempty, weight, 0.0))
+
+
+def _check_regularisers(config, theta, ref_logp, entropy):
+    """``ref_logp`` / ``entropy``: required by a non-zero coefficient, shaped like ``logp``."""
+    if config.kl_coef > 0 and ref_logp is None:
+        raise ValueError(
+            f"ref_logp is required: LossConfig.kl_coef = {config.kl_coef} adds a KL-to-reference "
+            "term (pass the reference policy's log-probs of the sampled tokens)"
+        )
+    if config.entropy_coef != 0 and entropy is None:
+        raise ValueError(
+            f"entropy is required: LossConfig.entropy_coef = {config.entropy_coef} adds an "
+            "entropy bonus (pass the per-token entropies [..., T])"
+        )
+    ref = None if ref_logp is None else jax.lax.stop_gradient(as_float_logp("ref_logp", ref_logp))
+    ent = None if entropy is None else as_float_logp("entropy", entropy)
+    check_same_shape("logp", theta, ref_logp=ref, entropy=ent)
+    return ref, ent
 
 
 def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
@@ -237,6 +289,8 @@ def policy_loss_terms(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    ref_logp: jax.typing.ArrayLike | None = None,
+    entropy: jax.typing.ArrayLike | None = None,
 ) -> PolicyLossTerms:
     """:func:`policy_loss` with its per-token terms and its final mask.
 
@@ -274,6 +328,7 @@ def policy_loss_terms(
             f"per token, {theta.shape} (give each token its sequence's advantage)"
         )
     mask = _segments.only_segments(layout, mask)
+    ref, ent = _check_regularisers(config, theta, ref_logp, entropy)
     if correction_result is not None and not config.reweights:
         raise ValueError(
             f"correction_result is only used by algorithms that apply IS weights "
@@ -301,7 +356,8 @@ def policy_loss_terms(
 
     parts: dict[str, MeanParts | jax.Array] = {}
     if config.reweights:
-        is_numerator = theta_sg if algorithm == "reinforce_is" else old
+        # In reinforce_is (and a rejection-only bypass_ppo) π_old is sg(θ).
+        is_numerator = theta_sg if algorithm in ("reinforce_is", "bypass_ppo") else old
         weights, final_mask, correction_metrics = _correct(
             config, is_numerator, rollout, mask, reduction, layout, correction_result
         )
@@ -347,13 +403,19 @@ def policy_loss_terms(
         for x in logps:
             bad_logp = bad_logp | ~jnp.isfinite(x)
         columns["bad_logp"] = _reduce.count_where(bad_logp, mask)
+    ratio_denominator = rollout if algorithm == "bypass_ppo" else old
     if algorithm == "reinforce_is":
         per_token = reinforce_term(jnp.where(kept, theta, 0.0), adv, weights)
+    elif config.policy_loss != "ppo_clip":
+        surrogate = _objective.surrogate_columns(
+            config, theta, ratio_denominator, adv, valid, final_mask, weights, layout
+        )
+        per_token = surrogate.loss
+        columns.update(surrogate.columns)
     else:
-        denominator = rollout if algorithm == "bypass_ppo" else old
         terms = ppo_surrogate(
             theta,
-            denominator,
+            ratio_denominator,
             adv,
             where=valid,
             clip_eps=config.clip_eps,
@@ -362,7 +424,10 @@ def policy_loss_terms(
         )
         per_token = terms.loss if weights is None else jnp.where(kept, weights, 0.0) * terms.loss
         columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, final_mask)
+        if terms.clipped_lower is not None:
+            columns["pg_clipfrac_lower"] = _reduce.count_where(terms.clipped_lower, final_mask)
         columns["ppo_kl"] = _reduce.total(sg(terms.log_ratio), final_mask)
+    if algorithm != "reinforce_is":
         if rollout is not None:
             # D8b: in bypass mode π_old is sg(θ); the reference reports 0 here.
             source = theta_sg if algorithm == "bypass_ppo" else old
@@ -373,8 +438,22 @@ def policy_loss_terms(
         if config.correction is not None or config.get_mismatch_metrics:
             # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
             # divergence it exists to show; capped like every metric exponential.
-            raw = jnp.where(valid, theta_sg - jax.lax.stop_gradient(denominator), 0.0)
+            raw = jnp.where(valid, theta_sg - jax.lax.stop_gradient(ratio_denominator), 0.0)
             columns["ois"] = _reduce.total(metric_exp(jnp.where(jnp.isnan(raw), 0.0, raw)), mask)
+    # KL-to-reference and entropy join the policy term per token: one sum, one
+    # aggregation, the same final mask.
+    regularisers = _objective.regulariser_terms(config, theta, ratio_denominator, valid, ref, ent)
+    pg_per_token = per_token
+    if "kl_loss" in regularisers:
+        columns["kl_loss"] = _reduce.total(regularisers["kl_loss"], final_mask)
+        if config.kl_coef:
+            per_token = per_token + config.kl_coef * regularisers["kl_loss"]
+    if "entropy" in regularisers:
+        columns["entropy"] = _reduce.total(regularisers["entropy"], final_mask)
+        if config.entropy_coef:
+            per_token = per_token - config.entropy_coef * regularisers["entropy"]
+    if per_token is not pg_per_token:
+        columns["pg_loss"] = _reduce.total(pg_per_token, final_mask)
     columns["loss"] = _reduce.total(per_token, final_mask)
     sums = layout.reduce(columns)
 
@@ -395,9 +474,14 @@ def policy_loss_terms(
     count = jnp.where(ok, sums["count"], 0.0)
     mask_count = jnp.where(ok, sums["mask_count"], 0.0)
     denominator = sums["mask_count"] if config.rejected_in_denominator else count
-    loss_sum = jnp.where(ok, sums["loss"], 0.0)
-    means["pg_loss"] = aggregation_terms(loss_sum, denominator, config.aggregation)
-    for key in ("pg_clipfrac", "ppo_kl", "train_rollout_logprob_abs_diff"):
+    horizon = _horizon(config.aggregation, config.loss_scale_factor, mask.shape[-1], layout)
+    for key in ("loss", "pg_loss", "kl_loss", "entropy"):
+        if key in sums:
+            means[key] = aggregation_terms(
+                jnp.where(ok, sums[key], 0.0), denominator, config.aggregation, horizon=horizon
+            )
+    means.setdefault("pg_loss", means["loss"])
+    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "train_rollout_logprob_abs_diff"):
         if key in sums:
             means[key] = _reduce.seq_mean(jnp.where(ok, sums[key], 0.0), count, reduction)
     if "ois" in sums:
@@ -410,7 +494,7 @@ def policy_loss_terms(
         loss=jnp.where(final_mask > 0, per_token, 0.0),
         mask=final_mask,
         denominator_mask=denominator_mask,
-        parts=parts["pg_loss"],
+        parts=parts.pop("loss"),
         metrics=parts,
     )
 
@@ -427,6 +511,8 @@ def policy_loss_parts(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    ref_logp: jax.typing.ArrayLike | None = None,
+    entropy: jax.typing.ArrayLike | None = None,
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
     """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
 
@@ -463,6 +549,8 @@ def policy_loss_parts(
         correction_result=correction_result,
         segment_ids=segment_ids,
         num_segments=num_segments,
+        ref_logp=ref_logp,
+        entropy=entropy,
     )
     return terms.parts, terms.metrics
 
@@ -479,6 +567,8 @@ def policy_loss(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    ref_logp: jax.typing.ArrayLike | None = None,
+    entropy: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Policy-gradient loss with rollout correction (docs/semantics.md §5).
 
@@ -540,5 +630,7 @@ def policy_loss(
         correction_result=correction_result,
         segment_ids=segment_ids,
         num_segments=num_segments,
+        ref_logp=ref_logp,
+        entropy=entropy,
     )
     return loss.value().astype(jnp.float32), metrics.finalize(parts)

@@ -32,6 +32,7 @@ class PPOTerms(NamedTuple):
     clipped: jax.Array  # bool, L2 > L1 (the clipped branch is active)
     log_ratio: jax.Array  # k = d − θ (0 where invalid or non-finite)
     ratio: jax.Array  # r = exp(clip(−k, −S, S))
+    clipped_lower: jax.Array | None = None  # bool, the dual-clip floor −c·A is active
 
 
 def ppo_surrogate(
@@ -86,7 +87,9 @@ def ppo_surrogate(
     advantages = jnp.where(valid & jnp.isfinite(advantages), advantages, 0.0)
     terms = _ppo_terms(logp, denominator_logp, advantages, valid, *clips)
     loss = _ppo_loss(clips, logp, denominator_logp, advantages, valid)
-    return PPOTerms(loss, terms.clipped, jax.lax.stop_gradient(terms.log_ratio), terms.ratio)
+    return PPOTerms(
+        loss, terms.clipped, jax.lax.stop_gradient(terms.log_ratio), terms.ratio, terms.floored
+    )
 
 
 class _Branches(NamedTuple):
@@ -114,6 +117,7 @@ class _Terms(NamedTuple):
     clipped: jax.Array
     log_ratio: jax.Array
     ratio: jax.Array
+    floored: jax.Array | None
 
 
 def _ppo_terms(logp, denominator_logp, advantages, valid, clip_eps, clip_eps_high, dual_clip_c):
@@ -122,7 +126,7 @@ def _ppo_terms(logp, denominator_logp, advantages, valid, clip_eps, clip_eps_hig
     log_ratio = jnp.where(valid & jnp.isfinite(raw), raw, 0.0)
     ratio = jnp.exp(clamp(-log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     branches = _branches(ratio, advantages, clip_eps, clip_eps_high, dual_clip_c)
-    return _Terms(branches.loss, branches.clipped, log_ratio, ratio)
+    return _Terms(branches.loss, branches.clipped, log_ratio, ratio, branches.floored)
 
 
 def _ppo_slope(logp, denominator_logp, advantages, valid, clip_eps, clip_eps_high, dual_clip_c):

@@ -1,0 +1,153 @@
+"""Every policy loss against decoupled PPO: ``python -m benchmarks.losses``.
+
+Forward + backward of :func:`offpolicy_jax.policy_loss` under ``jax.jit`` on the
+benchmark batch (``workloads.make_inputs``), with the reference ``mis.yaml`` correction
+(``decoupled_ppo``) and every metric, once per ``LossConfig.policy_loss``. All variants
+run in the same process, interleaved call by call (so that load hits them alike); each
+is reported as the median time per token and as a ratio to the clipped-PPO baseline
+(``ppo_clip``) of the same run. Target: every surrogate within 1.5x of it.
+
+Writes ``losses_results.md`` and ``losses_results.json`` beside this file (``--out``
+elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import offpolicy_jax as opj
+from benchmarks import workloads
+
+HERE = pathlib.Path(__file__).resolve().parent
+TARGET = 1.5
+HYPERPARAMETERS = {
+    "ppo_clip": dict(clip_eps_high=0.28, dual_clip_c=3.0),
+    "gspo": dict(clip_eps=3e-4, clip_eps_high=4e-4),
+    "gspo_token": dict(clip_eps=3e-4, clip_eps_high=4e-4),
+    "cispo": dict(clip_eps_high=0.28),
+    "gmpo": dict(clip_eps=0.4, clip_eps_high=0.4),
+    "sapo": {},
+    "gpg": {},
+    "dppo_tv": dict(clip_eps_high=0.28),
+    "dppo_kl": dict(clip_eps_high=0.28),
+    "dro": {},
+}
+
+
+def config(policy_loss: str) -> opj.LossConfig:
+    base = workloads.reference_loss_config()
+    fields = {**base.__dict__, "policy_loss": policy_loss}
+    fields.update(HYPERPARAMETERS[policy_loss])
+    if policy_loss == "gmpo":
+        fields["aggregation"] = "sequence_mean"
+    return opj.LossConfig(**fields)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def run(batch: int, length: int, repeats: int, warmup: int) -> dict:
+    host = workloads.make_inputs(batch, length)
+    args = tuple(jnp.asarray(host[k]) for k in workloads.LOSS_INPUTS)
+    compiled = {
+        name: jax.jit(workloads.loss_step(config(name))).lower(*args).compile()
+        for name in HYPERPARAMETERS
+    }
+    for fn in compiled.values():
+        for _ in range(warmup):
+            timed(lambda fn=fn: fn(*args))
+    samples = {name: [] for name in compiled}
+    for _ in range(repeats):
+        for name, fn in compiled.items():
+            samples[name].append(timed(lambda fn=fn: fn(*args)))
+    tokens = batch * length
+    median = {name: statistics.median(times) for name, times in samples.items()}
+    base = median["ppo_clip"]
+    return {
+        "size": [batch, length],
+        "ns_per_token": {name: t / tokens * 1e9 for name, t in median.items()},
+        "ratio_to_ppo_clip": {name: t / base for name, t in median.items()},
+        "samples": samples,
+    }
+
+
+def markdown(report: dict) -> str:
+    names = list(HYPERPARAMETERS)
+    lines = [
+        "# Policy losses: forward + backward time per token",
+        "",
+        f"Produced by `{report['command']}` on {report['date']}.",
+        "",
+        f"- backend **{report['backend']}**, jax {report['jax']}, Python {report['python']}",
+        f"- medians of {report['repeats']} interleaved calls after {report['warmup']} warm-up calls",
+        "- every loss with `decoupled_ppo`, the reference `mis.yaml` correction and every metric;"
+        " ratio = time / `ppo_clip`'s time in the same run (target <= 1.5)",
+        "",
+        "| [B, T] | " + " | ".join(f"`{n}`" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for result in report["results"]:
+        b, t = result["size"]
+        cells = [
+            f"{result['ns_per_token'][n]:.2f} ns ({result['ratio_to_ppo_clip'][n]:.2f}x)"
+            for n in names
+        ]
+        lines.append(f"| {b} x {t} | " + " | ".join(cells) + " |")
+    worst = max(
+        (r["ratio_to_ppo_clip"][n], n, tuple(r["size"])) for r in report["results"] for n in names
+    )
+    verdict = "met" if worst[0] <= TARGET else "**not met**"
+    lines += [
+        "",
+        f"Slowest: `{worst[1]}` at {worst[2][0]} x {worst[2][1]}, {worst[0]:.2f}x ppo_clip "
+        f"(target <= {TARGET}): {verdict}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="64x2048,256x4096", help="comma-separated BxT")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    args = parser.parse_args(argv)
+    sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
+    results = [run(b, t, args.repeats, args.warmup) for b, t in sizes]
+    report = {
+        "command": "python -m benchmarks.losses "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "losses_results.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    (args.out / "losses_results.md").write_text(text)
+    print(text)
+    worst = max(r["ratio_to_ppo_clip"][n] for r in results for n in HYPERPARAMETERS)
+    return 0 if np.isfinite(worst) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,445 @@
+"""Policy-gradient surrogates beyond clipped PPO, as pure per-token functions.
+
+Each function takes the current log-probs ``θ`` (the only differentiated input), the
+ratio denominator ``d`` (π_old, or π_rollout in bypass mode), the advantages ``A`` and
+a bool ``valid`` mask, and returns the per-token loss ``ℓ`` that
+:func:`~offpolicy_jax.policy_loss` weights by the correction's IS weights and
+aggregates. Where a surrogate needs a per-sequence quantity (GSPO's sequence ratio,
+GMPO's geometric mean) the caller computes that sum through the pipeline's layout
+(so packed sequences work) and passes it in, broadcastable to ``[..., T]``.
+
+=============  ==============================================================  =========================
+name           per-token loss ``ℓ`` (``x = θ − d``, ``r = e^x``)               paper
+=============  ==============================================================  =========================
+``gspo``       ``max(−A·s, −A·clip(s, 1−ε, 1+ε_h))``, ``s = exp(mean_t x)``     Zheng et al. 2025 (GSPO)
+``gspo_token`` same with ``s_t = sg(s)·π_θ/sg(π_θ)``                            Zheng et al. 2025 (GSPO)
+``cispo``      ``−sg(clip(r, 1−ε, 1+ε_h))·A·θ``                                MiniMax-M1, 2025
+``gmpo``       ``−Ā·exp(mean_t clip_A(x))`` per sequence                       Zhao et al. 2025 (GMPO)
+``sapo``       ``−A·(4/τ)·σ(τ(r − 1))``, ``τ = τ_pos`` if ``A > 0`` else τ_neg  Gao et al. 2025 (SAPO)
+``gpg``        ``−A·θ``                                                        Chu et al. 2025 (GPG)
+``dppo_tv``    ``−A·sg(min(r, C))·θ`` inside the TV trust region, else 0       DPPO, 2026
+``dppo_kl``    same with the binary-KL trust region                            DPPO, 2026
+``dro``        ``−(A·θ − ½β(θ − d)²)``                                          Kimi k1.5, 2025
+=============  ==============================================================  =========================
+
+Gradients at kinks follow the PyTorch reference (verl): a clamp passes the full
+gradient on its closed interval, ties between the clipped and unclipped branch give the
+unclipped gradient, and trust-region masks include their boundary. They are written with
+``where`` because the JVPs of ``jnp.clip`` / ``jnp.maximum`` split a tie 50/50 (see
+:mod:`offpolicy_jax.surrogates`). Inputs at positions where ``valid`` is False (or whose
+log-ratio is not finite) are replaced before any arithmetic, so NaN/inf garbage there
+reaches neither the loss nor its gradient.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from offpolicy_jax.ratios import LOG_RATIO_CLAMP
+from offpolicy_jax.surrogates import clamp
+
+GSPO_LOG_RATIO_MAX = 10.0
+"""Upper clamp of GSPO's log sequence ratio (verl's numerical guard; no lower clamp)."""
+
+GMPO_LOG_WEIGHT_EPS = 1e-10
+"""GMPO folds token IS weights into a geometric mean ``exp(mean log(w + eps))`` (verl)."""
+
+DPPO_KL_EPS = 1e-8
+"""Smoothing of ``log((1 − p_old + eps) / (1 − p + eps))`` in DPPO's binary KL (verl)."""
+
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+K3_MAX = 10.0
+"""verl's ``low_var_kl`` clamps the k3 value to ``[−10, 10]`` (it is never negative)."""
+
+
+class SurrogateTerms(NamedTuple):
+    """Per-token outputs of a surrogate, all ``[..., T]``.
+
+    ``clipped`` feeds ``pg_clipfrac`` and ``clipped_lower`` ``pg_clipfrac_lower``
+    (None where the surrogate has no such notion).
+    """
+
+    loss: jax.Array
+    clipped: jax.Array | None = None
+    clipped_lower: jax.Array | None = None
+
+
+def _sg(x):
+    return jax.lax.stop_gradient(x)
+
+
+def safe_log_ratio(logp: jax.Array, denominator_logp: jax.Array, valid: jax.Array) -> jax.Array:
+    """``x = θ − d`` where valid and finite, else exactly 0 (also in the gradient).
+
+    Args:
+      logp: ``[..., T]`` log π_θ (differentiated).
+      denominator_logp: ``[..., T]`` the ratio's denominator ``d``; stop-gradient.
+      valid: ``[..., T]`` bool.
+
+    Returns:
+      ``[..., T]`` log-ratio ``log(π_θ / π_d)``.
+    """
+    raw = logp - _sg(denominator_logp)
+    return jnp.where(valid & jnp.isfinite(raw), raw, 0.0)
+
+
+def safe_logp(logp: jax.Array, valid: jax.Array) -> jax.Array:
+    """``θ`` where valid and finite, else 0: for the terms linear in ``log π_θ``."""
+    return jnp.where(valid & jnp.isfinite(logp), logp, 0.0)
+
+
+def clamped_ratio(log_ratio: jax.Array) -> jax.Array:
+    """``r = exp(clip(x, −S, S))`` with the full gradient on ``[−S, S]`` (``S = 20``)."""
+    return jnp.exp(clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _ppo_max(ratio, advantages, clip_eps, clip_eps_high):
+    """``max(−r·A, −clip(r)·A)`` with the unclipped gradient at ties; and ``[L2 > L1]``."""
+    unclipped = -ratio * advantages
+    clipped = -clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * advantages
+    is_clipped = clipped > unclipped
+    return jnp.where(is_clipped, clipped, unclipped), is_clipped
+
+
+# --------------------------------------------------------------------------- GSPO
+
+
+def gspo(
+    logp: jax.Array,
+    sequence_log_ratio: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float,
+    token_level: bool = False,
+) -> SurrogateTerms:
+    """Group Sequence Policy Optimization (Zheng et al., 2025, arXiv:2507.18071).
+
+    GSPO clips one ratio per sequence, the length-normalised sequence likelihood ratio
+    ``s_i = (π_θ(y_i)/π_d(y_i))^{1/|y_i|} = exp(mean_t (θ_t − d_t))``:
+    ``ℓ_t = max(−A_t·s_i, −A_t·clip(s_i, 1 − ε, 1 + ε_high))``, whose gradient reaches
+    every token of the sequence through ``s_i``. GSPO-token (``token_level=True``) uses
+    ``s_{i,t} = sg(s_i)·π_θ(y_t)/sg(π_θ(y_t))``: the same value and clipping, but each
+    token's gradient is its own (``A_t·s_i·∇θ_t``), so per-token advantages and per-token
+    IS weights act per token. With one advantage per sequence and equal token weights the
+    two gradients coincide. verl's ``gspo`` loss mode is GSPO-token. The log ratio is
+    clamped above at 10 (verl); hyperparameters: ``ε`` (``clip_eps``), ``ε_high``.
+
+    Args:
+      logp: ``[..., T]`` log π_θ.
+      sequence_log_ratio: ``[..., T]`` or ``[..., 1]``: ``mean_t (θ_t − d_t)`` over the
+        sequence's kept tokens (from :func:`safe_log_ratio`, summed through the layout),
+        differentiable w.r.t. ``θ``.
+      advantages: ``[..., T]``, 0 outside ``valid``; stop-gradient.
+      valid: ``[..., T]`` bool.
+      clip_eps: ``ε``.
+      clip_eps_high: ``ε_high``.
+      token_level: GSPO-token instead of GSPO.
+
+    Returns:
+      :class:`SurrogateTerms` with ``clipped = [L2 > L1]``.
+    """
+    advantages = _sg(advantages)
+    if token_level:
+        theta = safe_logp(logp, valid)
+        log_s = theta - _sg(theta) + _sg(sequence_log_ratio)
+    else:
+        log_s = jnp.broadcast_to(sequence_log_ratio, jnp.shape(logp))
+    log_s = jnp.where(log_s > GSPO_LOG_RATIO_MAX, GSPO_LOG_RATIO_MAX, log_s)
+    loss, is_clipped = _ppo_max(jnp.exp(log_s), advantages, clip_eps, clip_eps_high)
+    return SurrogateTerms(loss, is_clipped)
+
+
+# --------------------------------------------------------------------------- CISPO
+
+
+def cispo(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float,
+) -> SurrogateTerms:
+    """Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv:2506.13585).
+
+    ``ℓ = −sg(clip(r, 1 − ε, 1 + ε_high))·A·log π_θ`` with ``r = exp(clip(θ − d, −20, 20))``:
+    the ratio only weights the REINFORCE gradient ``−w·A·∇θ``, so no token's gradient is
+    ever dropped by clipping (unlike PPO). ``clipped = [clip(r) ≠ r]`` (verl's
+    ``pg_clipfrac``). Hyperparameters: ``ε`` (``clip_eps``), ``ε_high``.
+
+    Args: as :func:`dppo`, without the trust-region parameters.
+
+    Returns:
+      :class:`SurrogateTerms`.
+    """
+    ratio = clamped_ratio(_sg(safe_log_ratio(logp, denominator_logp, valid)))
+    weight = clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)
+    loss = -weight * _sg(advantages) * safe_logp(logp, valid)
+    return SurrogateTerms(loss, weight != ratio)
+
+
+# --------------------------------------------------------------------------- GMPO
+
+
+def gmpo_token_log_ratio(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float,
+) -> SurrogateTerms:
+    """GMPO's per-token clipped log-ratio ``x̃_t`` (the ``loss`` field of the result).
+
+    ``x̃ = sgn(A)·min(sgn(A)·x, sgn(A)·clip(x, −ε, ε_high))`` with ``x = θ − d``: for
+    ``A > 0`` the log-ratio is capped at ``ε_high``, for ``A < 0`` floored at ``−ε``, and
+    ``A = 0`` contributes 0. Unlike PPO the bounds are in log space (the GMPO paper
+    uses ``ε = ε_high = 0.4``). ``clipped = [x ≠ clip(x)] ∧ A > 0`` and
+    ``clipped_lower = [x ≠ clip(x)] ∧ A < 0`` (verl's metrics).
+
+    Returns:
+      :class:`SurrogateTerms` whose ``loss`` is ``x̃`` (to be averaged per sequence by
+      the caller and passed to :func:`gmpo_sequence_loss`).
+    """
+    x = safe_log_ratio(logp, denominator_logp, valid)
+    advantages = _sg(advantages)
+    positive, negative = advantages > 0, advantages < 0
+    capped = jnp.where(positive & (x > clip_eps_high), clip_eps_high, x)
+    floored = jnp.where(negative & (capped < -clip_eps), -clip_eps, capped)
+    clipped_log_ratio = jnp.where(positive | negative, floored, 0.0)
+    outside = (x > clip_eps_high) | (x < -clip_eps)
+    return SurrogateTerms(clipped_log_ratio, outside & positive, outside & negative)
+
+
+def gmpo_sequence_loss(
+    mean_clipped_log_ratio: jax.Array,
+    mean_advantage: jax.Array,
+    mean_log_weight: jax.Array | None = None,
+) -> jax.Array:
+    """Geometric-Mean Policy Optimization (Zhao et al., 2025, arXiv:2507.20673), per sequence.
+
+    ``L_i = −Ā_i · exp(mean_t x̃_t) · exp(mean_t log(w_t + 1e-10))``: the geometric mean of
+    the clipped token ratios times the sequence's mean advantage, and (with rollout
+    correction) the geometric mean of its token IS weights, as verl folds them in. The
+    mean log-ratio is clamped to ``[−20, 20]`` so that the value stays finite.
+
+    Args:
+      mean_clipped_log_ratio: ``[...]``-broadcastable ``mean_t x̃_t`` over the sequence's
+        kept tokens (:func:`gmpo_token_log_ratio`), differentiable.
+      mean_advantage: ``mean_t A_t`` over the same tokens; stop-gradient.
+      mean_log_weight: ``mean_t log(w_t + 1e-10)`` of the IS weights, or None.
+
+    Returns:
+      The per-sequence loss ``L_i`` (same shape as the inputs).
+    """
+    log_ratio = clamp(mean_clipped_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if mean_log_weight is not None:
+        log_ratio = log_ratio + _sg(mean_log_weight)
+    return -_sg(mean_advantage) * jnp.exp(log_ratio)
+
+
+def gmpo_log_weight(weights: jax.Array) -> jax.Array:
+    """``log(w + 1e-10)`` of (stop-gradient) IS weights, GMPO's geometric-mean summand."""
+    return jnp.log(_sg(weights) + GMPO_LOG_WEIGHT_EPS)
+
+
+# --------------------------------------------------------------------------- SAPO
+
+
+def sapo(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    tau_pos: float,
+    tau_neg: float,
+) -> SurrogateTerms:
+    """Soft Adaptive Policy Optimization (Gao et al., 2025, arXiv:2511.20347).
+
+    A smooth gate replaces the hard clip: ``ℓ = −A·f_τ(r)`` with
+    ``f_τ(r) = (4/τ)·σ(τ(r − 1))`` and ``τ = τ_pos`` where ``A > 0``, ``τ_neg`` elsewhere
+    (``τ_neg > τ_pos`` damps negative updates faster). At ``r = 1`` the gradient is the
+    on-policy ``−A·∇θ``; it decays smoothly as ``r`` leaves 1. ``r = exp(clip(θ − d,
+    −20, 20))``. Hyperparameters ``tau_pos``, ``tau_neg`` (verl defaults 1.0, 1.05).
+
+    Returns:
+      :class:`SurrogateTerms` (no clip fractions).
+    """
+    advantages = _sg(advantages)
+    ratio = clamped_ratio(safe_log_ratio(logp, denominator_logp, valid))
+    tau = jnp.where(advantages > 0, tau_pos, tau_neg)
+    gate = jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return SurrogateTerms(-gate * advantages)
+
+
+# --------------------------------------------------------------------------- GPG
+
+
+def gpg(logp: jax.Array, advantages: jax.Array, valid: jax.Array) -> SurrogateTerms:
+    """Group Policy Gradient (Chu et al., 2025; github.com/AMAP-ML/GPG): ``ℓ = −A·log π_θ``.
+
+    Plain REINFORCE with group-normalised advantages: no ratio, no clipping, no KL. IS
+    weights of a correction multiply it like every other surrogate.
+    """
+    return SurrogateTerms(-_sg(advantages) * safe_logp(logp, valid))
+
+
+# --------------------------------------------------------------------------- DPPO
+
+
+def dppo(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    divergence: str,
+    clip_eps: float,
+    clip_eps_high: float,
+    ratio_cap: float | None,
+) -> SurrogateTerms:
+    """Divergence PPO, binary TV / binary KL trust region (arXiv:2602.04879).
+
+    ``ℓ = −A·sg(min(r, C))·log π_θ·[token inside the trust region]``: a truncated-IS
+    policy gradient that drops a token once the policy moved too far *in the direction
+    its advantage pushes*. With ``p = π_θ``, ``q = π_d`` (probabilities of the sampled
+    token):
+
+    * ``divergence="tv"``: inside iff ``p − q ≤ δ_high`` (``A > 0``) or ``p − q ≥ −δ``
+      (``A ≤ 0``);
+    * ``divergence="kl"``: ``KL = q·log(q/p) + (1 − q)·log((1 − q + 1e-8)/(1 − p + 1e-8))``;
+      inside iff ``KL ≤ δ_high ∨ p ≤ q`` (``A > 0``) or ``KL ≤ δ ∨ p ≥ q`` (``A ≤ 0``).
+
+    The thresholds ``δ = clip_eps``, ``δ_high = clip_eps_high`` are divergences, not
+    ratio ranges; ``C = ratio_cap`` (verl's ``clip_ratio_c``) truncates the stop-gradient
+    ratio ``r = exp(clip(θ − d, −20, 20))``, None for no truncation.
+    ``clipped = [outside]`` (``pg_clipfrac``), ``clipped_lower = [r > C] ∧ inside``.
+
+    Args:
+      logp: ``[..., T]`` log π_θ.
+      denominator_logp: ``[..., T]`` log π_d; stop-gradient.
+      advantages: ``[..., T]``, 0 outside ``valid``; stop-gradient.
+      valid: ``[..., T]`` bool.
+      divergence: ``"tv"`` or ``"kl"``.
+      clip_eps: ``δ``.
+      clip_eps_high: ``δ_high``.
+      ratio_cap: ``C`` or None.
+
+    Returns:
+      :class:`SurrogateTerms`.
+    """
+    advantages = _sg(advantages)
+    theta, old = _sg(logp), _sg(denominator_logp)
+    usable = valid & jnp.isfinite(theta - old)
+    # p and q from θ and d themselves (not from θ − x): the region's boundary is then
+    # decided on the same float32 values as in verl.
+    theta, old = jnp.where(usable, theta, 0.0), jnp.where(usable, old, 0.0)
+    ratio = clamped_ratio(theta - old)
+    weight = ratio if ratio_cap is None else jnp.minimum(ratio, ratio_cap)
+    p, q = jnp.exp(theta), jnp.exp(old)
+    positive = advantages > 0
+    if divergence == "tv":
+        inside = jnp.where(positive, p - q <= clip_eps_high, p - q >= -clip_eps)
+    elif divergence == "kl":
+        binary_kl = q * (old - theta) + (1 - q) * jnp.log(
+            (1.0 - q + DPPO_KL_EPS) / (1.0 - p + DPPO_KL_EPS)
+        )
+        inside = jnp.where(
+            positive,
+            (binary_kl <= clip_eps_high) | (p <= q),
+            (binary_kl <= clip_eps) | (p >= q),
+        )
+    else:
+        raise ValueError(f"divergence must be 'tv' or 'kl', got {divergence!r}")
+    loss = jnp.where(inside, -advantages * weight * safe_logp(logp, valid), 0.0)
+    capped = jnp.zeros_like(inside) if ratio_cap is None else (ratio > ratio_cap) & inside
+    return SurrogateTerms(loss, ~inside, capped)
+
+
+# --------------------------------------------------------------------------- DRO
+
+
+def dro(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    beta: float,
+) -> SurrogateTerms:
+    """DRO: REINFORCE with a quadratic log-ratio penalty (Kimi k1.5).
+
+    ``ℓ = −(A·log π_θ − ½·β·(θ − d)²)``: REINFORCE plus a squared-log-ratio penalty that
+    keeps ``π_θ`` near ``π_d``: the squared-log-ratio regularised policy-mirror-descent
+    surrogate of Kimi k1.5 (Kimi Team, 2025, arXiv:2501.12599), as verl's and Tinker's
+    ``dro`` loss.
+    Gradient ``−A + β(θ − d)``. Hyperparameter ``β`` (``dro_beta``).
+    """
+    x = safe_log_ratio(logp, denominator_logp, valid)
+    return SurrogateTerms(-(_sg(advantages) * safe_logp(logp, valid) - 0.5 * beta * x * x))
+
+
+# --------------------------------------------------------------------------- KL, entropy
+
+
+def kl_estimate(
+    logp: jax.Array, ref_logp: jax.Array, valid: jax.Array, *, estimator: str
+) -> jax.Array:
+    """Per-token estimate of ``KL(π_θ ‖ π_ref)`` from samples of π_θ (Schulman, 2020).
+
+    With ``u = ref − θ`` (0 where invalid or non-finite):
+
+    * ``k1 = −u = θ − ref`` (unbiased, high variance, can be negative);
+    * ``k2 = ½·u²``;
+    * ``k3 = e^u − u − 1`` (unbiased, low variance, ≥ 0), ``u`` clamped to ``[−20, 20]``
+      and the value to ``≤ 10`` as verl's ``low_var_kl``.
+
+    Args:
+      logp: ``[..., T]`` log π_θ (differentiated).
+      ref_logp: ``[..., T]`` log π_ref; stop-gradient.
+      valid: ``[..., T]`` bool.
+      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+      ``[..., T]`` per-token estimate, 0 where invalid.
+    """
+    u = -safe_log_ratio(logp, ref_logp, valid)
+    if estimator == "k1":
+        return -u
+    if estimator == "k2":
+        return 0.5 * u * u
+    if estimator == "k3":
+        u = clamp(u, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        value = jnp.exp(u) - u - 1.0
+        return jnp.where(value > K3_MAX, K3_MAX, value)
+    raise ValueError(f"kl estimator must be one of {list(KL_ESTIMATORS)}, got {estimator!r}")
+
+
+def off_policy_kl_estimate(
+    logp: jax.Array,
+    ref_logp: jax.Array,
+    denominator_logp: jax.Array,
+    valid: jax.Array,
+    *,
+    estimator: str,
+) -> jax.Array:
+    """The KL estimate re-weighted to samples of π_d: ``(π_θ/π_d)·k(θ, ref)``.
+
+    Tokens are drawn from π_d (π_old or π_rollout), not π_θ; weighting the estimator by
+    ``r = π_θ/π_d`` (differentiable, ``exp(clip(θ − d, −20, 20))``) makes both its value
+    and its gradient unbiased for ``KL(π_θ ‖ π_ref)`` (DeepSeek-V3.2 technical report, 2025,
+    "unbiased KL estimate"; for k3: ``∇(r·k3) = r·(θ − ref)·∇θ``).
+
+    Returns:
+      ``[..., T]`` per-token weighted estimate, 0 where invalid.
+    """
+    ratio = clamped_ratio(safe_log_ratio(logp, denominator_logp, valid))
+    return ratio * kl_estimate(logp, ref_logp, valid, estimator=estimator)

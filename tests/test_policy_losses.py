@@ -1,0 +1,796 @@
+"""The surrogates of ``policy_losses`` against the NumPy oracle: values, gradients (also at
+their kinks), garbage at invalid positions, empty batches; and their configuration."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import policy_losses_reference as ref
+import pytest
+from jax.test_util import check_grads
+
+import offpolicy_jax as opj
+from offpolicy_jax import policy_losses as pl
+
+EPS, EPS_HIGH = 0.2, 0.28
+HYPER = {
+    "gspo": dict(clip_eps=EPS, clip_eps_high=EPS_HIGH, token_level=False),
+    "gspo_token": dict(clip_eps=EPS, clip_eps_high=EPS_HIGH, token_level=True),
+    "cispo": dict(clip_eps=EPS, clip_eps_high=EPS_HIGH),
+    "gmpo": dict(clip_eps=EPS, clip_eps_high=EPS_HIGH),
+    "sapo": dict(tau_pos=1.0, tau_neg=1.05),
+    "gpg": {},
+    "dppo_tv": dict(divergence="tv", clip_eps=EPS, clip_eps_high=EPS_HIGH, ratio_cap=3.0),
+    "dppo_kl": dict(divergence="kl", clip_eps=EPS, clip_eps_high=EPS_HIGH, ratio_cap=3.0),
+    "dro": dict(beta=0.1),
+}
+SURROGATES = tuple(HYPER)
+
+
+def _seq_mean(values, valid):
+    n = jnp.sum(jnp.where(valid, 1.0, 0.0), -1, keepdims=True)
+    return jnp.sum(jnp.where(valid, values, 0.0), -1, keepdims=True) / jnp.maximum(n, 1.0)
+
+
+def jax_loss(name, theta, d, adv, valid, weights=None):
+    """Per-token ``ℓ`` (``[B, T]``; GMPO: per sequence ``[B]``) and its clip indicators."""
+    hp = HYPER[name]
+    if name in ("gspo", "gspo_token"):
+        seq = _seq_mean(pl.safe_log_ratio(theta, d, valid), valid)
+        return pl.gspo(theta, seq, adv, valid, **hp)
+    if name == "gmpo":
+        x = pl.gmpo_token_log_ratio(theta, d, adv, valid, **hp)
+        log_w = None if weights is None else _seq_mean(pl.gmpo_log_weight(weights), valid)[:, 0]
+        value = pl.gmpo_sequence_loss(
+            _seq_mean(x.loss, valid)[:, 0], _seq_mean(adv, valid)[:, 0], log_w
+        )
+        return pl.SurrogateTerms(value, x.clipped, x.clipped_lower)
+    if name == "gpg":
+        return pl.gpg(theta, adv, valid)
+    fn = {"cispo": pl.cispo, "sapo": pl.sapo, "dro": pl.dro}.get(name, pl.dppo)
+    return fn(theta, d, adv, valid, **hp)
+
+
+def numpy_loss(name, theta, d, adv, valid, weights=None):
+    hp = dict(HYPER[name])
+    if name in ("gspo", "gspo_token"):
+        return ref.gspo(theta, d, adv, valid, **hp)
+    if name == "gmpo":
+        return ref.gmpo(theta, d, adv, valid, weights=weights, **hp)
+    if name == "gpg":
+        return ref.gpg(theta, adv, valid)
+    fn = {"cispo": ref.cispo, "sapo": ref.sapo, "dro": ref.dro}.get(name, ref.dppo)
+    return fn(theta, d, adv, valid, **hp)
+
+
+def batch(seed, *, spread=0.4, garbage=True, per_sequence_adv=True):
+    """Ragged ``[6, 9]`` batch: log-probs < 0, an empty row, NaN/inf garbage in padding."""
+    rng = np.random.default_rng(seed)
+    b, t = 6, 9
+    lengths = np.array([9, 5, 1, 0, 7, 3])
+    valid = np.arange(t)[None, :] < lengths[:, None]
+    d = -rng.uniform(0.05, 3.0, (b, t))
+    theta = d + rng.uniform(-spread, spread, (b, t))
+    theta = np.minimum(theta, -1e-3)
+    adv = rng.normal(size=(b, 1)) * np.ones((1, t)) if per_sequence_adv else rng.normal(size=(b, t))
+    adv[0, 0] = 0.0 if not per_sequence_adv else adv[0, 0]
+    if garbage:
+        pads = ~valid
+        junk = np.array([np.nan, np.inf, -np.inf, 1e30])
+        theta = np.where(pads, junk[np.arange(b * t).reshape(b, t) % 4], theta)
+        d = np.where(pads, junk[(np.arange(b * t).reshape(b, t) + 1) % 4], d)
+        adv = np.where(pads, junk[(np.arange(b * t).reshape(b, t) + 2) % 4], adv)
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    return f32(theta), f32(d), f32(adv), valid
+
+
+def _compare(name, theta, d, adv, valid, weights=None, rtol=2e-5, atol=2e-6):
+    expected = numpy_loss(name, theta, d, adv, valid, weights)
+    adv_clean = np.where(valid, adv, 0.0).astype(np.float32)
+    w = None if weights is None else jnp.asarray(weights)
+
+    def f(th):
+        return jax_loss(name, th, jnp.asarray(d), jnp.asarray(adv_clean), jnp.asarray(valid), w)
+
+    terms, vjp = jax.vjp(lambda th: f(th).loss, jnp.asarray(theta))
+    got = f(jnp.asarray(theta))
+    cot = np.random.default_rng(1).normal(size=np.shape(expected.loss)).astype(np.float32)
+    (grad,) = vjp(jnp.asarray(cot))
+    np.testing.assert_allclose(terms, expected.loss, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(grad, expected.vjp(cot), rtol=rtol, atol=atol)
+    assert np.all(np.isfinite(np.asarray(grad)))
+    for key in ("clipped", "clipped_lower"):
+        if getattr(expected, key) is not None:
+            mine = getattr(got, key)
+            np.testing.assert_array_equal(np.asarray(mine) & valid, getattr(expected, key) & valid)
+    return terms, grad
+
+
+@pytest.mark.parametrize("name", SURROGATES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("spread", [0.05, 0.5, 3.0])
+def test_value_and_gradient_match_numpy(name, seed, spread):
+    _compare(name, *batch(seed, spread=spread))
+
+
+@pytest.mark.parametrize("name", SURROGATES)
+def test_per_token_advantages(name):
+    _compare(name, *batch(7, per_sequence_adv=False))
+
+
+def test_gmpo_folds_is_weights_in_as_geometric_mean():
+    theta, d, adv, valid = batch(3)
+    weights = np.where(valid, np.random.default_rng(0).uniform(0.0, 2.0, valid.shape), 0.0)
+    _compare("gmpo", theta, d, adv, valid, weights=weights.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", SURROGATES)
+def test_garbage_at_invalid_positions_changes_nothing(name):
+    theta, d, adv, valid = batch(4, garbage=True)
+    clean = [np.where(valid, a, v).astype(np.float32) for a, v in ((theta, -1.0), (d, -1.0))]
+    adv_clean = np.where(valid, adv, 0.0).astype(np.float32)
+    loss_g, grad_g = _compare(name, theta, d, adv, valid)
+    loss_c, grad_c = _compare(name, clean[0], clean[1], adv_clean, valid)
+    sel = valid if np.ndim(loss_g) == 2 else np.ones(np.shape(loss_g), bool)
+    np.testing.assert_array_equal(np.asarray(loss_g)[sel], np.asarray(loss_c)[sel])
+    np.testing.assert_array_equal(np.asarray(grad_g), np.asarray(grad_c))
+    assert np.all(np.asarray(grad_g)[~valid] == 0)
+
+
+@pytest.mark.parametrize("name", SURROGATES)
+def test_all_invalid_gives_zero_loss_and_zero_gradient(name):
+    theta, d, adv, _ = batch(5)
+    valid = np.zeros(theta.shape, bool)
+    adv = np.zeros_like(adv)
+
+    def total(th):
+        return jnp.sum(jax_loss(name, th, jnp.asarray(d), jnp.asarray(adv), valid).loss)
+
+    value, grad = jax.value_and_grad(total)(jnp.asarray(theta))
+    assert float(value) == 0.0
+    np.testing.assert_array_equal(np.asarray(grad), 0.0)
+
+
+def _away_from_kinks(name, seed):
+    """A batch whose ratios stay clear of every clip boundary (for finite differences)."""
+    rng = np.random.default_rng(seed)
+    valid = np.ones((3, 5), bool)
+    d = -rng.uniform(0.5, 2.0, valid.shape)
+    # log-ratios in (−0.1, 0.1): inside every clip range, far from the TV/KL regions'
+    # boundaries for DPPO, and far from GSPO's and k3's caps.
+    theta = d + rng.uniform(-0.1, 0.1, valid.shape)
+    adv = rng.normal(size=(3, 1)) * np.ones((1, 5))
+    return theta, d, adv, valid
+
+
+# Surrogates whose value is their own objective. GSPO-token, CISPO and DPPO hold a factor
+# at stop-gradient (the token ratio, the clipped ratio, the truncated ratio and region): their
+# value moves with it but their gradient does not, so finite differences do not apply;
+# their gradients are checked against the oracle above and below.
+VALUE_CONSISTENT = ("gspo", "gmpo", "sapo", "gpg", "dro")
+
+
+@pytest.mark.parametrize("name", VALUE_CONSISTENT)
+def test_check_grads_away_from_kinks(name):
+    theta, d, adv, valid = _away_from_kinks(name, 0)
+    with jax.enable_x64(True):
+
+        def total(th):
+            return jnp.sum(jax_loss(name, th, jnp.asarray(d), jnp.asarray(adv), valid).loss)
+
+        check_grads(total, (jnp.asarray(theta),), order=2, modes=("fwd", "rev"), eps=1e-4)
+
+
+@pytest.mark.parametrize("spread", [0.05, 0.5])
+def test_gspo_token_gradient_equals_gspo_for_sequence_advantages(spread):
+    """GSPO paper: with one advantage per sequence, GSPO-token's gradient is GSPO's."""
+    theta, d, adv, valid = batch(8, spread=spread, garbage=False)
+
+    def total(name):
+        def f(th):
+            terms = jax_loss(name, th, jnp.asarray(d), jnp.asarray(adv), valid)
+            n = jnp.maximum(jnp.sum(valid, -1, keepdims=True), 1)
+            return jnp.sum(jnp.where(valid, terms.loss, 0.0) / n)
+
+        return jax.grad(f)(jnp.asarray(theta))
+
+    np.testing.assert_allclose(total("gspo_token"), total("gspo"), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["gspo"])
+def test_check_grads_gspo_outside_the_clip_range(name):
+    """Clipped sequences: the gradient is exactly 0, and finite differences agree."""
+    theta, d, adv, valid = _away_from_kinks(name, 1)
+    theta = theta + 0.5  # every sequence ratio ≈ e^0.5, above 1 + ε_high
+    with jax.enable_x64(True):
+
+        def total(th):
+            return jnp.sum(jax_loss(name, th, jnp.asarray(d), jnp.asarray(adv), valid).loss)
+
+        check_grads(total, (jnp.asarray(theta),), order=1, modes=("rev",), eps=1e-4)
+
+
+# --------------------------------------------------------------------------- kinks
+
+
+def _grad_at(name, theta, d, adv, valid, **hp):
+    hyper = {**HYPER[name], **hp}
+
+    def total(th):
+        if name in ("gspo", "gspo_token"):
+            seq = _seq_mean(pl.safe_log_ratio(th, d, valid), valid)
+            return jnp.sum(pl.gspo(th, seq, adv, valid, **hyper).loss)
+        if name == "gmpo":
+            return jnp.sum(pl.gmpo_token_log_ratio(th, d, adv, valid, **hyper).loss)
+        fn = {"cispo": pl.cispo, "sapo": pl.sapo, "dro": pl.dro}.get(name, pl.dppo)
+        return jnp.sum(fn(th, d, adv, valid, **hyper).loss)
+
+    return np.asarray(jax.grad(total)(jnp.asarray(theta, jnp.float32)))
+
+
+def test_gspo_kink_at_the_upper_clip_bound_passes_the_unclipped_gradient():
+    # One token, d = 0: log s = θ exactly, and ε_high = s − 1 exactly in float32.
+    theta = np.float32(0.25)
+    s = np.exp(np.float32(theta))
+    eps_high = float(s - np.float32(1))
+    one = np.ones((1, 1), np.float32)
+    for name in ("gspo", "gspo_token"):
+        grad = _grad_at(name, theta * one, 0 * one, one, one > 0, clip_eps_high=eps_high)
+        np.testing.assert_allclose(grad, -s * one, rtol=1e-6)  # −A·s: unclipped at the tie
+        grad = _grad_at(name, theta * one, 0 * one, one, one > 0, clip_eps_high=eps_high * 0.99)
+        np.testing.assert_array_equal(grad, 0.0)  # strictly outside: clipped
+
+
+def test_gspo_log_ratio_cap_passes_the_gradient_at_ten():
+    one = np.ones((1, 1), np.float32)
+    for theta, expected in ((10.0, -np.exp(10.0)), (10.5, 0.0)):
+        # A < 0 so that the unclipped branch is active however large s is.
+        grad = _grad_at("gspo_token", theta * one, 0 * one, -one, one > 0)
+        np.testing.assert_allclose(grad, -expected * one, rtol=1e-5)
+
+
+def test_gmpo_kinks_at_the_log_space_bounds():
+    one = np.ones((1, 2), np.float32)
+    valid = one > 0
+    # x = ε_high exactly with A > 0 and x = −ε exactly with A < 0: both pass the gradient.
+    theta = np.array([[EPS_HIGH, -EPS]], np.float32)
+    adv = np.array([[1.0, -1.0]], np.float32)
+    np.testing.assert_array_equal(_grad_at("gmpo", theta, 0 * one, adv, valid), one)
+    theta_out = np.array([[np.nextafter(np.float32(EPS_HIGH), 1), -0.3]], np.float32)
+    np.testing.assert_array_equal(_grad_at("gmpo", theta_out, 0 * one, adv, valid), 0 * one)
+    # The other side is never clipped: A > 0 with x far below −ε, A < 0 far above ε_high.
+    theta_free = np.array([[-5.0, 5.0]], np.float32)
+    np.testing.assert_array_equal(_grad_at("gmpo", theta_free, 0 * one, adv, valid), one)
+    # A = 0: the token contributes 0 and no gradient.
+    np.testing.assert_array_equal(_grad_at("gmpo", theta, 0 * one, 0 * adv, valid), 0 * one)
+
+
+def test_dppo_trust_region_includes_its_boundary():
+    theta, d = np.float32(-0.5), np.float32(-0.7)
+    gap = np.float32(jnp.exp(theta) - jnp.exp(d))  # p − q in float32, as XLA computes it
+    one = np.ones((1, 1), np.float32)
+    args = (theta * one, d * one, one, one > 0)
+    ratio = np.float32(jnp.exp(theta - d))
+    grad = _grad_at("dppo_tv", *args, clip_eps_high=float(gap))
+    np.testing.assert_allclose(grad, -ratio * one, rtol=1e-6)  # inside: −A·sg(r)
+    grad = _grad_at("dppo_tv", *args, clip_eps_high=float(np.nextafter(gap, np.float32(0))))
+    np.testing.assert_array_equal(grad, 0.0)  # just outside: dropped
+    # Ratio cap: the weight is min(r, C), and only weights (no kink in the gradient's form).
+    grad = _grad_at("dppo_tv", *args, clip_eps_high=1.0, ratio_cap=1.1)
+    np.testing.assert_allclose(grad, -1.1 * one, rtol=1e-6)
+
+
+def test_cispo_weight_is_stop_gradient_and_clipped():
+    one = np.ones((1, 1), np.float32)
+    for theta, weight in ((0.0, 1.0), (2.0, 1 + EPS_HIGH), (-2.0, 1 - EPS)):
+        grad = _grad_at("cispo", (theta - 1.0) * one, -1.0 * one, one, one > 0)
+        np.testing.assert_allclose(grad, -weight * one, rtol=1e-6)
+
+
+def test_sapo_gradient_at_ratio_one_is_the_on_policy_gradient():
+    one = np.ones((1, 2), np.float32)
+    adv = np.array([[1.5, -0.5]], np.float32)
+    grad = _grad_at("sapo", -one, -one, adv, one > 0)
+    np.testing.assert_allclose(grad, -adv, rtol=1e-6)  # (4/τ)·σ'(0)·τ = 1
+
+
+def test_clamped_ratio_passes_the_gradient_at_plus_minus_twenty():
+    x = jnp.array([-20.0, 20.0, -20.5, 20.5], jnp.float32)
+    grad = jax.grad(lambda v: jnp.sum(pl.clamped_ratio(v)))(x)
+    np.testing.assert_allclose(grad[:2], np.exp([-20.0, 20.0]), rtol=1e-6)
+    np.testing.assert_array_equal(grad[2:], 0.0)
+
+
+# --------------------------------------------------------------------------- KL
+
+
+@pytest.mark.parametrize("estimator", pl.KL_ESTIMATORS)
+@pytest.mark.parametrize("off_policy", [False, True])
+@pytest.mark.parametrize("spread", [0.1, 2.0, 25.0])
+def test_kl_estimators_match_numpy(estimator, off_policy, spread):
+    theta, d, _, valid = batch(11, spread=0.3)
+    ref_logp = np.where(
+        valid, theta + np.random.default_rng(2).uniform(-spread, spread, theta.shape), np.nan
+    )
+    ref_logp = ref_logp.astype(np.float32)
+    expected = ref.kl(theta, ref_logp, valid, estimator=estimator, d=d if off_policy else None)
+
+    def f(th):
+        if off_policy:
+            return pl.off_policy_kl_estimate(th, ref_logp, d, valid, estimator=estimator)
+        return pl.kl_estimate(th, ref_logp, valid, estimator=estimator)
+
+    value, vjp = jax.vjp(f, jnp.asarray(theta))
+    cot = np.random.default_rng(3).normal(size=theta.shape).astype(np.float32)
+    np.testing.assert_allclose(value, expected.loss, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(vjp(jnp.asarray(cot))[0], expected.vjp(cot), rtol=2e-5, atol=2e-6)
+
+
+def test_off_policy_kl_gradient_is_unbiased_for_k3():
+    """E_{π_d}[∇(r·k3)] = ∇KL(π_θ‖π_ref) over a small categorical distribution."""
+    logits = jnp.array([0.3, -0.2, 1.0, -1.5])
+    ref_logits = jnp.array([0.0, 0.5, 0.2, -0.3])
+    old_logits = jnp.array([0.1, 0.1, 0.7, -1.0])
+    lp = lambda z: jax.nn.log_softmax(z)  # noqa: E731
+    valid = jnp.ones(4, bool)
+
+    def expected_estimate(z):
+        theta = lp(z)
+        per = pl.off_policy_kl_estimate(
+            theta, lp(ref_logits), lp(old_logits), valid, estimator="k3"
+        )
+        return jnp.sum(jnp.exp(lp(old_logits)) * per)  # E over samples from π_d
+
+    def true_kl(z):
+        return jnp.sum(jnp.exp(lp(z)) * (lp(z) - lp(ref_logits)))
+
+    np.testing.assert_allclose(expected_estimate(logits), true_kl(logits), rtol=1e-5)
+    np.testing.assert_allclose(
+        jax.grad(expected_estimate)(logits), jax.grad(true_kl)(logits), rtol=1e-4, atol=1e-6
+    )
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(policy_loss="gspoo"), "did you mean 'gspo'"),
+        (dict(policy_loss="cispo", tau_pos=1.0), "tau_pos"),
+        (dict(policy_loss="gpg", dual_clip_c=3.0), "dual_clip_c"),
+        (dict(policy_loss="sapo", clip_eps_high=0.3), "clip_eps_high"),
+        (dict(policy_loss="dro", dro_beta=-0.1), "dro_beta"),
+        (dict(policy_loss="dppo_tv", dppo_ratio_cap=0.0), "dppo_ratio_cap"),
+        (dict(policy_loss="sapo", tau_neg="x"), "tau_neg"),
+        (dict(aggregation="token_sum", loss_scale_factor=4), "loss_scale_factor"),
+        (dict(aggregation="seq-mean-token-sum"), "aggregation"),
+        (dict(kl_estimator="low_var_kl"), "kl_estimator"),
+        (dict(kl_coef=-1.0), "kl_coef"),
+        (dict(entropy_coef=float("nan")), "entropy_coef"),
+        (dict(kl_off_policy="yes"), "kl_off_policy"),
+        (
+            dict(algorithm="reinforce_is", correction=opj.VanillaTIS(), policy_loss="cispo"),
+            "reinforce_is",
+        ),
+    ],
+)
+def test_loss_config_rejects_bad_hyperparameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        opj.LossConfig(**kwargs)
+
+
+def test_loss_config_resolves_defaults_and_is_hashable():
+    cfg = opj.LossConfig(policy_loss="sapo", tau_neg=2.0, kl_coef=0.01, kl_estimator="k2")
+    assert (cfg.sapo_tau_pos, cfg.sapo_tau_neg) == (1.0, 2.0)
+    assert opj.LossConfig(policy_loss="dro").dro_penalty == 0.1
+    assert opj.LossConfig(policy_loss="dppo_kl").dppo_cap == 20.0
+    hash(cfg)
+    assert cfg == opj.LossConfig(policy_loss="sapo", tau_neg=2, kl_coef=0.01, kl_estimator="k2")
+
+
+def test_from_dict_names_unknown_keys():
+    with pytest.raises(ValueError, match="did you mean 'tau_pos'"):
+        opj.LossConfig.from_dict({"policy_loss": "sapo", "tau_pso": 1.0})
+    cfg = opj.LossConfig.from_dict({"policy_loss": "gspo", "clip_eps": 3e-4})
+    assert cfg.policy_loss == "gspo"
+
+
+# --------------------------------------------------------------------------- from_verl
+
+VERL_ACTOR = dict(
+    clip_ratio=0.2,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=3.0,
+    tau_pos=1.0,
+    tau_neg=1.05,
+    dro_beta=0.1,
+)
+NO_CORRECTION = dict(rollout_is=None, rollout_rs=None, rollout_is_threshold=2.0)
+
+
+@pytest.mark.parametrize(
+    ("loss_mode", "agg_mode", "policy_loss", "aggregation"),
+    [
+        ("vanilla", "token-mean", "ppo_clip", "token_mean"),
+        ("vanilla", "seq-mean-token-sum", "ppo_clip", "sequence_sum"),
+        ("vanilla", "seq-mean-token-mean", "ppo_clip", "sequence_mean"),
+        ("vanilla", "seq-mean-token-sum-norm", "ppo_clip", "sequence_sum_norm"),
+        ("vanilla", "token-sum", "ppo_clip", "token_sum"),
+        ("gspo", "token-mean", "gspo_token", "sequence_mean"),
+        ("sapo", "token-sum", "sapo", "sequence_mean"),
+        ("geo_mean", "token-mean", "gmpo", "row_mean"),
+        ("cispo", "token-mean", "cispo", "token_mean"),
+        ("gpg", "seq-mean-token-sum", "gpg", "sequence_sum"),
+        ("dppo_tv", "token-mean", "dppo_tv", "token_mean"),
+        ("dppo_kl", "token-mean", "dppo_kl", "token_mean"),
+        ("dro", "token-mean", "dro", "token_mean"),
+    ],
+)
+def test_from_verl_maps_loss_and_aggregation_modes(loss_mode, agg_mode, policy_loss, aggregation):
+    actor = {**VERL_ACTOR, "loss_mode": loss_mode, "loss_agg_mode": agg_mode}
+    cfg = opj.LossConfig.from_verl({**NO_CORRECTION, "bypass_mode": False}, actor)
+    assert (cfg.algorithm, cfg.policy_loss, cfg.aggregation) == ("ppo", policy_loss, aggregation)
+    assert cfg.clip_eps == 0.2
+    assert cfg.dual_clip_c == (3.0 if loss_mode == "vanilla" else None)
+    assert cfg.dppo_ratio_cap == (3.0 if loss_mode.startswith("dppo") else None)
+    if loss_mode == "sapo":
+        assert (cfg.tau_pos, cfg.tau_neg) == (1.0, 1.05)
+    if loss_mode == "dro":
+        assert cfg.dro_beta == 0.1
+    assert not cfg.rejected_in_denominator
+
+
+def test_from_verl_bypass_replaces_loss_mode_like_verl():
+    rc = {**NO_CORRECTION, "bypass_mode": True}
+    actor = {**VERL_ACTOR, "loss_mode": "gspo", "loss_agg_mode": "seq-mean-token-sum"}
+    cfg = opj.LossConfig.from_verl({**rc, "loss_type": "ppo_clip"}, actor)
+    assert (cfg.algorithm, cfg.policy_loss, cfg.aggregation) == (
+        "bypass_ppo",
+        "ppo_clip",
+        "sequence_sum",
+    )
+    assert cfg.dual_clip_c == 3.0
+    cfg = opj.LossConfig.from_verl({**rc, "loss_type": "reinforce"}, actor)
+    assert (cfg.algorithm, cfg.policy_loss) == ("bypass_ppo", "gpg")
+
+
+def test_from_verl_regularisers_and_ignored_actor_keys():
+    actor = {
+        "loss_mode": "vanilla",
+        "use_kl_loss": True,
+        "kl_loss_coef": 0.01,
+        "kl_loss_type": "mse",
+        "entropy_coeff": 0.001,
+        "ppo_mini_batch_size": 256,
+        "optim": {"lr": 1e-6},
+        "policy_loss": {"loss_mode": "vanilla", "clip_cov_ratio": 0.0002},
+        "loss_agg_mode": "seq-mean-token-sum-norm",
+        "loss_scale_factor": 4096,
+    }
+    cfg = opj.LossConfig.from_verl({}, actor)
+    assert (cfg.kl_coef, cfg.kl_estimator, cfg.entropy_coef) == (0.01, "k2", 0.001)
+    assert cfg.loss_scale_factor == 4096
+    assert (
+        opj.LossConfig.from_verl(None, {"policy_loss": {"loss_mode": "cispo"}}).policy_loss
+        == "cispo"
+    )
+    assert opj.LossConfig.from_verl(None, None) == opj.LossConfig.from_verl({}, {})
+
+
+@pytest.mark.parametrize(
+    ("rc", "actor", "message"),
+    [
+        ({}, {"clip_ratio_hgh": 0.3}, "did you mean 'clip_ratio_high'"),
+        ({}, {"loss_mode": "clip_cov"}, "actor.loss_mode"),
+        ({}, {"loss_agg_mode": "seq-mean"}, "actor.loss_agg_mode"),
+        ({}, {"use_kl_loss": True, "kl_loss_type": "k3+"}, "actor.kl_loss_type"),
+        ({}, {"clip_ratio_c": 1.0}, "actor.clip_ratio_c"),
+        ({}, {"loss_mode": "gspo", "policy_loss": {"loss_mode": "cispo"}}, "contradicts"),
+        ({"bypass_mode": True, "loss_type": "reinforc"}, {}, "loss_type"),
+        ({"bypass_mode": "yes"}, {}, "bypass_mode"),
+        ({}, ["loss_mode"], "actor must be a mapping"),
+    ],
+)
+def test_from_verl_errors_name_the_verl_key(rc, actor, message):
+    with pytest.raises(ValueError, match=message):
+        opj.LossConfig.from_verl(rc, actor)
+
+
+def test_every_verl_surrogate_has_a_native_name():
+    from offpolicy_jax import config
+
+    assert set(config._VERL_LOSS_MODES.values()) <= set(config.POLICY_LOSSES)
+    assert set(config._VERL_AGGREGATIONS.values()) <= set(config.AGGREGATIONS)
+    for a, b in itertools.combinations(config.POLICY_LOSSES, 2):
+        assert a != b
+
+
+# --------------------------------------------------------------------------- through policy_loss
+
+import numpy_reference as mis_ref  # noqa: E402  (the correction oracle)
+
+AGGREGATIONS = (
+    "token_mean",
+    "sequence_mean",
+    "sequence_sum",
+    "sequence_sum_norm",
+    "token_sum",
+    "row_mean",
+)
+# Token-level truncated IS at 2 with token rejection outside [0.5, 2]: weights and a
+# smaller final mask (the rejected tokens leave the loss).
+TIS_RS = dict(use_tis=True, use_rs=True, tis_upper_bound=2.0, rs_lower_bound=0.5)
+POLICY_LOSS_HYPER = {
+    "gspo": dict(clip_eps_high=EPS_HIGH),
+    "gspo_token": dict(clip_eps_high=EPS_HIGH),
+    "cispo": dict(clip_eps_high=EPS_HIGH),
+    "gmpo": dict(clip_eps_high=EPS_HIGH),
+    "sapo": dict(tau_pos=1.0, tau_neg=1.05),
+    "gpg": {},
+    "dppo_tv": dict(clip_eps_high=EPS_HIGH, dppo_ratio_cap=3.0),
+    "dppo_kl": dict(clip_eps_high=EPS_HIGH, dppo_ratio_cap=3.0),
+    "dro": dict(dro_beta=0.1),
+}
+
+
+def loss_config(name, aggregation="token_mean", algorithm="decoupled_ppo", **extra):
+    correction = opj.CorrectionConfig(**TIS_RS) if algorithm == "decoupled_ppo" else None
+    return opj.LossConfig(
+        algorithm=algorithm,
+        correction=correction,
+        policy_loss=name,
+        aggregation=aggregation,
+        clip_eps=EPS,
+        **POLICY_LOSS_HYPER[name],
+        **extra,
+    )
+
+
+def policy_batch(seed, garbage=True):
+    theta, old, adv, valid = batch(seed, spread=0.5, garbage=garbage)
+    rng = np.random.default_rng(seed + 100)
+    rollout = np.where(valid, old + rng.normal(0, 0.6, old.shape), np.nan).astype(np.float32)
+    return theta, old, rollout, adv, valid
+
+
+def numpy_policy_loss(name, config, theta, old, rollout, adv, valid):
+    """The loss and its gradient from the two oracles: correction, then surrogate."""
+    if config.algorithm == "decoupled_ppo":
+        w, m_final, _ = mis_ref.correction(old, rollout, valid, **TIS_RS)
+        w = np.where(m_final > 0, w, 0.0)
+    else:
+        w, m_final = np.ones(valid.shape), valid.astype(np.float64)
+    d = rollout if config.algorithm == "bypass_ppo" else old
+    kept = m_final > 0
+    terms = numpy_loss(name, theta, d, adv, kept, weights=w if name == "gmpo" else None)
+    scale = config.loss_scale_factor
+    if name == "gmpo":
+        per_token = np.broadcast_to(terms.loss[:, None], valid.shape)
+        value, agg_w = ref.aggregate(per_token, m_final, m_final, config.aggregation, scale)
+        return value, terms.vjp(agg_w.sum(-1))
+    per_token = w * terms.loss
+    value, agg_w = ref.aggregate(per_token, m_final, m_final, config.aggregation, scale)
+    return value, terms.vjp(agg_w * w)
+
+
+def _jit_loss(config):
+    def f(lp, old, rollout, adv, mask, **kw):
+        return opj.policy_loss(lp, old, rollout, adv, mask, config, **kw)
+
+    return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+
+# Every surrogate in every mode; every aggregation with the per-sequence surrogates and
+# one per-token one (the full product is the slow variant).
+ORACLE_CASES = [
+    (name, "token_mean", algorithm)
+    for name in SURROGATES
+    for algorithm in ("ppo", "bypass_ppo", "decoupled_ppo")
+] + [
+    (name, aggregation, "decoupled_ppo")
+    for name in ("gspo", "gmpo", "dppo_kl")
+    for aggregation in AGGREGATIONS[1:]
+]
+SLOW_ORACLE_CASES = [
+    pytest.param(*case, marks=pytest.mark.slow)
+    for case in itertools.product(SURROGATES, AGGREGATIONS, ("ppo", "bypass_ppo", "decoupled_ppo"))
+    if case not in ORACLE_CASES
+]
+
+
+@pytest.mark.parametrize(("name", "aggregation", "algorithm"), ORACLE_CASES + SLOW_ORACLE_CASES)
+def test_policy_loss_matches_the_oracles(name, aggregation, algorithm):
+    theta, old, rollout, adv, valid = policy_batch(21)
+    config = loss_config(name, aggregation, algorithm)
+    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, valid)
+    value, expected_grad = numpy_policy_loss(name, config, theta, old, rollout, adv, valid)
+    np.testing.assert_allclose(float(loss), value, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=2e-5, atol=2e-6)
+    assert np.all(np.asarray(grad)[~valid] == 0)
+    np.testing.assert_allclose(float(metrics["pg_loss"]), value, rtol=2e-5, atol=2e-6)
+    assert "ppo_kl" in metrics
+
+
+def test_sequence_sum_norm_divides_by_the_padded_length_or_the_scale():
+    theta, old, rollout, adv, valid = policy_batch(22)
+    base = _jit_loss(loss_config("cispo", "sequence_sum", "ppo"))(theta, old, rollout, adv, valid)
+    for scale, divisor in ((None, theta.shape[-1]), (4096.0, 4096.0)):
+        config = loss_config("cispo", "sequence_sum_norm", "ppo", loss_scale_factor=scale)
+        (loss, _), grad = _jit_loss(config)(theta, old, rollout, adv, valid)
+        np.testing.assert_allclose(float(loss), float(base[0][0]) / divisor, rtol=1e-6)
+        np.testing.assert_allclose(grad, np.asarray(base[1]) / divisor, rtol=1e-6, atol=1e-12)
+
+
+def test_row_mean_counts_empty_rows_and_sequence_mean_does_not():
+    theta, old, rollout, adv, valid = policy_batch(23)
+    seq = _jit_loss(loss_config("gmpo", "sequence_mean", "ppo"))(theta, old, rollout, adv, valid)
+    row = _jit_loss(loss_config("gmpo", "row_mean", "ppo"))(theta, old, rollout, adv, valid)
+    nonempty, rows = valid.any(-1).sum(), valid.shape[0]
+    np.testing.assert_allclose(float(row[0][0]) * rows, float(seq[0][0]) * nonempty, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ppo_clip", *SURROGATES])
+def test_dual_clip_and_clip_fractions_are_reported(name):
+    theta, old, rollout, adv, valid = policy_batch(24)
+    if name == "ppo_clip":
+        config = opj.LossConfig(clip_eps_high=0.28, dual_clip_c=3.0)
+    else:
+        config = loss_config(name, algorithm="ppo")
+    _, metrics = opj.policy_loss(theta, old, rollout, adv, valid, config)
+    expected = {
+        "ppo_clip": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"},
+        "gmpo": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"},
+        "dppo_tv": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"},
+        "dppo_kl": {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"},
+        "gspo": {"pg_clipfrac", "ppo_kl"},
+        "gspo_token": {"pg_clipfrac", "ppo_kl"},
+        "cispo": {"pg_clipfrac", "ppo_kl"},
+    }.get(name, {"ppo_kl"})
+    assert expected <= set(metrics), set(metrics)
+    assert not ({"pg_clipfrac", "pg_clipfrac_lower"} - expected) & set(metrics)
+    for key in expected:
+        assert 0.0 <= float(metrics[key]) <= 1.0 or key == "ppo_kl"
+
+
+def test_pg_clipfrac_lower_counts_the_dual_clip_floor():
+    # A < 0 and r = e^2 > c = 3: the floor −c·A is active on every token.
+    valid = np.ones((2, 3), bool)
+    old = np.full(valid.shape, -2.0, np.float32)
+    theta = old + np.float32(2.0)
+    adv = -np.ones(valid.shape, np.float32)
+    config = opj.LossConfig(dual_clip_c=3.0)
+    _, metrics = opj.policy_loss(theta, old, None, adv, valid, config)
+    assert float(metrics["pg_clipfrac_lower"]) == 1.0
+    _, metrics = opj.policy_loss(theta, old, None, -adv, valid, config)
+    assert float(metrics["pg_clipfrac_lower"]) == 0.0
+
+
+COVERAGE = [(name, "sequence_mean") for name in SURROGATES] + [
+    ("gmpo", aggregation) for aggregation in AGGREGATIONS if aggregation != "sequence_mean"
+]
+
+
+@pytest.mark.parametrize(("name", "aggregation"), COVERAGE)
+def test_empty_and_fully_rejected_batches_give_zero(name, aggregation):
+    theta, old, rollout, adv, valid = policy_batch(25)
+    config = loss_config(name, aggregation)
+    empty = np.zeros_like(valid)
+    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, empty)
+    assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0.0)
+    assert all(np.isfinite(float(v)) for v in metrics.values())
+    far = np.where(valid, old + 5.0, np.nan).astype(np.float32)  # every ratio e^-5: rejected
+    (loss, metrics), grad = _jit_loss(config)(theta, old, far, adv, valid)
+    assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0.0)
+    assert all(np.isfinite(float(v)) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", SURROGATES)
+def test_policy_loss_ignores_padding_garbage(name):
+    theta, old, rollout, adv, valid = policy_batch(26, garbage=True)
+    clean = [np.where(valid, x, -1.0).astype(np.float32) for x in (theta, old, rollout)]
+    config = loss_config(name, "sequence_mean")
+    (loss_g, _), grad_g = _jit_loss(config)(theta, old, rollout, adv, valid)
+    (loss_c, _), grad_c = _jit_loss(config)(*clean, np.where(valid, adv, 0.0), valid)
+    assert float(loss_g) == float(loss_c)
+    np.testing.assert_array_equal(np.asarray(grad_g), np.asarray(grad_c))
+
+
+@pytest.mark.parametrize(("name", "aggregation"), COVERAGE)
+def test_micro_batches_pool_to_the_full_batch(name, aggregation):
+    theta, old, rollout, adv, valid = policy_batch(27)
+    config = loss_config(name, aggregation)
+    full = opj.compute_correction(old, rollout, valid, config.correction)
+    (full_loss, full_metrics), full_grad = _jit_loss(config)(theta, old, rollout, adv, valid)
+    num, den, grads, pooled = 0.0, 0.0, [], None
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        given = opj.CorrectionResult(full.weights[rows], full.mask[rows], {})
+
+        def numerator(lp, rows=rows, given=given):
+            parts, metrics = opj.policy_loss_parts(
+                lp,
+                old[rows],
+                rollout[rows],
+                adv[rows],
+                valid[rows],
+                config,
+                correction_result=given,
+            )
+            return parts.numerator, (parts.denominator, metrics)
+
+        (n, (d, metrics)), g = jax.jit(jax.value_and_grad(numerator, has_aux=True))(theta[rows])
+        num, den = num + n, den + d
+        grads.append(np.asarray(g))
+        pooled = metrics if pooled is None else jax.tree.map(jnp.add, pooled, metrics)
+    np.testing.assert_allclose(
+        float(opj.LossParts(num, den).value()), float(full_loss), rtol=1e-5, atol=1e-6
+    )
+    grad = opj.LossParts(np.concatenate(grads), den).value()
+    np.testing.assert_allclose(grad, np.asarray(full_grad), rtol=1e-5, atol=1e-7)
+    pooled = opj.finalize_metrics(pooled)
+    for key in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        if key in pooled:
+            np.testing.assert_allclose(
+                pooled[key], full_metrics[key], rtol=1e-5, atol=1e-6, err_msg=key
+            )
+
+
+# --------------------------------------------------------------------------- KL and entropy
+
+
+@pytest.mark.parametrize("estimator", pl.KL_ESTIMATORS)
+@pytest.mark.parametrize("off_policy", [False, True])
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_kl_term_matches_numpy(estimator, off_policy, aggregation):
+    theta, old, rollout, adv, valid = policy_batch(28)
+    rng = np.random.default_rng(5)
+    ref_logp = np.where(valid, theta + rng.normal(0, 0.7, theta.shape), np.inf).astype(np.float32)
+    coef = 0.05
+    base_config = loss_config("cispo", aggregation)
+    config = loss_config(
+        "cispo", aggregation, kl_coef=coef, kl_estimator=estimator, kl_off_policy=off_policy
+    )
+    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, valid, ref_logp=ref_logp)
+    (base, _), base_grad = _jit_loss(base_config)(theta, old, rollout, adv, valid)
+    _, m_final, _ = mis_ref.correction(old, rollout, valid, **TIS_RS)
+    kl = ref.kl(theta, ref_logp, m_final > 0, estimator=estimator, d=old if off_policy else None)
+    kl_value, agg_w = ref.aggregate(kl.loss, m_final, m_final, aggregation)
+    np.testing.assert_allclose(float(metrics["kl_loss"]), kl_value, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(float(loss), float(base) + coef * kl_value, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(
+        np.asarray(grad), np.asarray(base_grad) + coef * kl.vjp(agg_w), rtol=2e-5, atol=2e-6
+    )
+    np.testing.assert_allclose(float(metrics["pg_loss"]), float(base), rtol=1e-6, atol=1e-7)
+
+
+def test_entropy_bonus_and_its_gradient():
+    theta, old, rollout, adv, valid = policy_batch(29)
+    entropy = np.where(valid, np.random.default_rng(6).uniform(0, 3, theta.shape), np.nan)
+    entropy = entropy.astype(np.float32)
+    config = loss_config("gpg", "token_mean", entropy_coef=0.01)
+    base = opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg", "token_mean"))[0]
+
+    def f(ent):
+        return opj.policy_loss(theta, old, rollout, adv, valid, config, entropy=ent)[0]
+
+    loss, grad_entropy = jax.value_and_grad(f)(entropy)
+    _, m_final, _ = mis_ref.correction(old, rollout, valid, **TIS_RS)
+    h, agg_w = ref.aggregate(entropy, m_final, m_final, "token_mean")
+    np.testing.assert_allclose(float(loss), float(base) - 0.01 * h, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(grad_entropy), -0.01 * agg_w, rtol=2e-5, atol=1e-9)
+    metrics = opj.policy_loss(theta, old, rollout, adv, valid, config, entropy=entropy)[1]
+    np.testing.assert_allclose(float(metrics["entropy"]), h, rtol=2e-5)
+
+
+def test_regularisers_need_their_inputs():
+    theta, old, rollout, adv, valid = policy_batch(30)
+    with pytest.raises(ValueError, match="ref_logp is required"):
+        opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg", kl_coef=0.1))
+    with pytest.raises(ValueError, match="entropy is required"):
+        opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg", entropy_coef=0.1))
+    with pytest.raises(ValueError, match="ref_logp"):
+        opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg"), ref_logp=theta[:, :3])
