@@ -23,8 +23,8 @@ population never reaches a sum.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Literal, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,9 @@ from offpolicy_jax import _fusion
 
 Reduction = Literal["sequence", "token"]
 REDUCTIONS: tuple[str, ...] = ("sequence", "token")
+
+# Column names: strings, or tuples where the pipeline keys columns by (stage, name).
+ColumnKey = TypeVar("ColumnKey", bound=Hashable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,12 @@ class MeshAxes:
 AxisNames = None | str | Sequence[str] | MeshAxes | Mapping[str, str | Sequence[str]]
 
 
+def _names(value: str | Sequence[str]) -> tuple[str, ...]:
+    # The same normalisation as MeshAxes.__post_init__, done before the call so that
+    # the fields are typed as tuples.
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def as_mesh_axes(axis_names: AxisNames) -> MeshAxes:
     """Normalises the ``axis_names`` argument of the public functions.
 
@@ -84,7 +93,9 @@ def as_mesh_axes(axis_names: AxisNames) -> MeshAxes:
             raise ValueError(
                 f"axis_names mapping has unknown keys {sorted(unknown)}; allowed: 'batch', 'token'"
             )
-        return MeshAxes(batch=axis_names.get("batch", ()), token=axis_names.get("token", ()))
+        return MeshAxes(
+            batch=_names(axis_names.get("batch", ())), token=_names(axis_names.get("token", ()))
+        )
     if isinstance(axis_names, Sequence):
         return MeshAxes(batch=tuple(axis_names))
     raise TypeError(
@@ -149,7 +160,7 @@ def pooled_value(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     return jnp.where(nonzero, numerator / jnp.where(nonzero, denominator, 1), numerator)
 
 
-def masked(x: jax.Array, population: jax.Array) -> jax.Array:
+def masked(x: jax.Array | float, population: jax.Array) -> jax.Array:
     """``x`` weighted by the population, with 0 (not NaN) outside it."""
     return jnp.where(population > 0, x, 0) * population
 
@@ -219,7 +230,7 @@ class Rows:
 
     axes: MeshAxes = MeshAxes()
 
-    def reduce(self, columns: Mapping[str, Column]) -> dict[str, jax.Array]:
+    def reduce(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
         """Every column's per-sequence reduction, ``[..., T] -> [...]``, computed together.
 
         Each result is ``Σ_t x_t p_t``, ``min`` or ``max`` over the sequence's tokens

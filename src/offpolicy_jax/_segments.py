@@ -54,7 +54,7 @@ import numpy as np
 
 from offpolicy_jax import _fusion, _reduce
 from offpolicy_jax._fusion import INIT as _INIT
-from offpolicy_jax._reduce import _COLLECTIVE, Column, MeshAxes, Rows
+from offpolicy_jax._reduce import _COLLECTIVE, Column, ColumnKey, MeshAxes, Rows
 
 
 def check_segments(segment_ids, num_segments, shape: tuple[int, ...]) -> jax.Array | None:
@@ -162,11 +162,11 @@ _segment_fused.defjvp(_segment_fused_jvp, symbolic_zeros=True)
 
 
 def segment_reduce(
-    columns: Mapping[str, Column],
+    columns: Mapping[ColumnKey, Column],
     segment_ids: jax.Array,
     num_segments: int,
     axes: MeshAxes,
-) -> dict[str, jax.Array]:
+) -> dict[ColumnKey, jax.Array]:
     """Every column's per-segment reduction, ``[..., T] -> [..., K]``, computed together.
 
     ``out[..., k − 1] = Σ_t [id_t = k] x_t p_t`` (or the min / max over the tokens
@@ -273,18 +273,27 @@ class Packed(Rows):
       num_segments: ``K``, static.
     """
 
+    # A default only because the inherited ``axes`` has one; :func:`layout` always
+    # passes validated ids (see ``ids``).
     segment_ids: jax.Array | None = None
     num_segments: int = 1
 
-    def reduce(self, columns: Mapping[str, Column]) -> dict[str, jax.Array]:
+    @property
+    def ids(self) -> jax.Array:
+        """``segment_ids``, which a packed layout cannot lack."""
+        if self.segment_ids is None:
+            raise TypeError("Packed layout constructed without segment_ids")
+        return self.segment_ids
+
+    def reduce(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
         """Every column's per-segment reduction, ``[..., T] -> [..., K]`` (see
         :func:`segment_reduce`)."""
-        return segment_reduce(columns, self.segment_ids, self.num_segments, self.axes)
+        return segment_reduce(columns, self.ids, self.num_segments, self.axes)
 
     def broadcast(self, per_seq: jax.Array) -> jax.Array:
         """A per-segment value ``[..., K]`` on every token of its segment, ``[..., T]``
         (0 / False on padding)."""
-        return segment_broadcast(jnp.asarray(per_seq), self.segment_ids)
+        return segment_broadcast(jnp.asarray(per_seq), self.ids)
 
 
 def layout(axes: MeshAxes, segment_ids, num_segments, shape: tuple[int, ...]) -> Rows:
@@ -301,7 +310,7 @@ def only_segments(layout: Rows, mask: jax.Array) -> jax.Array:
     (padding is never trained on, whatever the mask says); unchanged otherwise."""
     if not isinstance(layout, Packed):
         return mask
-    return jnp.where(in_segment(layout.segment_ids, layout.num_segments), mask, 0.0)
+    return jnp.where(in_segment(layout.ids, layout.num_segments), mask, 0.0)
 
 
 def segment_arguments(layout: Rows) -> dict:

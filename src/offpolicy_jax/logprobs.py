@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -434,7 +435,9 @@ def _forward_rows(h, w, tok, inv_t, chunk, v_chunk, axis_name, with_entropy):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _fused(h, w, tok, inv_t, chunk, v_chunk, axis_name, with_entropy):
+def _fused(
+    h, w, tok, inv_t, chunk, v_chunk, axis_name, with_entropy
+) -> tuple[jax.Array, jax.Array]:
     out = _forward_rows(h, w, tok, inv_t, chunk, v_chunk, axis_name, with_entropy)
     return out[0], out[1]
 
@@ -665,15 +668,20 @@ def token_logprobs_from_hidden(
     if n == 0:
         empty = jnp.zeros(batch_shape, jnp.float32)
         return (empty, empty) if return_entropy else empty
-    logp, entropy = _fused(
-        hidden.reshape(n, hidden.shape[-1]),
-        unembedding,
-        tokens.reshape(n),
-        inv_t,
-        int(chunk_size),
-        None if vocab_chunk_size is None else int(vocab_chunk_size),
-        axis_name,
-        bool(return_entropy),
+    # typing.cast: jax types custom_vjp's constructor as returning `custom_vjp3 | Self`,
+    # so the call's type is lost; _fused returns (logp, entropy), two arrays.
+    logp, entropy = typing.cast(
+        tuple[jax.Array, jax.Array],
+        _fused(
+            hidden.reshape(n, hidden.shape[-1]),
+            unembedding,
+            tokens.reshape(n),
+            inv_t,
+            int(chunk_size),
+            None if vocab_chunk_size is None else int(vocab_chunk_size),
+            axis_name,
+            bool(return_entropy),
+        ),
     )
     logp = logp.reshape(batch_shape)
     if return_entropy:

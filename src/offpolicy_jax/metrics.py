@@ -15,6 +15,7 @@ pass together with every other stage's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,7 @@ class MismatchMetrics(Stage):
         )
 
 
-def finalize(parts: dict[str, MeanParts | jax.Array]) -> dict[str, jax.Array]:
+def finalize(parts: Mapping[str, MeanParts | jax.Array]) -> dict[str, jax.Array]:
     """Divides out every :class:`MeanParts`; plain arrays pass through. float32 scalars."""
     return {
         key: (value.value() if isinstance(value, MeanParts) else value).astype(jnp.float32)

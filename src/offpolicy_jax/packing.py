@@ -229,12 +229,19 @@ def unpack_sequences(
     ids = np.asarray(segment_ids)
     if not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"segment_ids must be an integer array, got dtype {ids.dtype}")
-    keys = list(arrays) if isinstance(arrays, Mapping) else list(range(len(arrays)))
-    values = [np.asarray(arrays[k]) for k in keys]
+    names: list[str] | None = None  # set iff `arrays` is a dict: the output is one too
+    keys: list[str | int]
+    if isinstance(arrays, Mapping):
+        names = list(arrays)
+        keys = list(names)
+        values = [np.asarray(arrays[k]) for k in names]
+    else:
+        keys = list(range(len(arrays)))
+        values = [np.asarray(arrays[i]) for i in range(len(arrays))]
     for k, v in zip(keys, values, strict=True):
         if v.shape != ids.shape:
             raise ValueError(f"arrays[{k!r}] has shape {v.shape}, segment_ids {ids.shape}")
-    lead, t = ids.shape[:-1], ids.shape[-1]
+    lead, t = ids.shape[:-1], int(ids.shape[-1])
     length = t if length is None else length
     flat_ids = ids.reshape(-1, t)
 
@@ -257,6 +264,6 @@ def unpack_sequences(
             for out, v in zip(outs, flat_values, strict=True):
                 out[r, k - 1, : where.size] = v[r, where]
     outs = [o.reshape(*lead, num_segments, length) for o in outs]
-    if isinstance(arrays, Mapping):
-        return dict(zip(keys, outs, strict=True))
+    if names is not None:
+        return dict(zip(names, outs, strict=True))
     return tuple(outs)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import _reduce, criteria
-from offpolicy_jax._reduce import MeanParts
+from offpolicy_jax._reduce import MeanParts, Reduction, Rows
 from offpolicy_jax.criteria import Criterion
 from offpolicy_jax.stages import Decision, Mean, Stage
 
@@ -107,7 +107,6 @@ class KLCriterion(Stage):
             value = self._stat(t)
             per_seq = False
             high_ext, low_ext = sums["max"], sums["min"]
-            rejected_seq = sums["out"] > 0
         else:
             agg = sums["agg"]
             if c.aggregate == "seq_mean":
@@ -118,8 +117,7 @@ class KLCriterion(Stage):
             high_ext = low_ext = value
         low, high = self._outside(value)
         keep = ~high if low is None else ~(low | high)
-        if per_seq:
-            rejected_seq = ~keep
+        rejected_seq = ~keep if per_seq else sums["out"] > 0
         metrics = {
             f"{p}_mean": Mean(value, per_seq=per_seq),
             f"{p}_max": batch_extreme(t.layout, high_ext, count, "max"),
@@ -271,8 +269,8 @@ def opsm(
     advantages: jax.Array,
     population: jax.Array,
     delta: float,
-    layout,
-    reduction: str,
+    layout: Rows,
+    reduction: Reduction,
 ) -> tuple[jax.Array, dict[str, MeanParts]]:
     """DeepSeek-V3.2 off-policy sequence masking (OPSM), decided per sequence in the loss.
 

@@ -134,12 +134,17 @@ class Bounded(Stage):
     finish: Callable[[jax.Array], jax.Array] | None = None
     name: Hashable = None
 
+    def _statistic(self, t: Tokens) -> jax.Array:
+        if self.statistic is None:
+            raise TypeError(f"Bounded({self.prefix!r}) needs a statistic unless from_sums is given")
+        return self.statistic(t)
+
     def columns(self, t):
         if self.aggregate is None:
             return {}
         return {
             "agg": Column(
-                "max" if self.aggregate == "max" else "sum", self.statistic(t), t.population
+                "max" if self.aggregate == "max" else "sum", self._statistic(t), t.population
             )
         }
 
@@ -148,7 +153,7 @@ class Bounded(Stage):
         if self.from_sums is not None:
             value = self.from_sums(t, sums)
         elif self.aggregate is None:
-            value = self.statistic(t)
+            value = self._statistic(t)
         elif self.aggregate == "mean":
             value = _reduce.safe_divide(sums["agg"], sums["count"])
         else:
@@ -194,7 +199,8 @@ def run(
     """
     layout, how = t.layout, t.reduction
     nonfinite = ~jnp.isfinite(t.old) | ~jnp.isfinite(t.rollout)
-    columns = {
+    # Pass-1 keys: the pipeline's own facts by name, each stage's columns by (stage, name).
+    columns: dict[str | tuple[int, str], Column] = {
         "count": _reduce.count(t.population),
         "nonfinite": _reduce.count_where(nonfinite, t.population),
         "delta": _reduce.total(t.delta, t.population),
@@ -213,7 +219,11 @@ def run(
     requests: list[tuple[str, Mean, int]] = []
     parts: dict[str, MeanParts] = {}
     for i, stage in enumerate(stages):
-        own = {k[1]: _restrict(finite, v) for k, v in pass1.items() if k[0:1] == (i,)}
+        own = {
+            k[1]: _restrict(finite, v)
+            for k, v in pass1.items()
+            if isinstance(k, tuple) and k[0] == i
+        }
         d = stage.decide(t, {**base, **own})
         if d.weights is not None:
             weights, weights_per_seq = d.weights, d.per_seq
@@ -239,21 +249,22 @@ def run(
     def index(metric, stage_population):
         return {"valid": 0, "kept": stage_population, "final": len(populations) - 1}[metric.over]
 
-    columns = {}
+    # Pass-2 keys: ("n", population), ("sum", metric key, population), or a name.
+    pass2_columns: dict[Hashable, Column] = {}
     for name, metric, at in requests:
         p = index(metric, at)
         if p:
-            columns[("n", p)] = _reduce.count(populations[p])
+            pass2_columns[("n", p)] = _reduce.count(populations[p])
         if not metric.per_seq:
             key = metric.key if metric.key is not None else name
-            columns[("sum", key, p)] = _reduce.total(metric.value, populations[p])
+            pass2_columns[("sum", key, p)] = _reduce.total(metric.value, populations[p])
     if weight_stats:
-        columns[("n", len(populations) - 1)] = _reduce.count(final)
+        pass2_columns[("n", len(populations) - 1)] = _reduce.count(final)
         if not weights_per_seq:
-            columns["w"] = _reduce.total(weights, final)
-            columns["lo"] = _reduce.minimum(weights, final)
-            columns["hi"] = _reduce.maximum(weights, final)
-    pass2 = layout.reduce(columns)
+            pass2_columns["w"] = _reduce.total(weights, final)
+            pass2_columns["lo"] = _reduce.minimum(weights, final)
+            pass2_columns["hi"] = _reduce.maximum(weights, final)
+    pass2 = layout.reduce(pass2_columns)
 
     def count(p):
         return base["count"] if p == 0 else pass2[("n", p)]
@@ -290,7 +301,8 @@ def run(
     if weight_stats:
         # As (μ, 1): pooled over micro-batches it reports their mean normaliser.
         parts["mis_batch_norm_factor"] = MeanParts(mu, jnp.ones((), jnp.float32))
-    if weights_per_seq:
-        weights = layout.broadcast(weights)
+    # A new name, not a reassignment: mean_weight above reads `weights` (narrowed to
+    # an array) as a closure.
+    token_weights = layout.broadcast(weights) if weights_per_seq else weights
     # `where`, not a product: rejected positions may hold e^20-sized mask-mode ratios.
-    return jnp.where(final > 0, weights / mu, 0.0), final, parts
+    return jnp.where(final > 0, token_weights / mu, 0.0), final, parts
