@@ -69,8 +69,10 @@ def test_bounds_modes():
     kept, keep = bounds.apply_mode(w, "mask", 0.5, 2.0)
     np.testing.assert_array_equal(keep, [False, True, True, True, False])  # inclusive bounds
     np.testing.assert_allclose(kept, [0.0, 0.5, 1.0, 2.0, 0.0])
+    np.testing.assert_allclose(bounds.apply_mode(w, "icepop", 0.5, 2.0)[0], [0, 0.5, 1, 2, 0])
+    np.testing.assert_allclose(bounds.apply_mode(w, "none", 0.5, 2.0)[0], [1, 1, 1, 1, 1])
     with pytest.raises(ValueError, match="mode"):
-        bounds.apply_mode(w, "icepop", 0.5, 2.0)
+        bounds.apply_mode(w, "bogus", 0.5, 2.0)
 
 
 def test_rejection_sampling_inclusive():
@@ -154,7 +156,9 @@ def test_mean_parts_pool_exactly_and_stay_one_type():
     pooled = jax.tree.map(jnp.add, a, b)
     assert isinstance(pooled, MeanParts) and float(pooled.value()) == 1.0
     assert float(jax.jit(lambda p: p.value())(a)) == 1.5
-    assert float(MeanParts(jnp.float32(3.0), jnp.float32(0.0)).value()) == 0.0
+    # An empty mean (0, 0) is 0; a pure sum (token_sum) is written with denominator 0.
+    assert float(MeanParts(jnp.float32(0.0), jnp.float32(0.0)).value()) == 0.0
+    assert float(MeanParts(jnp.float32(3.0), jnp.float32(0.0)).value()) == 3.0
     import offpolicy_jax as opj
 
     assert opj.LossParts is MeanParts

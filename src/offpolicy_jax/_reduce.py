@@ -126,7 +126,8 @@ class MeanParts:
     denominator: jax.Array
 
     def value(self) -> jax.Array:
-        """``numerator / denominator``, and 0 (never NaN) for an empty population."""
+        """``numerator / denominator``; 0 (never NaN) for an empty mean, and the numerator
+        itself for a sum (denominator 0, see :func:`pooled_value`)."""
         return pooled_value(self.numerator, self.denominator)
 
     def __add__(self, other: MeanParts) -> MeanParts:
