@@ -155,6 +155,11 @@ def regulariser_terms(
     out = {}
     if ref_logp is not None:
         if config.kl_off_policy:
+            if denominator is None:
+                raise ValueError(
+                    "kl_off_policy weights the KL estimate by π_θ / π_old and needs old_logp; "
+                    "pass old_logp or set kl_off_policy=False"
+                )
             out["kl_loss"] = pl.off_policy_kl_estimate(
                 theta, ref_logp, denominator, valid, estimator=config.kl_estimator
             )

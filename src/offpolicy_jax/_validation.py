@@ -84,7 +84,7 @@ def as_float_mask(name: str, mask) -> jax.Array:
     return jnp.where(weights > 0, weights, 0.0)
 
 
-def check_same_shape(reference_name: str, reference: jax.Array, **others: jax.Array) -> None:
+def check_same_shape(reference_name: str, reference: jax.Array, **others: jax.Array | None) -> None:
     """Raises ``ValueError`` naming the first argument whose shape differs."""
     for name, value in others.items():
         if value is not None and np.shape(value) != np.shape(reference):

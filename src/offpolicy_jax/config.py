@@ -412,7 +412,9 @@ class CorrectionConfig:
             if p.name.endswith(".yaml")
         )
         if name in shipped:
-            return cls.from_yaml(resources.files("offpolicy_jax") / "configs" / f"{name}.yaml")
+            # As YAML text: a packaged resource need not be a file on disk (e.g. a zip).
+            shipped_file = resources.files("offpolicy_jax") / "configs" / f"{name}.yaml"
+            return cls.from_yaml(shipped_file.read_text())
         if name in verl.VERL_PRESETS:
             return cls.from_verl(verl.preset_block(name))
         known = shipped + sorted(verl.VERL_PRESETS)
@@ -525,7 +527,7 @@ class LossConfig:
     aggregation: str = "sequence_mean"
     rejected_in_denominator: bool = False
     get_mismatch_metrics: bool = False
-    metric_reduction: str = "sequence"
+    metric_reduction: Literal["sequence", "token"] = "sequence"
     opsm_delta: float | None = None
     policy_loss: str = "ppo_clip"
     tau_pos: float | None = None
@@ -869,6 +871,7 @@ class LossConfig:
         clip_c = _check_number(
             "actor", "clip_ratio_c", actor.get("clip_ratio_c", 3.0), optional=False
         )
+        assert clip_c is not None  # optional=False never returns None
 
         if bypass:
             # verl's apply_bypass_mode swaps loss_mode for its own "bypass_mode" loss.

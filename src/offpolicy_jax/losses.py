@@ -405,14 +405,18 @@ def policy_loss_terms(
         columns["bad_logp"] = _reduce.count_where(bad_logp, mask)
     ratio_denominator = rollout if algorithm == "bypass_ppo" else old
     if algorithm == "reinforce_is":
+        assert weights is not None  # reinforce_is always reweights (LossConfig.reweights)
         per_token = reinforce_term(jnp.where(kept, theta, 0.0), adv, weights)
     elif config.policy_loss != "ppo_clip":
+        # _check_inputs: ppo / decoupled_ppo require old_logp, bypass_ppo rollout_logp.
+        assert ratio_denominator is not None
         surrogate = _objective.surrogate_columns(
             config, theta, ratio_denominator, adv, valid, final_mask, weights, layout
         )
         per_token = surrogate.loss
         columns.update(surrogate.columns)
     else:
+        assert ratio_denominator is not None  # as above
         terms = ppo_surrogate(
             theta,
             ratio_denominator,
@@ -431,6 +435,7 @@ def policy_loss_terms(
         if rollout is not None:
             # D8b: in bypass mode π_old is sg(θ); the reference reports 0 here.
             source = theta_sg if algorithm == "bypass_ppo" else old
+            assert source is not None  # ppo / decoupled_ppo require old_logp
             diff = jnp.abs(source - rollout)
             columns["train_rollout_logprob_abs_diff"] = _reduce.total(
                 sg(jnp.where(jnp.isfinite(diff), diff, 0.0)), final_mask
@@ -438,6 +443,7 @@ def policy_loss_terms(
         if config.correction is not None or config.get_mismatch_metrics:
             # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
             # divergence it exists to show; capped like every metric exponential.
+            assert ratio_denominator is not None  # only reinforce_is may lack it
             raw = jnp.where(valid, theta_sg - jax.lax.stop_gradient(ratio_denominator), 0.0)
             columns["ois"] = _reduce.total(metric_exp(jnp.where(jnp.isnan(raw), 0.0, raw)), mask)
     # KL-to-reference and entropy join the policy term per token: one sum, one
@@ -490,11 +496,13 @@ def policy_loss_terms(
     keep = layout.broadcast(ok)
     final_mask = jnp.where(keep, final_mask, 0.0)
     denominator_mask = mask if config.rejected_in_denominator else final_mask
+    loss_parts = parts.pop("loss")
+    assert isinstance(loss_parts, MeanParts)  # aggregation_terms -> batch_means
     return PolicyLossTerms(
         loss=jnp.where(final_mask > 0, per_token, 0.0),
         mask=final_mask,
         denominator_mask=denominator_mask,
-        parts=parts.pop("loss"),
+        parts=loss_parts,
         metrics=parts,
     )
 
