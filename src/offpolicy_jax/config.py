@@ -429,6 +429,7 @@ class VanillaTIS:
     """The reference's built-in truncated IS: ``w = clip(exp(o - b), clip_low, clip)``.
 
     The mask is left unchanged; metrics ``tis``, ``tis_clipfrac``, ``tis_abs``.
+    ``clip=math.inf`` means no cap: the untruncated ("vanilla") IS weight.
     """
 
     clip_low: float = 0.0
@@ -436,7 +437,10 @@ class VanillaTIS:
 
     def __post_init__(self):
         low = _check_number("VanillaTIS", "clip_low", self.clip_low, optional=False)
-        high = _check_number("VanillaTIS", "clip", self.clip, optional=False)
+        no_cap = not isinstance(self.clip, bool) and self.clip == math.inf
+        high = (
+            math.inf if no_cap else _check_number("VanillaTIS", "clip", self.clip, optional=False)
+        )
         assert low is not None and high is not None  # optional=False never returns None
         if not 0 <= low < high:
             raise ValueError(
