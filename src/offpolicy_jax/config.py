@@ -446,7 +446,8 @@ class VanillaTIS:
             raise ValueError(
                 f"VanillaTIS requires 0 <= clip_low < clip, got clip_low={low!r}, clip={high!r}"
             )
-        _check_f32_ratio("VanillaTIS", "clip", high)
+        if not no_cap:
+            _check_f32_ratio("VanillaTIS", "clip", high)
         if low != 0:
             _check_f32_ratio("VanillaTIS", "clip_low", low)
         _check_f32_less(
