@@ -167,6 +167,24 @@ def test_vanilla_tis_validation():
             opj.VanillaTIS(clip_low=low, clip=high)
 
 
+def test_vanilla_tis_infinite_clip_means_no_cap():
+    import math
+
+    import jax.numpy as jnp
+
+    assert opj.VanillaTIS(clip=math.inf).clip == math.inf
+    for bad in (math.nan, -math.inf, "inf"):
+        with pytest.raises(ValueError, match="VanillaTIS.clip"):
+            opj.VanillaTIS(clip=bad)
+    with pytest.raises(ValueError, match="clip_low"):
+        opj.VanillaTIS(clip_low=math.inf, clip=math.inf)
+    # The weight of a token with ratio e^8 is e^8, uncapped: loss -(e^8 + 1 + 1) / 3.
+    old, rollout = jnp.zeros((1, 3)), jnp.array([[-8.0, 0.0, 0.0]])
+    config = opj.LossConfig(algorithm="decoupled_ppo", correction=opj.VanillaTIS(clip=math.inf))
+    loss, _ = opj.policy_loss(old, old, rollout, jnp.ones(1), jnp.ones((1, 3)), config)
+    assert abs(float(loss) + (math.exp(8.0) + 2) / 3) < 1e-5 * math.exp(8.0)
+
+
 # ------------------------------------------------------------------------ LossConfig
 
 

@@ -206,6 +206,10 @@ BAD = {
     "threshold above 1": ["demo", "--threshold", "1.5"],
     "negative learning rate": ["demo", "--lr", "-0.1"],
     "unknown option": ["demo", "--stpes", "10"],
+    "unknown trainer log-probs": ["demo", "--trainer-logprobs", "tempered"],
+    "unknown LossConfig field in a row": ["demo", "--algorithms", "ppo/clip_epss=0.1"],
+    "bad LossConfig value in a row": ["demo", "--algorithms", "ppo/clip_eps=-1"],
+    "zero dump steps": ["demo", "--dump-logprobs", "d", "--dump-steps", "0"],
     "unknown command": ["train"],
     "no command": [],
 }
@@ -368,3 +372,97 @@ def test_collapsed_means_fell_and_did_not_recover():
     slow = rise * 0.5  # never learns: not a collapse
     got = report.collapsed(np.stack([rise, fall, dip, slow], axis=1))
     assert got.tolist() == [False, True, False, False]
+
+
+# --------------------------------------------------------------------------- rows, dumps
+
+
+def test_row_overrides_name_any_loss_config_field():
+    import offpolicy_jax as opj
+
+    base = train.row("decoupled_ppo+mis")
+    assert base is train.ALGORITHMS["decoupled_ppo+mis"]
+    r = train.row("decoupled_ppo+mis/clip_eps=0.1/aggregation=token_mean")
+    assert r.loss == opj.LossConfig(
+        algorithm="decoupled_ppo", correction=train.MIS, clip_eps=0.1, aggregation="token_mean"
+    )
+    assert r.name == "decoupled_ppo+mis/clip_eps=0.1/aggregation=token_mean" and r.mismatch
+    assert train.row("decoupled_tis/clip_eps=0.3").loss.correction == opj.VanillaTIS(clip=2.0)
+    with pytest.raises(ValueError, match="'clip_epss' is not a LossConfig field"):
+        train.row("ppo/clip_epss=0.1")
+    with pytest.raises(ValueError, match="clip_eps"):
+        train.row("ppo/clip_eps=-1")
+    from offpolicy_jax.demo.experiment import DemoConfig
+
+    cfg = DemoConfig(algorithms=("ppo", "ppo/clip_eps=0.1"))
+    assert cfg.algorithms == ("ppo", "ppo/clip_eps=0.1")
+
+
+def test_dump_steps_spread_over_the_run():
+    from offpolicy_jax.demo.experiment import DemoConfig, dump_steps
+
+    assert dump_steps(300, 8) == (38, 75, 112, 150, 188, 225, 262, 300)
+    assert dump_steps(4, 8) == (1, 2, 3, 4)
+    assert dump_steps(10, 1) == (10,)
+    with pytest.raises(ValueError, match="dump_steps"):
+        DemoConfig(steps=5, dump_steps=(6,))
+    assert cli.dump_name("ppo:no-mismatch", 2) == "ppo-no-mismatch_seed2.npz"
+    assert cli.dump_name("decoupled_ppo+mis/gspo", 0) == "decoupled_ppo+mis-gspo_seed0.npz"
+
+
+def test_sampler_logprobs_of_trainer_equal_the_engines():
+    """Under a sampling mismatch the engine reports opj.token_logprobs(T, top-p); the
+    trainer's sampler-consistent log-probs of the same tokens are the same numbers (up to
+    float32 rounding of two differently fused forward passes), and its raw ones are not."""
+    cfg = train.TrainConfig(d_model=16, prompt_len=3)
+    mismatch = train.Mismatch("sampling", 2)  # T 1.5, top-p 0.9
+    numerics = mismatch.numerics()
+    graphdef, state = train.init_state(cfg, mismatch, [0])
+    params = jax.tree.map(lambda x: x[0], state["params"])
+    prompts = task.sample_prompts(jax.random.key(1), 32, cfg.prompt_len)
+
+    @jax.jit
+    def both():
+        resp, rollout_logp = engine.generate(graphdef, params, prompts, jax.random.key(2), numerics)
+        tokens = task.join(prompts, resp)
+        sampler = (jnp.float32(numerics.temperature), jnp.float32(numerics.top_p))
+        return (
+            rollout_logp,
+            train.token_logp(graphdef, params, tokens, cfg.prompt_len, sampler),
+            train.token_logp(graphdef, params, tokens, cfg.prompt_len),
+        )
+
+    rollout_logp, consistent, raw = both()
+    assert np.all(np.isfinite(rollout_logp))
+    np.testing.assert_allclose(consistent, rollout_logp, rtol=0, atol=2e-6)  # f32 rounding
+    assert np.abs(np.asarray(raw) - np.asarray(rollout_logp)).max() > 1e-2
+
+
+@pytest.mark.slow
+def test_tiny_sampler_run_has_no_mismatch_and_dumps_its_batches(tmp_path):
+    """--trainer-logprobs sampler under --mismatch sampling: K3 is ~0 in every row; the
+    dumps hold the batches trained on, as [steps, B, n] arrays that diagnose reads."""
+    rows = "ppo:no-mismatch,ppo,decoupled_ppo+mis"
+    dumps = tmp_path / "dumps"
+    flags = ["--mismatch", "sampling", "--severity", "4", "--trainer-logprobs", "sampler"]
+    flags += ["--algorithms", rows, "--dump-logprobs", str(dumps), "--dump-steps", "2"]
+    proc = run_cli(tmp_path / "out", *flags)
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        metrics = list(csv.DictReader(f))
+    assert all(abs(float(r["mis_k3_kl"])) < 1e-9 for r in metrics)
+    assert all(float(r["nonfinite_seq_fraction"]) == 0.0 for r in metrics)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["config"]["train"]["trainer_logprobs"] == "sampler"
+    assert summary["config"]["dump_steps"] == [2, 4]
+    index = json.loads((dumps / "index.json").read_text())
+    assert index["steps"] == [2, 4] and index["trainer_logprobs"] == "sampler"
+    assert list(index["files"]) == rows.split(",")
+    for files in index["files"].values():
+        assert len(files) == 2  # seeds
+        for name in files:
+            with np.load(dumps / name) as d:
+                assert d["old_logp"].shape == d["rollout_logp"].shape == (2, 16, 3)
+                assert d["advantages"].shape == (2, 16)
+                np.testing.assert_allclose(d["old_logp"], d["rollout_logp"], rtol=0, atol=2e-6)
+                assert np.all(d["mask"] == 1)

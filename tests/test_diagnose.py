@@ -274,3 +274,103 @@ def test_parquet_streaming_memory_stays_flat(tmp_path):
         assert chunk.old.shape == (rows, length)
         peak = max(peak, pool.bytes_allocated())
     assert peak < 12 * group_bytes  # pre-buffered reading reached ~36 MB here
+
+
+# --------------------------------------------------------------------------- demo dumps
+
+
+def _demo_dump(out, *flags):
+    """``offpolicy-jax demo --tiny ... --dump-logprobs OUT/dumps`` in a child process (XLA
+    without LLVM optimisation: the tiny run is compile-bound). Returns the dump folder."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("flax")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    dumps = out / "dumps"
+    argv = [sys.executable, "-m", "offpolicy_jax.demo.cli", "demo", "--tiny", "--no-progress"]
+    argv += ["--out", str(out / "demo"), "--dump-logprobs", str(dumps), *flags]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return dumps
+
+
+def _load_dumps(paths):
+    """The arrays of several demo dumps as one ``[N, T]`` batch, in diagnose's file order."""
+    arrays = [np.load(p) for p in paths]
+    t = arrays[0]["old_logp"].shape[-1]
+    return tuple(
+        np.concatenate([a[k].reshape(-1, t) for a in arrays])
+        for k in ("old_logp", "rollout_logp", "mask")
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_dumps(tmp_path_factory):
+    """Dumps written by the demo itself: stale engine (default severity), and a precision
+    mismatch at 5 mantissa bits (mild) and at 1 bit (severe); every step of the tiny run."""
+    root = tmp_path_factory.mktemp("demo_dumps")
+    rows = "ppo,decoupled_ppo+mis"
+    runs = {
+        "stale": ("--mismatch", "stale"),
+        "mild": ("--mismatch", "precision", "--severity", "3"),
+        "severe": ("--mismatch", "precision", "--severity", "7"),
+    }
+    return {
+        name: _demo_dump(root / name, "--algorithms", rows, "--dump-steps", "4", *flags)
+        for name, flags in runs.items()
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["stale", "severe"])
+def test_demo_dump_report_equals_compute_correction(demo_dumps, run, tmp_path, capsys):
+    """The must-show of issue 15: `offpolicy-jax diagnose` on the demo's own dump reports
+    the metrics of one `compute_correction` call on the same arrays (every config)."""
+    from offpolicy_jax.diagnose import readers
+
+    dumps = demo_dumps[run]
+    index = json.loads((dumps / "index.json").read_text())
+    assert index["steps"] == [1, 2, 3, 4] and set(index["files"]) == {"ppo", "decoupled_ppo+mis"}
+    assert sorted(p.name for p in dumps.glob("*.npz")) == sorted(
+        f for files in index["files"].values() for f in files
+    )
+    with np.load(dumps / index["files"]["ppo"][0]) as one:
+        # [steps, B, n] log-probs and mask, [steps, B] advantages (tiny: 4 x 16 x 3).
+        assert one["old_logp"].shape == one["mask"].shape == (4, 16, 3)
+        assert one["advantages"].shape == (4, 16)
+    out = tmp_path / "diag"
+    argv = ["diagnose", str(dumps / "*.npz"), "--out", str(out), "--no-progress"]
+    status, _, err = _cli(argv + ["--chunk-rows", "24"], capsys)  # chunks cut the files
+    assert status == 0, err
+    report = json.loads((out / "report.json").read_text())
+    paths = readers.expand_inputs([str(dumps / "*.npz")])
+    old, rollout, mask = _load_dumps(paths)
+    assert report["totals"]["tokens"] == int(mask.sum())
+    assert report["metrics"]["mis_k3_kl"] > 1e-4  # the engine did mismatch
+    _check_equal(report, old, rollout, mask, "sequence")
+
+
+@pytest.mark.slow
+def test_demo_dump_recommendation_mild_vs_severe(demo_dumps):
+    """The demo's engine at 5 and at 1 mantissa bits: token TIS for the mild mismatch,
+    sequence-level rejection (geometric RS + veto, or mis.yaml) for the severe one, in
+    the direction README.md's "Diagnose a run" explains (k3 below / above 1e-2)."""
+    got = {}
+    for run in ("mild", "severe"):
+        report = diagnose(str(demo_dumps[run] / "*.npz"))
+        got[run] = report
+    mild, severe = got["mild"], got["severe"]
+    assert 1e-4 <= mild["metrics"]["mis_k3_kl"] < 1e-2 <= severe["metrics"]["mis_k3_kl"]
+    assert (mild["recommendation"]["name"], mild["recommendation"]["severity"]) == (
+        "token_tis",
+        "mild",
+    )
+    assert severe["recommendation"]["severity"] == "severe"
+    assert severe["recommendation"]["name"] in ("geo_rs_veto", "mis")
+    mild_cfg = opj.CorrectionConfig.from_dict(mild["recommendation"]["config"])
+    severe_cfg = opj.CorrectionConfig.from_dict(severe["recommendation"]["config"])
+    assert mild_cfg.use_tis and not mild_cfg.use_rs  # token weights only
+    assert severe_cfg.use_rs and severe_cfg.rs_veto_threshold is not None  # rejects too

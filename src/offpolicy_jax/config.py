@@ -431,6 +431,7 @@ class VanillaTIS:
     """The reference's built-in truncated IS: ``w = clip(exp(o - b), clip_low, clip)``.
 
     The mask is left unchanged; metrics ``tis``, ``tis_clipfrac``, ``tis_abs``.
+    ``clip=math.inf`` means no cap: the untruncated ("vanilla") IS weight.
     """
 
     clip_low: float = 0.0
@@ -438,13 +439,17 @@ class VanillaTIS:
 
     def __post_init__(self):
         low = _check_number("VanillaTIS", "clip_low", self.clip_low, optional=False)
-        high = _check_number("VanillaTIS", "clip", self.clip, optional=False)
+        no_cap = not isinstance(self.clip, bool) and self.clip == math.inf
+        high = (
+            math.inf if no_cap else _check_number("VanillaTIS", "clip", self.clip, optional=False)
+        )
         assert low is not None and high is not None  # optional=False never returns None
         if not 0 <= low < high:
             raise ValueError(
                 f"VanillaTIS requires 0 <= clip_low < clip, got clip_low={low!r}, clip={high!r}"
             )
-        _check_f32_ratio("VanillaTIS", "clip", high)
+        if not no_cap:
+            _check_f32_ratio("VanillaTIS", "clip", high)
         if low != 0:
             _check_f32_ratio("VanillaTIS", "clip_low", low)
         _check_f32_less(

@@ -48,7 +48,12 @@ _positive = _typed(float, lambda v: 0 < v < float("inf"), "a positive number")
 def build_parser() -> argparse.ArgumentParser:
     from offpolicy_jax import __version__
     from offpolicy_jax.demo.experiment import PRESETS
-    from offpolicy_jax.demo.train import ALGORITHMS, DEFAULT_SEVERITY, MISMATCH_SOURCES
+    from offpolicy_jax.demo.train import (
+        ALGORITHMS,
+        DEFAULT_SEVERITY,
+        MISMATCH_SOURCES,
+        TRAINER_LOGPROBS,
+    )
 
     parser = _Parser(prog=PROG, description="offpolicy-jax command line.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -86,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help="comma-separated rows, named algorithm[+correction]: "
         + ", ".join(ALGORITHMS)
-        + " (default: the preset's)",
+        + "; a row may end in /FIELD=VALUE overrides of its opj.LossConfig (a bare /VALUE "
+        "sets policy_loss), e.g. decoupled_ppo+mis/policy_loss=gspo (default: the preset's)",
     )
     demo.add_argument(
         "--mismatch",
@@ -115,6 +121,30 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=None,
         help="Adam learning rate (default: the preset's, 1e-3 for default)",
+    )
+    demo.add_argument(
+        "--trainer-logprobs",
+        default=None,
+        choices=TRAINER_LOGPROBS,
+        help="how the trainer scores the sampled tokens: raw (log_softmax of its logits) or "
+        "sampler (opj.token_logprobs with the engine's temperature and top-p, the "
+        "sampler-consistent log-prob; matters for --mismatch sampling) (default: raw)",
+    )
+    demo.add_argument(
+        "--dump-logprobs",
+        default=None,
+        metavar="DIR",
+        help="also write the training batches' log-probs as dumps that offpolicy-jax "
+        "diagnose reads: one DIR/<row>_seed<s>.npz per row and seed (old_logp, "
+        "rollout_logp, mask, advantages of --dump-steps steps) and DIR/index.json",
+    )
+    demo.add_argument(
+        "--dump-steps",
+        type=_positive_int,
+        default=8,
+        metavar="K",
+        help="with --dump-logprobs: dump K steps spread evenly over the run, the last "
+        "one included (default 8)",
     )
     demo.add_argument(
         "--tiny",
@@ -172,15 +202,25 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
         else:
             severity = DEFAULT_SEVERITY[source]
         changes["mismatch"] = Mismatch(source, severity)
+    train_changes: dict = {}
     if args.lr is not None:
-        changes["train"] = dataclasses.replace(config.train, learning_rate=args.lr)
+        train_changes["learning_rate"] = args.lr
+    if args.trainer_logprobs is not None:
+        train_changes["trainer_logprobs"] = args.trainer_logprobs
+    if train_changes:
+        changes["train"] = dataclasses.replace(config.train, **train_changes)
     try:
         config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
+        if args.dump_logprobs is not None:
+            steps = experiment.dump_steps(config.steps, args.dump_steps)
+            config = dataclasses.replace(config, dump_steps=steps)
     except ValueError as e:
         _fail(str(e))
     algorithms = config.algorithms
     out = Path(args.out)
     _check_writable(out)
+    if args.dump_logprobs is not None:
+        _check_writable(Path(args.dump_logprobs))
 
     command = shlex.join([PROG] + argv)
     bar = None
@@ -206,9 +246,59 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
         paths = report.write_outputs(history, out, command)
     except OSError as e:
         _fail(f"cannot write results to {str(out)!r}: {e.strerror or e}")
+    if args.dump_logprobs is not None:
+        try:
+            dumped = write_dumps(history, Path(args.dump_logprobs), command)
+        except OSError as e:
+            _fail(f"cannot write dumps to {args.dump_logprobs!r}: {e.strerror or e}")
+        paths["dumps"] = Path(args.dump_logprobs) / "index.json"
+        print(f"Dumped {len(dumped)} log-prob files to {args.dump_logprobs}")
     print(paths["table"].read_text().split("\n", 2)[2])  # the table, without the title
     print(f"Wrote {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def dump_name(row: str, seed: int) -> str:
+    """File name of one (row, seed) dump: the row name with ``:`` and ``/`` made safe."""
+    safe = "".join(c if c.isalnum() or c in "+-._=" else "-" for c in row)
+    return f"{safe}_seed{seed}.npz"
+
+
+def write_dumps(history, directory: Path, command: str = "") -> list[Path]:
+    """Writes ``history.dumps`` as ``offpolicy-jax diagnose`` input: one ``.npz`` per
+    (row, seed) via :func:`offpolicy_jax.diagnose.write_dump`, arrays ``[K, B, n]``
+    (K dumped steps, B sequences per step, n response tokens; ``advantages`` ``[K, B]``),
+    and ``index.json`` (command, the dumped steps, the files by row and seed)."""
+    import json
+
+    from offpolicy_jax.diagnose import write_dump
+
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = history.config
+    written, index = [], {}
+    for row, arrays in history.dumps.items():
+        index[row] = []
+        for seed in range(cfg.seeds):
+            path = directory / dump_name(row, seed)
+            write_dump(
+                path,
+                old_logp=arrays["old_logp"][:, seed],
+                rollout_logp=arrays["rollout_logp"][:, seed],
+                mask=arrays["mask"][:, seed],
+                advantages=arrays["advantages"][:, seed],
+            )
+            written.append(path)
+            index[row].append(path.name)
+    meta = {
+        "command": command,
+        "steps": list(cfg.dump_steps),
+        "mismatch": {"source": cfg.mismatch.source, "severity": cfg.mismatch.severity},
+        "trainer_logprobs": cfg.train.trainer_logprobs,
+        "arrays": "old_logp, rollout_logp, mask [steps, B, n]; advantages [steps, B]",
+        "files": index,
+    }
+    (directory / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:

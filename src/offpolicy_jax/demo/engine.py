@@ -11,7 +11,10 @@ inference server (vLLM, SGLang) differs from the training framework:
   trainer decides which weights it hands over, see ``train.py``).
 
 The reported log-prob of each token is log q(token) under the engine's own sampling
-distribution, exactly what an inference server returns.
+distribution, exactly what an inference server returns. With a sampling mismatch it is
+``opj.token_logprobs(..., temperature=T, top_p=P)``: the library's sampler-consistent
+log-prob, the one a trainer that applies the same T and P computes (tokens are still
+drawn from the engine's own nucleus, :func:`_sampling_log_probs`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import offpolicy_jax as opj
 from offpolicy_jax.demo import task
 from offpolicy_jax.demo.model import round_mantissa
 
@@ -77,13 +81,26 @@ def generate(
     n = prompts.shape[-1]
     tokens = task.join(prompts, jnp.zeros_like(prompts))
 
+    # Static: only a sampling mismatch reports through token_logprobs, so the other
+    # settings keep their float32 rounding (and README tables) bit for bit.
+    sampler = numerics.temperature != 1.0 or numerics.top_p < 1.0
+
     def step(tokens, xs):
         i, k = xs
-        logits = model(tokens, rnd=rnd)[:, n + i]
-        logq = _sampling_log_probs(logits.astype(jnp.float32), temperature, top_p)
+        logits = model(tokens, rnd=rnd)[:, n + i].astype(jnp.float32)
+        logq = _sampling_log_probs(logits, temperature, top_p)
         tok = jax.random.categorical(k, logq, axis=-1).astype(jnp.int32)
         tokens = tokens.at[:, n + 1 + i].set(tok)
-        return tokens, jnp.take_along_axis(logq, tok[:, None], axis=-1)[:, 0]
+        if sampler:
+            reported = opj.token_logprobs(
+                logits[:, None, :],
+                tok[:, None],
+                temperature=temperature,
+                top_p=jnp.where(top_p < 1, top_p, 1.0),
+            )[:, 0]
+        else:
+            reported = jnp.take_along_axis(logq, tok[:, None], axis=-1)[:, 0]
+        return tokens, reported
 
     tokens, logq = jax.lax.scan(step, tokens, (jnp.arange(n), jax.random.split(key, n)))
     return tokens[:, n + 1 :], logq.T

@@ -11,10 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax.demo import train
-from offpolicy_jax.demo.train import ALGORITHMS, Mismatch, TrainConfig
+from offpolicy_jax.demo.train import Mismatch, TrainConfig
 
-#: The default preset's rows: every row of the comparison.
-DEFAULT_ALGORITHMS = tuple(ALGORITHMS)
+#: The default preset's rows (README.md's table).
+DEFAULT_ALGORITHMS = (
+    "ppo:no-mismatch",
+    "ppo",
+    "bypass_ppo",
+    "decoupled_ppo+is",
+    *(f"decoupled_ppo+tis{c:g}" for c in train.TIS_CAPS),
+    "decoupled_ppo+mis",
+    "reinforce_is+mis",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +38,9 @@ class DemoConfig:
     chunk: int = 10
     #: The name of the :data:`PRESETS` entry this config started from (for the reports).
     preset: str = "default"
+    #: Steps (1-based) whose training batches :func:`run` keeps in ``History.dumps``
+    #: (the ``--dump-logprobs`` files); empty = none, and the step returns no batch.
+    dump_steps: tuple[int, ...] = ()
 
     def __post_init__(self):
         # Older row names (``reference``, ``decoupled_tis``, ...) name the same rows.
@@ -40,11 +51,8 @@ class DemoConfig:
             raise ValueError(f"seeds must be a positive integer, got {self.seeds}")
         if not self.algorithms:
             raise ValueError("algorithms: choose at least one")
-        unknown = [a for a in self.algorithms if a not in ALGORITHMS]
-        if unknown:
-            raise ValueError(
-                f"unknown algorithm {unknown[0]!r} (choose from {', '.join(ALGORITHMS)})"
-            )
+        for a in self.algorithms:
+            train.row(a)  # ValueError naming an unknown row or LossConfig field
         if len(set(self.algorithms)) != len(self.algorithms):
             raise ValueError("algorithms: each may appear once")
         if self.mismatch.source not in train.MISMATCH_SOURCES:
@@ -63,6 +71,14 @@ class DemoConfig:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if not 0 < self.train.learning_rate < float("inf"):
             raise ValueError(f"learning rate must be positive, got {self.train.learning_rate}")
+        if self.train.trainer_logprobs not in train.TRAINER_LOGPROBS:
+            raise ValueError(
+                f"trainer log-probs must be one of {', '.join(train.TRAINER_LOGPROBS)}, "
+                f"got {self.train.trainer_logprobs!r}"
+            )
+        object.__setattr__(self, "dump_steps", tuple(sorted(set(self.dump_steps))))
+        if any(not 1 <= s <= self.steps for s in self.dump_steps):
+            raise ValueError(f"dump_steps must lie in [1, {self.steps}], got {self.dump_steps}")
         if self.train.prompts_per_step % self.train.minibatches:
             raise ValueError("prompts_per_step must be a multiple of minibatches")
 
@@ -91,11 +107,23 @@ PRESETS: dict[str, DemoConfig] = {
 
 @dataclasses.dataclass
 class History:
-    """Per-step metrics: ``metrics[algorithm][name]`` is a float array ``[steps, seeds]``."""
+    """Per-step metrics: ``metrics[algorithm][name]`` is a float array ``[steps, seeds]``.
+
+    ``dumps[algorithm][key]`` (``key`` in :data:`train.DUMP_KEYS`) holds the training
+    batches of ``config.dump_steps``: ``[len(dump_steps), seeds, B, n]`` (advantages
+    ``[..., B]``); empty without dump steps.
+    """
 
     config: DemoConfig
     metrics: dict[str, dict[str, np.ndarray]]
     seconds: float
+    dumps: dict[str, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
+
+
+def dump_steps(steps: int, count: int) -> tuple[int, ...]:
+    """``count`` steps spread evenly over a run of ``steps``, the last one included."""
+    count = min(count, steps)
+    return tuple(sorted({int(round(x)) for x in np.linspace(steps / count, steps, count)}))
 
 
 def run(config: DemoConfig, progress: Callable[[int], None] | None = None) -> History:
@@ -105,27 +133,40 @@ def run(config: DemoConfig, progress: Callable[[int], None] | None = None) -> Hi
     Seed ``s`` starts from the same weights and sees the same prompts for every algorithm.
     """
     start = time.perf_counter()
-    algos = [ALGORITHMS[a] for a in config.algorithms]
+    algos = [train.row(a) for a in config.algorithms]
     seeds = list(range(config.seeds))
     graphdef, state = train.init_state(config.train, config.mismatch, seeds)
     # Runs are algorithm-major: row r = (algorithm r // S, seed r % S).
     state = jax.tree.map(lambda x: jnp.concatenate([x] * len(algos)), state)
     algo_index = jnp.repeat(jnp.arange(len(algos), dtype=jnp.int32), len(seeds))
     mismatched = jnp.repeat(jnp.array([a.mismatch for a in algos]), len(seeds))
-    step = train.make_train_step(graphdef, config.train, algos, config.mismatch)
+    dumping = bool(config.dump_steps)
+    step = train.make_train_step(graphdef, config.train, algos, config.mismatch, dump=dumping)
     runner = train.make_chunk_runner(step)
 
     keys = jax.vmap(lambda s: jax.random.split(jax.random.key(s), config.steps))(
         jnp.array(seeds)
     )  # [S, steps]
     keys = jnp.tile(keys.T, (1, len(algos)))  # [steps, R]
-    chunks = []
+    chunks, batches = [], []
+    wanted = np.asarray(config.dump_steps, int) - 1  # 0-based
     for lo in range(0, config.steps, config.chunk):
         state, met = runner(state, keys[lo : lo + config.chunk], algo_index, mismatched)
-        chunks.append(jax.device_get(met))
+        met = jax.device_get(met)
+        if dumping:  # keep only the dump steps' batches: [k, R, ...]
+            here = wanted[(wanted >= lo) & (wanted < lo + config.chunk)] - lo
+            batches.append({k: met.pop(f"dump/{k}")[here] for k in train.DUMP_KEYS})
+        chunks.append(met)
         if progress:
             progress(len(chunks[-1]["reward"]))
     merged = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+    dumps = {}
+    if dumping:
+        stacked = {k: np.concatenate([b[k] for b in batches]) for k in train.DUMP_KEYS}
+        dumps = {
+            a.name: {k: v[:, i * len(seeds) : (i + 1) * len(seeds)] for k, v in stacked.items()}
+            for i, a in enumerate(algos)
+        }
     metrics = {
         a.name: {
             k: v[:, i * len(seeds) : (i + 1) * len(seeds)].astype(np.float64)
@@ -133,4 +174,4 @@ def run(config: DemoConfig, progress: Callable[[int], None] | None = None) -> Hi
         }
         for i, a in enumerate(algos)
     }
-    return History(config, metrics, time.perf_counter() - start)
+    return History(config, metrics, time.perf_counter() - start, dumps)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from offpolicy_jax.demo.experiment import History
-from offpolicy_jax.demo.train import ALGORITHMS, DIAGNOSTIC_CAP, STEP_METRICS, TIS_CAPS
+from offpolicy_jax.demo.train import DIAGNOSTIC_CAP, STEP_METRICS, TIS_CAPS, row
 
 #: The demo's own per-step metrics, first in metrics.csv; every metric the loss returns
 #: follows as ``loss/<key>`` (see :func:`metric_columns`).
@@ -72,7 +72,7 @@ def summarize(history: History) -> list[dict]:
         rows.append(
             {
                 "algorithm": name,
-                "label": ALGORITHMS[name].label,
+                "label": row(name).label,
                 "final_reward_mean": float(final.mean()),
                 "final_reward_std": _std(final),
                 "final_reward_per_seed": [float(f) for f in final],
@@ -153,10 +153,14 @@ def format_table(history: History, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _style(name: str) -> dict:
+#: Colours of rows with LossConfig overrides (``ROW/field=value``), in order of appearance.
+_OVERRIDE_COLOURS = ("#17becf", "#e377c2", "#bcbd22", "#7f7f7f", "#ff7f0e", "#1f77b4")
+
+
+def _style(name: str, nth_override: int = 0) -> dict:
     """Colour by family, so that a reader finds rows across panels: greys for the
     uncorrected baselines, red for untruncated IS, blues (darker = larger C) for TIS."""
-    algo = ALGORITHMS[name]
+    algo = row(name)
     if not algo.mismatch:
         return {"color": "0.25", "ls": "--"}
     fixed = {
@@ -168,6 +172,9 @@ def _style(name: str) -> dict:
     }
     if name in fixed:
         return {"color": fixed[name], "ls": "-"}
+    if "/" in name:  # a row with LossConfig overrides (e.g. another surrogate)
+        colour = _OVERRIDE_COLOURS[nth_override % len(_OVERRIDE_COLOURS)]
+        return {"color": colour, "ls": "-."}
     caps = sorted(TIS_CAPS)
     cap = algo.loss.correction.clip
     shade = caps.index(cap) / max(1, len(caps) - 1) if cap in caps else 0.5
@@ -208,8 +215,9 @@ def plot(history: History, path: Path) -> None:
         ),
     ]
     flat = axes.ravel()
+    overrides = [name for name in history.metrics if "/" in name]
     for name, m in history.metrics.items():
-        style = _style(name)
+        style = _style(name, overrides.index(name) if name in overrides else 0)
         bad = int(collapsed(m["policy_reward"]).sum())
         label = name + (f"  (collapsed: {bad}/{cfg.seeds} seeds)" if bad else "")
         lw = 2.6 if bad else 1.6

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -29,6 +30,7 @@ from offpolicy_jax.demo.model import Policy
 Array = jax.Array
 
 MISMATCH_SOURCES = ("precision", "stale", "sampling")
+TRAINER_LOGPROBS = ("raw", "sampler")
 #: Default severity per source. The stale default is deliberately severe: in this tiny
 #: problem milder mismatches give smaller gaps (README.md has the numbers).
 DEFAULT_SEVERITY = {"stale": 64.0, "precision": 1.0, "sampling": 1.0}
@@ -42,9 +44,11 @@ MIS = opj.CorrectionConfig.from_yaml(
 
 #: The caps C of the truncated-IS sweep (Yao et al. 2025 use C = 2).
 TIS_CAPS = (1.5, 2.0, 5.0, 10.0)
-#: "No cap" for ``VanillaTIS``, whose config requires a finite ``clip``: the largest
-#: float32, so ``min(w, cap) = w`` for every finite weight: the untruncated ("vanilla") IS.
-NO_CAP = float(np.finfo(np.float32).max)
+#: "No cap": ``VanillaTIS(clip=math.inf)`` is the untruncated ("vanilla") IS weight.
+NO_CAP = math.inf
+#: The monitor's bound (``CorrectionConfig`` bounds must be finite): the largest float32,
+#: so ``min(w, bound) = w`` for every finite weight.
+_MONITOR_BOUND = float(np.finfo(np.float32).max)
 #: The C of the ``is_weight_above_2`` diagnostic: the paper's cap, the same for every row.
 DIAGNOSTIC_CAP = 2.0
 
@@ -109,8 +113,59 @@ ALIASES = {
 
 
 def resolve(name: str) -> str:
-    """The row name for ``name`` or one of its older :data:`ALIASES`."""
-    return ALIASES.get(name, name)
+    """The row name for ``name`` or one of its older :data:`ALIASES` (overrides kept)."""
+    base, sep, rest = name.partition("/")
+    return ALIASES.get(base, base) + sep + rest
+
+
+#: The ``LossConfig`` field a bare override names: ``ROW/gspo`` = ``ROW/policy_loss=gspo``.
+DEFAULT_OVERRIDE = "policy_loss"
+
+
+def row(name: str) -> Algorithm:
+    """The row called ``name``: ``ROW[/field=value]...``.
+
+    ``ROW`` is a row of :data:`ALGORITHMS` (or an alias); each ``/field=value`` replaces
+    one field of its ``opj.LossConfig`` (the value is read as a YAML scalar:
+    ``/clip_eps=0.1``, ``/aggregation=token_mean``), and a bare ``/value`` sets
+    :data:`DEFAULT_OVERRIDE` (``decoupled_ppo+mis/gspo`` is ``decoupled_ppo+mis`` with
+    ``policy_loss="gspo"``). So any field of the library's ``LossConfig``, present or
+    future, can be named in a row without a code change.
+
+    Raises:
+      ValueError: an unknown row or field, or a value ``LossConfig`` rejects.
+    """
+    import yaml
+
+    base, *overrides = resolve(name).split("/")
+    if base not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {base!r} (choose from {', '.join(ALGORITHMS)})")
+    algo = ALGORITHMS[base]
+    if not overrides:
+        return algo
+    fields = [f.name for f in dataclasses.fields(opj.LossConfig)]
+    changes: dict = {}
+    for item in overrides:
+        key, eq, text = item.partition("=")
+        if not eq:
+            key, text = DEFAULT_OVERRIDE, item
+        if key not in fields or key in ("algorithm", "correction"):
+            allowed = [f for f in fields if f not in ("algorithm", "correction")]
+            raise ValueError(
+                f"row {name!r}: {key!r} is not a LossConfig field that a row can set "
+                f"(choose from {', '.join(allowed)}; the algorithm and correction are the "
+                "row's own)"
+            )
+        try:
+            changes[key] = yaml.safe_load(text) if text else None
+        except yaml.YAMLError:
+            changes[key] = text
+    try:
+        loss = dataclasses.replace(algo.loss, **changes)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"row {name!r}: {e}") from None
+    label = algo.label + ", " + ", ".join(f"{k}={v}" for k, v in changes.items())
+    return Algorithm(name, label, loss, algo.mismatch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +212,10 @@ class TrainConfig:
     learning_rate: float = 1e-3
     max_grad_norm: float = 1.0
     eval_prompts: int = 64
+    #: How the trainer scores the sampled tokens: ``"raw"`` (``log_softmax`` of its
+    #: logits, temperature 1, no top-p) or ``"sampler"`` (``opj.token_logprobs`` with
+    #: the engine's temperature and top-p: the sampler-consistent log-prob).
+    trainer_logprobs: str = "raw"
 
 
 def make_model(cfg: TrainConfig, seed: int | Array) -> Policy:
@@ -174,10 +233,25 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), optax.adam(cfg.learning_rate))
 
 
-def token_logp(graphdef: nnx.GraphDef, params: nnx.State, tokens: Array, n: int) -> Array:
-    """float32 log-prob of each response token under the trainer's policy, ``[B, n]``."""
-    logits = nnx.merge(graphdef, params)(tokens)[:, n : 2 * n]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def token_logp(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: Array,
+    n: int,
+    sampler: tuple[Array, Array] | None = None,
+) -> Array:
+    """float32 log-prob of each response token under the trainer's policy, ``[B, n]``.
+
+    ``sampler = (temperature, top_p)`` scores the tokens with
+    ``opj.token_logprobs(..., temperature=, top_p=)``, the distribution the engine
+    sampled from (−inf for a token outside the trainer's own top-p support); None
+    is the raw ``log_softmax`` of the logits.
+    """
+    logits = nnx.merge(graphdef, params)(tokens)[:, n : 2 * n].astype(jnp.float32)
+    if sampler is not None:
+        temperature, top_p = sampler
+        return opj.token_logprobs(logits, tokens[:, n + 1 :], temperature=temperature, top_p=top_p)
+    logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, tokens[:, n + 1 :, None], axis=-1)[..., 0]
 
 
@@ -209,6 +283,9 @@ def init_state(cfg: TrainConfig, mismatch: Mismatch, seeds: Sequence[int]):
     return graphdef, jax.jit(jax.vmap(init))(jnp.asarray(seeds))
 
 
+#: What ``make_train_step(..., dump=True)`` adds to the metrics: the batch trained on.
+DUMP_KEYS = ("old_logp", "rollout_logp", "mask", "advantages")
+
 #: Per-step metrics of the demo itself (the loss's own metrics follow as ``loss/<key>``).
 STEP_METRICS = (
     "policy_reward",
@@ -220,11 +297,12 @@ STEP_METRICS = (
     "is_weight_max",
     "is_weight_mean",
     "is_weight_above_2",
+    "nonfinite_seq_fraction",
 )
 
 #: The monitor: the untruncated per-token weight π_old / π_rollout as the library computes
 #: it (log-ratio clamped to ±20), and the §4 mismatch metrics. Metrics only for the run.
-_MONITOR = opj.CorrectionConfig(use_tis=True, tis_mode="truncate", tis_upper_bound=NO_CAP)
+_MONITOR = opj.CorrectionConfig(use_tis=True, tis_mode="truncate", tis_upper_bound=_MONITOR_BOUND)
 
 
 def loss_metric_keys(algorithms: Sequence[Algorithm]) -> tuple[str, ...]:
@@ -242,13 +320,24 @@ def loss_metric_keys(algorithms: Sequence[Algorithm]) -> tuple[str, ...]:
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef, cfg: TrainConfig, algorithms: Sequence[Algorithm], mismatch: Mismatch
+    graphdef: nnx.GraphDef,
+    cfg: TrainConfig,
+    algorithms: Sequence[Algorithm],
+    mismatch: Mismatch,
+    dump: bool = False,
 ) -> Callable:
     """``train_step(state, key, algo_index, mismatched) -> (state, metrics)`` for one run
     (vmap it over runs). ``algo_index`` picks ``algorithms[algo_index].loss``;
     ``mismatched`` turns the engine's mismatch on. ``metrics`` holds
     :data:`STEP_METRICS` and every metric of the loss as ``loss/<key>`` (mean over the
-    minibatches; NaN for a key that this run's loss does not return)."""
+    minibatches; NaN for a key that this run's loss does not return). ``dump=True``
+    adds the batch the step trained on: ``dump/old_logp``, ``dump/rollout_logp``,
+    ``dump/mask`` ``[B, n]`` and ``dump/advantages`` ``[B]`` (:data:`DUMP_KEYS`)."""
+    if cfg.trainer_logprobs not in TRAINER_LOGPROBS:
+        raise ValueError(
+            f"trainer_logprobs must be one of {', '.join(TRAINER_LOGPROBS)}, "
+            f"got {cfg.trainer_logprobs!r}"
+        )
     tx = make_optimizer(cfg)
     numerics, stale = mismatch.numerics(), mismatch.staleness()
     n, g, mbs = cfg.prompt_len, cfg.group_size, cfg.minibatches
@@ -281,8 +370,8 @@ def make_train_step(
 
     losses = [policy_loss(c) for c in loss_configs]
 
-    def loss_fn(params, algo_index, tokens, old_logp, rollout_logp, adv, mask):
-        logp = token_logp(graphdef, params, tokens, n)
+    def loss_fn(params, algo_index, sampler, tokens, old_logp, rollout_logp, adv, mask):
+        logp = token_logp(graphdef, params, tokens, n, sampler)
         return jax.lax.switch(
             loss_index[algo_index], losses, logp, old_logp, rollout_logp, adv, mask
         )
@@ -290,18 +379,22 @@ def make_train_step(
     def rejected(algo_index, old_logp, rollout_logp, mask):
         def run(c):
             res = opj.compute_correction(old_logp, rollout_logp, mask, c, reduction="token")
-            return (mask.sum() - res.mask.sum()) / mask.sum()
+            return (mask.sum() - res.mask.sum()) / jnp.maximum(mask.sum(), 1.0)
 
         return jax.lax.switch(monitor_index[algo_index], [lambda c=c: run(c) for c in monitors])
 
     def diagnostics(old_logp, rollout_logp, mask):
         res = opj.compute_correction(old_logp, rollout_logp, mask, _MONITOR, reduction="token")
-        valid = mask > 0
+        # Sequences with a non-finite log-prob (a token outside the trainer's top-p
+        # support) leave every metric, as compute_correction drops them (§0).
+        valid = res.mask > 0
         return {
             "mis_k3_kl": res.metrics["mis_k3_kl"],
             "is_weight_max": jnp.max(jnp.where(valid, res.weights, 0.0)),
             "is_weight_mean": res.metrics["mis_tis_weight_before_bound"],
-            "is_weight_above_2": jnp.sum(valid & (res.weights > DIAGNOSTIC_CAP)) / jnp.sum(valid),
+            "is_weight_above_2": jnp.sum(valid & (res.weights > DIAGNOSTIC_CAP))
+            / jnp.maximum(jnp.sum(valid), 1),
+            "nonfinite_seq_fraction": res.metrics["mis_nonfinite_seq_fraction"],
         }
 
     def train_step(state, key, algo_index, mismatched):
@@ -319,19 +412,36 @@ def make_train_step(
         )
         rewards = task.reward(prompts, responses)
         tokens = task.join(prompts, responses)
-        old_logp = jax.lax.stop_gradient(token_logp(graphdef, params, tokens, n))
+        if cfg.trainer_logprobs == "sampler":
+            # The engine's own T and top-p (plain float32 sampling in rows without mismatch).
+            sampler = (
+                jnp.where(mismatched, numerics.temperature, 1.0),
+                jnp.where(mismatched, numerics.top_p, 1.0),
+            )
+        else:
+            sampler = None
+        old_logp = jax.lax.stop_gradient(token_logp(graphdef, params, tokens, n, sampler))
         mask = jnp.ones_like(old_logp)
+        if sampler is None:
+            train_mask = mask
+        else:
+            # A token outside the trainer's top-p support has log π_old = −inf. The
+            # correction rejects such a sequence (§0); the trainer drops it for every row
+            # alike, so that rows without a correction (ppo) do not train on −inf either.
+            finite = jnp.all(jnp.isfinite(old_logp) & jnp.isfinite(rollout_logp), axis=-1)
+            train_mask = jnp.where(finite[:, None], mask, 0.0)
 
         def update(carry, mb):
             params, opt = carry
             (_, loss_met), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, algo_index, *mb
+                params, algo_index, sampler, *mb
             )
             updates, opt = tx.update(grads, opt, params)
             return (optax.apply_updates(params, updates), opt), (loss_met, optax.tree.norm(grads))
 
         # Minibatches are whole groups, in order: one PPO epoch over the batch.
-        batch = (tokens, old_logp, rollout_logp, group_advantages(rewards, g), mask)
+        advantages = group_advantages(rewards, g)
+        batch = (tokens, old_logp, rollout_logp, advantages, train_mask)
         batch = jax.tree.map(lambda x: x.reshape((mbs, -1) + x.shape[1:]), batch)
         (params, opt), (loss_met, grad_norm) = jax.lax.scan(update, (params, state["opt"]), batch)
         # The trained policy itself, sampled with exact float32 numerics on fresh prompts:
@@ -348,12 +458,21 @@ def make_train_step(
             "policy_reward": eval_rewards.mean(),
             "policy_exact_match": (eval_rewards == 1.0).mean(),
             "reward": rewards.mean(),
-            "rejected_fraction": rejected(algo_index, old_logp, rollout_logp, mask),
+            "rejected_fraction": rejected(algo_index, old_logp, rollout_logp, train_mask),
             # Before clipping: the size of the raw update direction.
             "grad_norm": grad_norm.mean(),
             **diagnostics(old_logp, rollout_logp, mask),
             **{f"loss/{k}": v.mean() for k, v in loss_met.items()},
         }
+        if dump:
+            metrics.update(
+                {
+                    "dump/old_logp": old_logp,
+                    "dump/rollout_logp": rollout_logp,
+                    "dump/mask": mask,
+                    "dump/advantages": advantages,
+                }
+            )
         return {"params": params, "opt": opt, "ring": ring, "step": state["step"] + 1}, metrics
 
     return train_step
