@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import offpolicy_jax as opj
+from offpolicy_jax import criteria
 from offpolicy_jax.normalize import normalizer, normalizer_reduction
 
 # Symmetric log bins for a log-ratio δ: |δ| < 1e-6 is the centre bin, then 20 bins per
@@ -158,8 +159,8 @@ def population(key: str) -> str:
         return "final"
     if key == "mis_nonfinite_seq_fraction":
         return "all"
-    if key == "mis_batch_norm_factor":
-        return "norm"
+    if key in ("mis_batch_norm_factor", "mis_ess"):
+        return "batch"  # a function of batch-wide sums, not a mean: pooled from those sums
     return "valid"
 
 
@@ -332,7 +333,7 @@ class Accumulator:
             counts = {**stats["D"], "final": entry["D_final"]}
             for key, value in entry["metrics"].items():
                 kind = population(key)
-                if kind == "norm":
+                if kind == "batch":
                     continue
                 d = float(counts[kind])
                 num, den = sums.setdefault(key, [0.0, 0.0])
@@ -403,6 +404,17 @@ class Accumulator:
 
     # ----------------------------------------------------------------------- results
 
+    def _ess(self, name: str) -> float:
+        """``mis_ess`` of the whole dump from its pooled sums (invariant to the normaliser μ)."""
+        extra = self.extra[name]
+        return float(
+            criteria.effective_sample_size(
+                jnp.float32(extra.get("sum_w", 0.0)),
+                jnp.float32(extra.get("sum_w2", 0.0)),
+                jnp.float32(extra.get("kept_tokens", 0.0)),
+            )
+        )
+
     def metrics(self, name: str) -> dict[str, float]:
         """Pooled metrics of one config: equal to one ``compute_correction`` on the dump."""
         config = dict(self.configs)[name]
@@ -410,6 +422,7 @@ class Accumulator:
         result = {key: (num / den if den else 0.0) for key, (num, den) in sums.items()}
         if not config.use_tis:
             return result
+        result["mis_ess"] = self._ess(name)
         mu = 1.0
         if config.tis_batch_normalize:
             if normalizer_reduction(config.tis_level) == self.reduction:
@@ -428,15 +441,13 @@ class Accumulator:
         extra, metrics = self.extra[name], self.metrics(name)
         valid_tokens = extra.get("valid_tokens", 0.0)
         kept = extra.get("kept_tokens", 0.0)
-        sum_w, sum_w2 = extra.get("sum_w", 0.0), extra.get("sum_w2", 0.0)
         return {
             "rejected_token_share": 1.0 - kept / valid_tokens if valid_tokens else 0.0,
             "rejected_seq_share": (
                 extra["rejected_seqs"] / extra["valid_seqs"] if extra.get("valid_seqs") else 0.0
             ),
             "truncated_share": metrics.get("mis_tis_truncate_fraction", 0.0),
-            # ESS = (Σw)² / (n Σw²) over kept tokens; invariant to the normaliser μ.
-            "ess": sum_w**2 / (kept * sum_w2) if kept and sum_w2 else 0.0,
+            "ess": self._ess(name),
             "mean_weight": metrics.get("mis_is_ratio_mean_final", 0.0),
         }
 
