@@ -214,11 +214,11 @@ def token_logprobs(
     logits: jax.typing.ArrayLike,
     tokens: jax.typing.ArrayLike,
     *,
-    temperature=1.0,
-    top_k=None,
-    top_p=None,
+    temperature: jax.typing.ArrayLike = 1.0,
+    top_k: jax.typing.ArrayLike | None = None,
+    top_p: jax.typing.ArrayLike | None = None,
     return_entropy: bool = False,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probs of the sampled tokens, optionally under the sampler's support.
 
     With ``z = logits / temperature`` and ``S`` the sampler's support (all tokens

@@ -10,16 +10,17 @@ import shlex
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 PROG = "offpolicy-jax"
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, no usage dump
         _fail(message)
 
 
-def _fail(message: str, status: int = 2):
+def _fail(message: str, status: int = 2) -> NoReturn:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     raise SystemExit(status)
 

@@ -20,6 +20,7 @@ drawn from the engine's own nucleus, :func:`_sampling_log_probs`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,7 @@ def _sampling_log_probs(logits: Array, temperature: Array, top_p: Array) -> Arra
 
 def generate(
     graphdef: nnx.GraphDef,
-    params: nnx.State,
+    params: Any,  # the model's nnx.State, or that pytree as optax.apply_updates returns it
     prompts: Array,
     key: Array,
     numerics: Numerics,
@@ -67,14 +68,14 @@ def generate(
 ) -> tuple[Array, Array]:
     """Sample one response per prompt with the engine's numerics (plain float32
     sampling where ``active`` is false). Returns ``(responses [B, n], rollout_logp [B, n])``."""
+    rnd = None  # model(rnd=None): exact float32
     if numerics.mantissa_bits < 23:
 
-        def rnd(x):
+        def rounded(x):
             return jnp.where(active, round_mantissa(x, numerics.mantissa_bits), x)
 
+        rnd = rounded
         params = jax.tree.map(rnd, params)
-    else:
-        rnd = None
     temperature = jnp.where(active, numerics.temperature, 1.0)
     top_p = jnp.where(active, numerics.top_p, 1.0)
     model = nnx.merge(graphdef, params)
@@ -92,12 +93,14 @@ def generate(
         tok = jax.random.categorical(k, logq, axis=-1).astype(jnp.int32)
         tokens = tokens.at[:, n + 1 + i].set(tok)
         if sampler:
-            reported = opj.token_logprobs(
+            scored = opj.token_logprobs(
                 logits[:, None, :],
                 tok[:, None],
                 temperature=temperature,
                 top_p=jnp.where(top_p < 1, top_p, 1.0),
-            )[:, 0]
+            )
+            assert isinstance(scored, jax.Array)  # return_entropy=False: log-probs alone
+            reported = scored[:, 0]
         else:
             reported = jnp.take_along_axis(logq, tok[:, None], axis=-1)[:, 0]
         return tokens, reported

@@ -176,7 +176,7 @@ def _style(name: str, nth_override: int = 0) -> dict:
         colour = _OVERRIDE_COLOURS[nth_override % len(_OVERRIDE_COLOURS)]
         return {"color": colour, "ls": "-."}
     caps = sorted(TIS_CAPS)
-    cap = algo.loss.correction.clip
+    cap = getattr(algo.loss.correction, "clip", None)  # a VanillaTIS cap, if any
     shade = caps.index(cap) / max(1, len(caps) - 1) if cap in caps else 0.5
     return {"color": plt_blues(0.45 + 0.5 * shade), "ls": "-"}
 

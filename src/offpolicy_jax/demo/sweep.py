@@ -74,7 +74,7 @@ def outcome(history) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", default="sweep.jsonl")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--only", default=None, help="comma-separated indices into GRID")

@@ -250,7 +250,9 @@ def token_logp(
     logits = nnx.merge(graphdef, params)(tokens)[:, n : 2 * n].astype(jnp.float32)
     if sampler is not None:
         temperature, top_p = sampler
-        return opj.token_logprobs(logits, tokens[:, n + 1 :], temperature=temperature, top_p=top_p)
+        logp = opj.token_logprobs(logits, tokens[:, n + 1 :], temperature=temperature, top_p=top_p)
+        assert isinstance(logp, jax.Array)  # return_entropy=False: the log-probs alone
+        return logp
     logp = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logp, tokens[:, n + 1 :, None], axis=-1)[..., 0]
 
@@ -364,7 +366,7 @@ def make_train_step(
                 logp, old_logp if needs_old else None, rollout_logp, adv, mask, lcfg
             )
             nan = jnp.float32(jnp.nan)
-            return loss, {k: met.get(k, nan).astype(jnp.float32) for k in loss_keys}
+            return loss, {k: jnp.asarray(met.get(k, nan), jnp.float32) for k in loss_keys}
 
         return loss
 
@@ -401,8 +403,8 @@ def make_train_step(
         params = state["params"]
         k_prompt, k_sample, k_eval_prompt, k_eval = jax.random.split(key, 4)
         prompts = jnp.repeat(task.sample_prompts(k_prompt, cfg.prompts_per_step, n), g, axis=0)
+        slot = state["step"] % stale if stale else 0  # the ring's slot (only when stale)
         if stale:
-            slot = state["step"] % stale
             old = jax.tree.map(lambda r: r[slot], state["ring"])
             engine_params = jax.tree.map(lambda o, p: jnp.where(mismatched, o, p), old, params)
         else:
