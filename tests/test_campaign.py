@@ -246,7 +246,8 @@ def test_hostile_loss_settings_build_sound_or_name_the_key(
         math.isfinite(clip_low)
         and clip_low >= 0
         and (clip_low == 0 or _float32_ratio_ok(clip_low))
-        and _float32_ratio_ok(clip)
+        # clip = +inf is the documented "no cap" (the untruncated vanilla-IS weight).
+        and (clip == math.inf or _float32_ratio_ok(clip))
         and _f32(clip_low) < _f32(clip)
     )
     if vanilla_ok:
