@@ -59,7 +59,7 @@ def trm_icepop_loss_config() -> opj.LossConfig:
     token-level IcePop weights (docs/semantics.md §8), every metric turned on."""
     correction = opj.CorrectionConfig(
         use_tis=True,
-        tis_mode="icepop",
+        tis_mode="band",
         tis_lower_bound=0.5,
         tis_upper_bound=5.0,
         rs_criteria=("seq_max_k2:2.5", "seq_mean_k3:0.01"),

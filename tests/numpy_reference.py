@@ -85,7 +85,7 @@ S = 20.0
 BATCH_NORM_EPS = 1e-8
 
 LEVELS = ("token", "sequence", "geometric")
-MODES = ("truncate", "clip", "mask", "icepop", "none")
+MODES = ("truncate", "clip", "mask", "band", "none")
 ALGORITHMS = ("ppo", "bypass_ppo", "decoupled_ppo", "reinforce_is")
 AGGREGATIONS = ("sequence_mean", "token_mean", "sequence_sum")
 REDUCTIONS = ("sequence", "token")
@@ -307,11 +307,11 @@ def _apply_mode(rho, mode: str, lower: float, upper: float):
     low, high = rho < lower, rho > upper
     if mode == "none":  # §8: no IS weight, only the rejection rules
         return np.ones_like(rho), np.ones_like(rho, bool), {}
-    if mode == "icepop":  # §8: weight 0 outside [L, U], the token stays in the mask
+    if mode == "band":  # §8: weight 0 outside [L, U], the token stays in the mask
         return (
             np.where(~low & ~high, rho, 0.0),
             np.ones_like(rho, bool),
-            {"mis_tis_icepop_fraction_low": low, "mis_tis_icepop_fraction_high": high},
+            {"mis_tis_band_fraction_low": low, "mis_tis_band_fraction_high": high},
         )
     if mode == "truncate":
         return np.minimum(rho, upper), np.ones_like(rho, bool), {"mis_tis_truncate_fraction": high}

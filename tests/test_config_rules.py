@@ -11,7 +11,7 @@ from offpolicy_jax import verl
 
 TRM_ICEPOP = dict(
     use_tis=True,
-    tis_mode="icepop",
+    tis_mode="band",
     tis_lower_bound=0.5,
     tis_upper_bound=5.0,
     rs_criteria=("seq_max_k2:2.5", "seq_mean_k3:0.01"),
@@ -54,7 +54,7 @@ def test_yaml_text_with_criteria_list():
         (dict(rs_criteria=("seq_mean_k4:2.0",)), r"rs_criteria.*did you mean 'seq_mean_k"),
         # lo > hi
         (dict(rs_criteria=("token_k1:2.0_0.5",)), r"rs_criteria.*lower <= upper"),
-        (dict(tis_mode="icepop", tis_lower_bound=3.0, tis_upper_bound=2.0), "tis_lower_bound"),
+        (dict(tis_mode="band", tis_lower_bound=3.0, tis_upper_bound=2.0), "tis_lower_bound"),
         # non-positive bounds, δ, τ
         (dict(rs_criteria=("seq_max_k2:0",)), r"rs_criteria.*positive"),
         (dict(rs_criteria=("token_k1:-1_2",)), r"rs_criteria.*positive"),
@@ -70,7 +70,7 @@ def test_yaml_text_with_criteria_list():
         (dict(rs_criteria=(2.5,)), r"rs_criteria"),
         (dict(rs_criteria=("seq_max_k2:2", "seq_max_k2:3")), r"rs_criteria.*twice"),
         (dict(rs_criteria=42), r"rs_criteria"),
-        (dict(tis_mode="icepp"), r"tis_mode.*did you mean 'icepop'"),
+        (dict(tis_mode="bnad"), r"tis_mode.*did you mean 'band'"),
     ],
 )
 def test_bad_rule_keys_raise_naming_the_key(kwargs, match):
@@ -80,12 +80,10 @@ def test_bad_rule_keys_raise_naming_the_key(kwargs, match):
 
 def test_icepop_allows_equal_bounds_and_defaults_lower_to_reciprocal():
     assert (
-        opj.CorrectionConfig(use_tis=True, tis_mode="icepop", tis_lower_bound=2.0).lower_bound
-        == 2.0
+        opj.CorrectionConfig(use_tis=True, tis_mode="band", tis_lower_bound=2.0).lower_bound == 2.0
     )
     assert (
-        opj.CorrectionConfig(use_tis=True, tis_mode="icepop", tis_upper_bound=4.0).lower_bound
-        == 0.25
+        opj.CorrectionConfig(use_tis=True, tis_mode="band", tis_upper_bound=4.0).lower_bound == 0.25
     )
 
 
@@ -107,7 +105,7 @@ def test_from_verl_maps_every_key():
     assert config == opj.CorrectionConfig(
         use_tis=True,
         tis_level="sequence",
-        tis_mode="icepop",
+        tis_mode="band",
         tis_lower_bound=0.5,
         tis_upper_bound=2.0,
         tis_batch_normalize=True,
@@ -192,7 +190,7 @@ def test_every_verl_preset_builds(name):
 
 def test_preset_values_and_errors():
     assert opj.CorrectionConfig.preset("decoupled_token_icepop") == opj.CorrectionConfig(
-        use_tis=True, tis_mode="icepop", tis_lower_bound=0.5, tis_upper_bound=5.0
+        use_tis=True, tis_mode="band", tis_lower_bound=0.5, tis_upper_bound=5.0
     )
     assert opj.CorrectionConfig.preset("decoupled_geo_rs").rs_criteria == (
         "seq_mean_k1:0.999_1.001",

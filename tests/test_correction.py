@@ -186,12 +186,12 @@ MONITORING = set(ref.MONITORING_KEYS) | {"mis_token_mult_prob_error", "mis_js_di
         (
             opj.CorrectionConfig(
                 use_tis=True,
-                tis_mode="icepop",
+                tis_mode="band",
                 rs_criteria=("token_k1:2.0", "seq_max_k2:2.5"),
                 seq_logprob_error_threshold=2.0,
                 m2po_tau=0.1,
             ),
-            {"mis_tis_icepop_fraction_low", "mis_tis_icepop_fraction_high", "mis_m2po_m2_after"}
+            {"mis_tis_band_fraction_low", "mis_tis_band_fraction_high", "mis_m2po_m2_after"}
             | {
                 f"{p}_{s}"
                 for p in (

@@ -69,7 +69,7 @@ def test_bounds_modes():
     kept, keep = bounds.apply_mode(w, "mask", 0.5, 2.0)
     np.testing.assert_array_equal(keep, [False, True, True, True, False])  # inclusive bounds
     np.testing.assert_allclose(kept, [0.0, 0.5, 1.0, 2.0, 0.0])
-    np.testing.assert_allclose(bounds.apply_mode(w, "icepop", 0.5, 2.0)[0], [0, 0.5, 1, 2, 0])
+    np.testing.assert_allclose(bounds.apply_mode(w, "band", 0.5, 2.0)[0], [0, 0.5, 1, 2, 0])
     np.testing.assert_allclose(bounds.apply_mode(w, "none", 0.5, 2.0)[0], [1, 1, 1, 1, 1])
     with pytest.raises(ValueError, match="mode"):
         bounds.apply_mode(w, "bogus", 0.5, 2.0)

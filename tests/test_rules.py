@@ -20,7 +20,7 @@ correct = jax.jit(opj.compute_correction, static_argnames=("config", "reduction"
 RULE_CONFIGS = {
     "trm_icepop": opj.CorrectionConfig(
         use_tis=True,
-        tis_mode="icepop",
+        tis_mode="band",
         tis_lower_bound=0.5,
         tis_upper_bound=1.8,
         rs_criteria=("seq_max_k2:0.6", "seq_mean_k3:0.02"),
@@ -40,7 +40,7 @@ RULE_CONFIGS = {
     "icepop_seq_bn_k2_k3": opj.CorrectionConfig(
         use_tis=True,
         tis_level="sequence",
-        tis_mode="icepop",
+        tis_mode="band",
         tis_lower_bound=0.2,
         tis_upper_bound=5.0,
         tis_batch_normalize=True,
@@ -125,8 +125,8 @@ def test_icepop_keeps_zero_weight_tokens_in_the_mask():
     res = correct(old, rollout, jnp.ones((1, 3)), config=config)
     np.testing.assert_array_equal(res.mask, [[1, 1, 1]])
     np.testing.assert_allclose(res.weights, [[1, 0, 0]])
-    assert float(res.metrics["mis_tis_icepop_fraction_low"]) == pytest.approx(1 / 3)
-    assert float(res.metrics["mis_tis_icepop_fraction_high"]) == pytest.approx(1 / 3)
+    assert float(res.metrics["mis_tis_band_fraction_low"]) == pytest.approx(1 / 3)
+    assert float(res.metrics["mis_tis_band_fraction_high"]) == pytest.approx(1 / 3)
 
 
 def test_trust_region_masking_drops_whole_sequences():

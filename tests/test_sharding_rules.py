@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clear_jax_caches")]
 RULE_CORRECTIONS = {
     "k1_family_icepop": opj.CorrectionConfig(
         use_tis=True,
-        tis_mode="icepop",
+        tis_mode="band",
         tis_lower_bound=0.6,
         tis_upper_bound=1.6,
         rs_criteria=("token_k1:0.4_2.5", "seq_sum_k1:0.2_5.0", "seq_mean_k1:0.8_1.25"),
@@ -33,7 +33,7 @@ RULE_CORRECTIONS = {
     "k2_k3_family_m2po": opj.CorrectionConfig(
         use_tis=True,
         tis_level="sequence",
-        tis_mode="icepop",
+        tis_mode="band",
         tis_lower_bound=0.05,
         tis_upper_bound=20.0,
         tis_batch_normalize=True,
@@ -59,7 +59,7 @@ RULE_LOSSES = {
             algorithm="decoupled_ppo",
             correction=opj.CorrectionConfig(
                 use_tis=True,
-                tis_mode="icepop",
+                tis_mode="band",
                 tis_lower_bound=0.5,
                 tis_upper_bound=2.0,
                 rs_criteria=("seq_max_k2:2.5", "seq_mean_k3:0.1"),

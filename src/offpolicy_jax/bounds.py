@@ -31,12 +31,12 @@ def apply_mode(weights, mode: str, lower: float, upper: float):
     if mode == "mask":
         keep = (weights >= lower) & (weights <= upper)
         return jnp.where(keep, weights, 0), keep
-    if mode == "icepop":  # §8: weight 0 outside [L, U]; the token stays in the mask
+    if mode == "band":  # §8: weight 0 outside [L, U]; the token stays in the mask
         return jnp.where((weights >= lower) & (weights <= upper), weights, 0), None
     if mode == "none":  # §8: no IS weight, only the rejection rules
         return jnp.ones_like(weights), None
     raise ValueError(
-        f"mode must be one of 'truncate', 'clip', 'mask', 'icepop', 'none', got {mode!r}"
+        f"mode must be one of 'truncate', 'clip', 'mask', 'band', 'none', got {mode!r}"
     )
 
 

@@ -20,10 +20,10 @@ import numpy as np
 import yaml
 
 Level = Literal["token", "sequence", "geometric"]
-Mode = Literal["truncate", "clip", "mask", "icepop", "none"]
+Mode = Literal["truncate", "clip", "mask", "band", "none"]
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
-MODES: tuple[str, ...] = ("truncate", "clip", "mask", "icepop", "none")
+MODES: tuple[str, ...] = ("truncate", "clip", "mask", "band", "none")
 ALGORITHMS: tuple[str, ...] = ("ppo", "bypass_ppo", "decoupled_ppo", "reinforce_is")
 AGGREGATIONS: tuple[str, ...] = (
     "sequence_mean",
@@ -183,7 +183,7 @@ class CorrectionConfig:
       tis_level: ``"token"``, ``"sequence"`` (product of ratios) or ``"geometric"``
         (geometric mean) aggregation of the log-ratio for the IS weight.
       tis_mode: ``"truncate"`` (``min(w, U)``), ``"clip"`` (``clip(w, L, U)``),
-        ``"mask"`` (reject tokens with ``w`` outside ``[L, U]``), ``"icepop"`` (IcePop:
+        ``"mask"`` (reject tokens with ``w`` outside ``[L, U]``), ``"band"`` (IcePop:
         weight ``w`` inside ``[L, U]``, 0 outside, the token stays in the mask and the
         loss denominator) or ``"none"`` (no IS weight: ``w = 1``; the rejection rules
         below still apply).
@@ -247,7 +247,7 @@ class CorrectionConfig:
             _check_positive(owner, key, getattr(self, key))
             _check_f32_ratio(owner, key, getattr(self, key))
         # The resolved lower bound 1 / U is used by clip / mask and, as the RS default, by RS.
-        lower_used = self.tis_mode in ("clip", "mask", "icepop") or (
+        lower_used = self.tis_mode in ("clip", "mask", "band") or (
             self.use_rs and self.rs_lower_bound is None
         )
         if lower_used and self.tis_lower_bound is None:
@@ -255,9 +255,9 @@ class CorrectionConfig:
                 owner, "tis_upper_bound", self.lower_bound, shown="1 / tis_upper_bound"
             )
         self._check_rules(owner)
-        if self.tis_mode == "icepop" and self.lower_bound > self.upper_bound:
+        if self.tis_mode == "band" and self.lower_bound > self.upper_bound:
             raise ValueError(
-                f"{owner}: tis_lower_bound must be <= tis_upper_bound for tis_mode='icepop', "
+                f"{owner}: tis_lower_bound must be <= tis_upper_bound for tis_mode='band', "
                 f"got {self.lower_bound!r} > tis_upper_bound = {self.upper_bound!r}"
             )
         if self.tis_mode in ("clip", "mask"):
@@ -402,7 +402,7 @@ class CorrectionConfig:
           >>> cfg.use_tis, cfg.tis_mode, cfg.rs_veto_threshold
           (True, 'truncate', 0.0001)
           >>> opj.CorrectionConfig.preset("decoupled_token_icepop").tis_mode
-          'icepop'
+          'band'
         """
         from offpolicy_jax import verl
 

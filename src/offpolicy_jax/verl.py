@@ -12,7 +12,7 @@ verl                            native
                                 (metrics only)
 ``rollout_is: token|sequence``  ``use_tis=True``, ``tis_level``
 ``rollout_is_threshold: U``     ``tis_mode="truncate"``, ``tis_upper_bound=U``
-``rollout_is_threshold: "L_U"`` ``tis_mode="icepop"`` (weight 0 outside
+``rollout_is_threshold: "L_U"`` ``tis_mode="band"`` (weight 0 outside
                                 ``[L, U]``, token kept in the denominator)
 ``rollout_is_batch_normalize``  ``tis_batch_normalize``
 ``rollout_rs: "a,b"``           ``rs_criteria=("a:<thr>", "b:<thr>")``
@@ -243,7 +243,7 @@ def correction_kwargs(block: Mapping[str, Any]) -> dict[str, Any]:
         out.update(
             use_tis=True,
             tis_level=level,
-            tis_mode="truncate" if lower is None else "icepop",
+            tis_mode="truncate" if lower is None else "band",
             tis_upper_bound=upper,
             tis_batch_normalize=normalize,
         )
