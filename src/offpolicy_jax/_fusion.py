@@ -16,8 +16,13 @@ small chunks of ``_CHUNK`` tokens (writing ``[..., T / _CHUNK]`` partial results
 then finished by the library kernel) and takes at most ``_GROUP`` columns; larger
 sets of columns run as several such loops. Both numbers were measured with
 ``benchmarks/`` on jax 0.10.2 (CPU): with chunks of 8, two columns of the PPO loss
-already fall back to scalar code (3-5x slower); with chunks of 4, eight still
-vectorise. A length that is not a multiple of ``_CHUNK`` is reduced as its
+already fall back to scalar code (3-5x slower). With chunks of 4 the limit is the
+size of the loop body, not a column count: eight light columns vectorise, but eight
+columns of the PPO loss with its non-finite checks and its exp, or pass 1 with the
+k3 / χ² series, fall back to scalar code (3-7x slower passes, found when the
+correction gained rules). Four columns per loop keep a margin; ``expm1``, ``log1p``
+and divisions cost far more of that budget than ``exp`` and multiplications
+(``ratios.k3``). A length that is not a multiple of ``_CHUNK`` is reduced as its
 chunked prefix plus a short remainder loop (issue 17 #5: it used to fall back to
 the slow path, 7x slower at ``T = 131071``).
 
@@ -43,7 +48,7 @@ _COMBINE = {"sum": jnp.add, "min": jnp.minimum, "max": jnp.maximum}
 _FINISH = {"sum": jnp.sum, "min": jnp.min, "max": jnp.max}
 
 _CHUNK = 4
-_GROUP = 8
+_GROUP = 4
 # Below this many values in total (columns x elements, e.g. the per-sequence terms of
 # all the metrics), one scalar loop over every column is cheaper than a kernel each.
 _SMALL = 1 << 16

@@ -95,7 +95,6 @@ def correction_parts(old, rollout, mask, config: CorrectionConfig, *, reduction,
     )
     if not config.use_tis:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts
-    parts["mis_ess"] = rules.ess_parts(layout, weights, final)
     return jax.lax.stop_gradient(weights), final, parts
 
 

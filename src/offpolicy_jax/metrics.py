@@ -15,6 +15,7 @@ pass together with every other stage's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import jax
@@ -24,6 +25,8 @@ from offpolicy_jax import _reduce, ratios
 from offpolicy_jax._reduce import MeanParts
 from offpolicy_jax.ratios import LOG_RATIO_CLAMP
 from offpolicy_jax.stages import Decision, Stage
+
+_E2S_M1 = math.expm1(2 * LOG_RATIO_CLAMP)
 
 MISMATCH_METRIC_KEYS: tuple[str, ...] = (
     "mis_training_log_ppl",
@@ -51,18 +54,23 @@ class MismatchMetrics(Stage):
     log-perplexity difference, its absolute value, the perplexity ratio
     ``exp(mean_b − mean_o)``, ``mis_chi2_token = Σ e^{2δ} m / N̄ − 1`` and
     ``mis_chi2_seq = e^{2 Σ δ m} − 1`` (χ² exponents clamped to ``±S``). The χ² and
-    k3 terms are computed as ``expm1`` forms, without cancellation near δ = 0; every
+    k3 terms are computed as ``e^x − 1`` forms (``ratios.k3``), without cancellation near δ = 0; every
     other exponential follows the metric cap (``ratios.metric_exp``).
     """
 
     def columns(self, t):
-        clamped = jnp.clip(t.delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k3 = ratios.k3(t.delta)
+        # e^{2δ} − 1 = u (u + 2) with u = e^δ − 1 = δ + k3: one exponential for both
+        # columns. δ > S saturates at e^{2S} − 1 (the χ² exponent is clamped); below −S
+        # u (u + 2) is already −1 to float32.
+        u = t.delta + k3
+        chi2 = jnp.where(t.delta > LOG_RATIO_CLAMP, _E2S_M1, u * (u + 2.0))
         return {
             "old": _reduce.total(t.old, t.population),
             "rollout": _reduce.total(t.rollout, t.population),
-            "k3": _reduce.total(ratios.k3(t.delta), t.population),
+            "k3": _reduce.total(k3, t.population),
             # Σ (e^{2δ} − 1) m / N = Σ e^{2δ} m / N − 1 exactly, without the cancellation.
-            "chi2": _reduce.total(jnp.expm1(2 * clamped), t.population),
+            "chi2": _reduce.total(chi2, t.population),
         }
 
     def decide(self, t, sums):
@@ -89,7 +97,7 @@ class MismatchMetrics(Stage):
                 "mis_log_ppl_abs_diff": per_seq(jnp.abs(log_ppl_diff)),
                 "mis_ppl_ratio": per_seq(ratios.metric_exp(log_ppl_diff)),
                 "mis_chi2_token": per_seq(_reduce.safe_divide(sums["chi2"], count)),
-                "mis_chi2_seq": per_seq(jnp.expm1(2 * clamped)),
+                "mis_chi2_seq": per_seq(ratios.metric_expm1(2 * clamped)),
             }
         )
 

@@ -244,50 +244,6 @@ def rule_stages(config) -> list[Stage]:
     return out
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class EffectiveSampleSize(MeanParts):
-    """``mis_ess = (Σ w)² / (n Σ w²)`` kept as its three batch sums, so that it pools exactly.
-
-    The ESS is not a ratio of two sums, so it cannot be a plain :class:`MeanParts`
-    (whose pooled value would be the mean of the micro-batches' ESS). Here
-    ``numerator = Σ w``, ``denominator = Σ w²`` and ``count = n``: adding the parts of
-    micro-batches or devices (``+`` or ``jax.tree.map(jnp.add, ...)``) adds the sums,
-    and :meth:`value` applies the formula once.
-    """
-
-    count: jax.Array
-
-    def value(self) -> jax.Array:
-        return criteria.effective_sample_size(self.numerator, self.denominator, self.count)
-
-    def __add__(self, other: MeanParts) -> MeanParts:
-        if not isinstance(other, EffectiveSampleSize):
-            return NotImplemented
-        return EffectiveSampleSize(
-            self.numerator + other.numerator,
-            self.denominator + other.denominator,
-            self.count + other.count,
-        )
-
-
-def ess_parts(layout, weights: jax.Array, final: jax.Array) -> EffectiveSampleSize:
-    """``mis_ess`` over the final mask, as its batch sums (:class:`EffectiveSampleSize`)."""
-    sums = layout.reduce(
-        {
-            "w": _reduce.total(weights, final),
-            "w2": _reduce.total(weights * weights, final),
-            "n": _reduce.count(final),
-        }
-    )
-    totals = layout.batch_means(
-        {"a": MeanParts(sums["w"], sums["w2"]), "b": MeanParts(sums["n"], sums["n"])}
-    )
-    return EffectiveSampleSize(
-        totals["a"].numerator, totals["a"].denominator, totals["b"].numerator
-    )
-
-
 def opsm(
     theta: jax.Array,
     behaviour: jax.Array,

@@ -29,10 +29,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, normalize, ratios
+from offpolicy_jax import _reduce, criteria, normalize, ratios
 from offpolicy_jax._reduce import Column, MeanParts, Reduction, Rows
 
 Population = Literal["valid", "kept", "final"]
+_ESS_W, _ESS_N = "_ess_w", "_ess_n"  # batch totals taken with the metrics, then combined
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,33 @@ class Decision:
     weights: jax.Array | None = None
     per_seq: bool = False
     metrics: Mapping[str, Mean | MeanParts] = dataclasses.field(default_factory=dict)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EffectiveSampleSize(MeanParts):
+    """``mis_ess = (Σ w)² / (n Σ w²)`` kept as its three batch sums, so that it pools exactly.
+
+    The ESS is not a ratio of two sums, so it cannot be a plain :class:`MeanParts`
+    (whose pooled value would be the mean of the micro-batches' ESS). Here
+    ``numerator = Σ w``, ``denominator = Σ w²`` and ``count = n``: adding the parts of
+    micro-batches or devices (``+`` or ``jax.tree.map(jnp.add, ...)``) adds the sums,
+    and :meth:`value` applies the formula once.
+    """
+
+    count: jax.Array
+
+    def value(self) -> jax.Array:
+        return criteria.effective_sample_size(self.numerator, self.denominator, self.count)
+
+    def __add__(self, other: MeanParts) -> MeanParts:
+        if not isinstance(other, EffectiveSampleSize):
+            return NotImplemented
+        return EffectiveSampleSize(
+            self.numerator + other.numerator,
+            self.denominator + other.denominator,
+            self.count + other.count,
+        )
 
 
 class Stage:
@@ -262,6 +290,7 @@ def run(
         pass2_columns[("n", len(populations) - 1)] = _reduce.count(final)
         if not weights_per_seq:
             pass2_columns["w"] = _reduce.total(weights, final)
+            pass2_columns["w2"] = _reduce.total(weights * weights, final)
             pass2_columns["lo"] = _reduce.minimum(weights, final)
             pass2_columns["hi"] = _reduce.maximum(weights, final)
     pass2 = layout.reduce(pass2_columns)
@@ -297,8 +326,21 @@ def run(
         parts["mis_is_ratio_mean_final"] = MeanParts(after.numerator / mu, after.denominator)
         parts["mis_is_ratio_min_final"] = _reduce.seq_mean_of_values(low / mu, n_final, how)
         parts["mis_is_ratio_max_final"] = _reduce.seq_mean_of_values(high / mu, n_final, how)
+        # ESS sums (invariant to μ): Σ w m', Σ w² m', Σ m' of the final mask.
+        if weights_per_seq:
+            some = n_final > 0
+            sum_w = jnp.where(some, weights, 0.0) * n_final
+            sum_w2 = jnp.where(some, weights * weights, 0.0) * n_final
+        else:
+            sum_w, sum_w2 = pass2["w"], pass2["w2"]
+        parts[_ESS_W] = MeanParts(sum_w, sum_w2)
+        parts[_ESS_N] = MeanParts(n_final, n_final)
     parts = layout.batch_means(parts)
     if weight_stats:
+        w_parts, n_parts = parts.pop(_ESS_W), parts.pop(_ESS_N)
+        parts["mis_ess"] = EffectiveSampleSize(
+            w_parts.numerator, w_parts.denominator, n_parts.numerator
+        )
         # As (μ, 1): pooled over micro-batches it reports their mean normaliser.
         parts["mis_batch_norm_factor"] = MeanParts(mu, jnp.ones((), jnp.float32))
     # A new name, not a reassignment: mean_weight above reads `weights` (narrowed to
