@@ -9,7 +9,7 @@ import numpy as np
 import numpy_reference_rules as ref
 import pytest
 
-from offpolicy_jax import criteria
+from offpolicy_jax import criteria, ratios
 
 
 def _batch(seed, b=6, t=12, scale=0.5):
@@ -121,3 +121,27 @@ def test_kl_statistics_match_reference(estimator):
         ref.token_statistic(d.astype(np.float64), estimator),
         rtol=1e-5,
     )
+
+
+def _log_grid() -> np.ndarray:
+    """±10⁻⁸ … ±60 on a log grid (both series/direct branches and the cap)."""
+    mags = np.logspace(-8, np.log10(60.0), 4001)
+    return np.concatenate([-mags[::-1], [0.0], mags]).astype(np.float32)
+
+
+def test_exp_minus_one_forms_are_accurate_to_a_few_ulp():
+    # ratios.k3 / metric_expm1 / probability_errors avoid expm1 and log1p (XLA:CPU
+    # does not vectorise them in fused loops); they must stay as exact as those.
+    x = _log_grid()
+    xd = np.minimum(x.astype(np.float64), ratios.METRIC_LOG_CAP)
+    k3 = np.asarray(ratios.k3(jnp.asarray(x)), np.float64)
+    k3_ref = np.where(np.abs(xd) < 1e-3, xd**2 / 2 + xd**3 / 6 + xd**4 / 24, np.expm1(xd) - xd)
+    assert (k3 >= 0).all()
+    np.testing.assert_allclose(k3, k3_ref, rtol=2e-6, atol=0)
+    expm1 = np.asarray(ratios.metric_expm1(jnp.asarray(x)), np.float64)
+    np.testing.assert_allclose(expm1, np.expm1(xd), rtol=2e-6, atol=0)
+    mult, js = (np.asarray(a, np.float64) for a in criteria.probability_errors(jnp.asarray(x)))
+    y = np.minimum(np.abs(x.astype(np.float64)), criteria.MULT_PROB_LOG_CAP) / 2
+    js_ref = np.where(y < 1e-3, y**2 / 2 - y**4 / 12, np.log(np.cosh(y)))
+    np.testing.assert_allclose(js, js_ref, rtol=2e-6, atol=0)
+    np.testing.assert_allclose(mult, np.exp(2 * y), rtol=1e-6)
