@@ -201,7 +201,7 @@ def test_custom_derivatives_keep_forward_mode_and_second_order():
     assert hvp.shape == logp.shape and bool(jnp.all(jnp.isfinite(hvp)))
 
 
-@pytest.mark.parametrize("length", [256, 257, 1031, 1030, 3])
+@pytest.mark.parametrize("length", [256, 257, 1031, 1030, 3, 5, 9])
 def test_unsplit_cpu_path_with_ragged_lengths(length):
     """The one-device CPU path (chunked prefix + remainder), whatever the process's device
     count: inside a one-device mesh nothing may split the token axis."""

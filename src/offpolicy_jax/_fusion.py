@@ -135,8 +135,12 @@ def _cpu_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[ja
     unsplit = split.explicit * split.free == 1
     if length < _CHUNK or (share % (_CHUNK * split.free) and not unsplit):
         return tuple(plain_reduce(op, v) for op, v in zip(ops, values, strict=True))
-    # On one device a ragged length is a chunked prefix plus < _CHUNK remaining tokens.
+    # On one device a ragged length is a chunked prefix plus a few remaining tokens:
+    # 2 to _CHUNK + 1 of them, since a remainder of one token (a size-1 reduce that
+    # XLA rewrites into the consumers) made every pass 2-4x slower at T = 4k + 1.
     body = length - length % _CHUNK if unsplit else length
+    if unsplit and length % _CHUNK == 1 and body > _CHUNK:
+        body -= _CHUNK
     prefix = tuple(v[..., :body] for v in values) if body < length else values
     # Balanced groups: 17 columns run as 6 + 6 + 5, never as 8 + 8 + 1 (a single
     # column would go back to the write-then-reduce path).
