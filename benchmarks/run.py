@@ -174,6 +174,37 @@ def fmt(value, spec=".2f", suffix="") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _jit_over_floor(result: dict) -> float:
+    seconds = result["seconds"]
+    return seconds["jit"] / seconds["floor"]
+
+
+def against(report: dict, baseline: dict, path: pathlib.Path) -> str:
+    """Markdown: jit / floor of this run beside a baseline run's, per computation and size.
+
+    Ratios to the floor are what survive a change of machine load between two runs;
+    a slowdown beyond 10% is flagged (issue 10: keep the ratios within 10%).
+    """
+    then = {(r["computation"], r["batch"], r["length"]): r for r in baseline["results"]}
+    lines = [
+        "",
+        f"## Against `{path}` ({baseline['environment'].get('date', '?')})",
+        "",
+        "| computation | [B, T] | jit / floor then | now | **now / then** |",
+        "|---|---|---|---|---|",
+    ]
+    for result in report["results"]:
+        key = (result["computation"], result["batch"], result["length"])
+        if key not in then:
+            continue
+        old, new = _jit_over_floor(then[key]), _jit_over_floor(result)
+        flag = " (slower)" if new > 1.10 * old else ""
+        lines.append(
+            f"| {key[0]} | {key[1]} x {key[2]} | {old:.2f} | {new:.2f} | **{new / old:.2f}**{flag} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [
@@ -362,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-numpy", action="store_true", help="skip the NumPy oracle")
     parser.add_argument("--note", default="", help="free text added to results.md")
     parser.add_argument(
+        "--against",
+        type=pathlib.Path,
+        default=None,
+        help="a previous results.json: add a table of jit / floor now vs then (a ratio "
+        "above 1.10 is flagged; the committed benchmarks/results.json is the baseline)",
+    )
+    parser.add_argument(
         "--cpus",
         type=int,
         default=None,
@@ -411,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(report)
+    if args.against is not None:
+        text += against(report, json.loads(args.against.read_text()), args.against)
     (args.out / "results.md").write_text(text)
     (args.out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
     print(text)

@@ -64,3 +64,21 @@ def test_thread_probe_runs_and_reports_every_size():
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")[1:]]
         assert cells and all(float(c) == float(c) for c in cells)  # numbers, not NaN
+
+
+def test_against_flags_a_slower_jit_to_floor_ratio():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.run import against
+
+    def row(name, jit):
+        return {"computation": name, "batch": 2, "length": 8, "seconds": {"floor": 1.0, "jit": jit}}
+
+    baseline = {"environment": {"date": "then"}, "results": [row("loss", 2.0), row("corr", 2.0)]}
+    report = {"results": [row("loss", 2.1), row("corr", 2.4), row("new", 1.0)]}
+    text = against(report, baseline, pathlib.Path("old.json"))
+    lines = [
+        line for line in text.splitlines() if line.startswith("| loss") or line.startswith("| corr")
+    ]
+    assert lines[0].endswith("**1.05** |")  # within 10%: not flagged
+    assert lines[1].endswith("**1.20** (slower) |")
+    assert "| new" not in text  # absent from the baseline
