@@ -12,8 +12,15 @@ pytest.importorskip("matplotlib")
 
 import offpolicy_jax as opj  # noqa: E402
 from offpolicy_jax.demo import cli  # noqa: E402
-from offpolicy_jax.diagnose import WHAT_IFS, DiagnoseError, diagnose, write_dump  # noqa: E402
+from offpolicy_jax.diagnose import (  # noqa: E402
+    WHAT_IFS,
+    DiagnoseError,
+    analysis,
+    diagnose,
+    write_dump,
+)
 from offpolicy_jax.diagnose.analysis import METRICS_ONLY  # noqa: E402
+from offpolicy_jax.diagnose.readers import Chunk  # noqa: E402
 
 
 def make_dump(seed=0, batch=29, length=24, sigma=0.3, spike=0.02, drift=0.0, nan=True):
@@ -36,7 +43,7 @@ def make_dump(seed=0, batch=29, length=24, sigma=0.3, spike=0.02, drift=0.0, nan
 
 
 def _check_equal(report, old, rollout, mask, reduction):
-    configs = {"metrics": METRICS_ONLY} | {w.name: w.build() for w in WHAT_IFS if w.build()}
+    configs = {"metrics": METRICS_ONLY} | {w.name: w.build() for w in WHAT_IFS}
     for name, config in configs.items():
         got = report["metrics"] if name == "metrics" else report["what_if"][name]["metrics"]
         want = opj.compute_correction(old, rollout, mask, config, reduction=reduction).metrics
@@ -45,6 +52,138 @@ def _check_equal(report, old, rollout, mask, reduction):
             np.testing.assert_allclose(
                 got[key], float(value), rtol=2e-6, atol=1e-6, err_msg=f"{name}: {key}"
             )
+
+
+def _rule_dump(seed=0, batch=40, length=16):
+    """Per-row mismatch scales from 0.01 to 0.5 (k3 per token ~ scale²/2 on both sides of
+    0.01), spikes |δ| ~ 3 (k2 > 2.5), ragged lengths, empty rows and one NaN row."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, length + 1, batch)
+    lengths[0] = length
+    lengths[[5, 6, 7]] = 0  # rows 5-7: the empty chunk below
+    mask = np.arange(length)[None] < lengths[:, None]
+    old = -rng.exponential(1.0, (batch, length))
+    scale = 10.0 ** rng.uniform(-2, np.log10(0.5), (batch, 1))
+    spikes = np.where(
+        rng.random((batch, length)) < 0.03, rng.choice([-3.0, 3.0], (batch, length)), 0
+    )
+    rollout = old + rng.normal(0, 1, (batch, length)) * scale + spikes
+    old, rollout = old.astype(np.float32), rollout.astype(np.float32)
+    old[8, 0] = np.nan  # row 8: non-finite at a valid token, alone in its chunk below
+    return old, rollout, mask
+
+
+# Every key the what-if rows emit, and the rule/band keys in other combinations:
+# IcePop + Trust Region Masking with batch normalisation (both token and sequence μ),
+# a two-sided per-token criterion (fraction_low, token-level max/min), seq_max_k3, and
+# NeMo-RL's sequence log-prob error (its _max/_min are batch extremes too).
+EXTRA_CONFIGS = {
+    "trm_icepop_norm": opj.CorrectionConfig(
+        use_tis=True,
+        tis_mode="band",
+        tis_lower_bound=0.5,
+        tis_upper_bound=5.0,
+        tis_batch_normalize=True,
+        rs_criteria=("seq_max_k2:2.5", "seq_mean_k3:0.01"),
+    ),
+    "geo_band_token_k1": opj.CorrectionConfig(
+        use_tis=True,
+        tis_level="geometric",
+        tis_mode="band",
+        tis_lower_bound=0.8,
+        tis_upper_bound=1.25,
+        tis_batch_normalize=True,
+        rs_criteria=("token_k1:0.5_2.0", "seq_max_k3:1.0", "seq_sum_k2:0.5"),
+        seq_logprob_error_threshold=1.3,
+    ),
+}
+
+# Chunk boundaries (row indices): several sizes, ragged widths, a chunk of empty
+# sequences only (rows 5-7) and one holding only the NaN sequence (row 8).
+SPLITS = {
+    "ones": list(range(1, 40)),
+    "mixed": [3, 5, 8, 9, 16, 17, 30],
+    "halves": [5, 8, 9, 20],
+}
+
+
+def _chunks(old, rollout, mask, cuts):
+    for lo, hi in zip([0, *cuts], [*cuts, old.shape[0]], strict=True):
+        width = max(1, int(mask[lo:hi].sum(-1).max()))  # the reader trims to the longest
+        yield Chunk(
+            old=old[lo:hi, :width],
+            rollout=rollout[lo:hi, :width],
+            mask=mask[lo:hi, :width].astype(np.float32),
+            file=np.zeros(hi - lo, np.int64),
+            row=np.arange(lo, hi),
+            start=np.zeros(hi - lo, np.int64),
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["sequence", "token"])
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_accumulator_pools_rule_and_band_metrics_exactly(split, reduction):
+    """Every key of the what-if rows (IcePop, the k3 trust region included) and of
+    other rule/band configs, pooled over ragged chunks, equals one compute_correction
+    call on the whole dump: means weighted by their population, the rules' batch
+    extremes as max/min over chunks that hold a valid sequence."""
+    old, rollout, mask = _rule_dump()
+    assert mask[5:8].sum() == 0
+    configs = {"metrics": METRICS_ONLY} | {w.name: w.build() for w in WHAT_IFS} | EXTRA_CONFIGS
+    acc = analysis.Accumulator(tuple(configs.items()), reduction, rows=64)
+    for chunk in _chunks(old, rollout, mask, SPLITS[split]):
+        acc.add(chunk)
+    extremes = 0
+    for name, config in configs.items():
+        got = acc.metrics(name)
+        want = opj.compute_correction(old, rollout, mask, config, reduction=reduction).metrics
+        assert set(got) == set(want), name
+        for key, value in want.items():
+            np.testing.assert_allclose(
+                got[key], float(value), rtol=2e-6, atol=1e-6, err_msg=f"{name}: {key}"
+            )
+            if analysis.population(key) in ("max", "min"):
+                extremes += 1
+                if key.endswith("_min") and ("_k2_" in key or "_k3_" in key):
+                    assert float(value) > 0, key  # a chunk's empty-batch 0 would win here
+    assert extremes >= 16
+    trm = acc.metrics("k3_trust_region")
+    assert 0 < trm["mis_rs_seq_mean_k3_seq_fraction"] < 1  # the rows test both sides
+    assert 0 < trm["mis_rs_seq_max_k2_seq_fraction"] < 1
+    icepop = acc.what_if("icepop")
+    assert icepop["rejected_token_share"] == 0 and icepop["rejected_seq_share"] == 0
+    assert icepop["truncated_share"] is None and icepop["zero_weight_share"] > 0
+    assert acc.what_if("token_tis")["zero_weight_share"] is None
+    if reduction == "token":  # then the band fractions are shares of the valid tokens
+        band = acc.metrics("icepop")
+        np.testing.assert_allclose(
+            icepop["zero_weight_share"],
+            band["mis_tis_band_fraction_low"] + band["mis_tis_band_fraction_high"],
+            rtol=1e-5,
+        )
+
+
+@pytest.mark.slow
+def test_accumulator_extremes_of_a_dump_without_valid_sequence_are_zero():
+    old, rollout, mask = _rule_dump()
+    rows = slice(5, 9)  # three empty sequences and the NaN one
+    config = next(w for w in WHAT_IFS if w.name == "k3_trust_region").build()
+    acc = analysis.Accumulator((("trm", config),), "sequence")
+    for chunk in _chunks(old[rows], rollout[rows], mask[rows], [3]):
+        acc.add(chunk)
+    got = acc.metrics("trm")
+    want = opj.compute_correction(old[rows], rollout[rows], mask[rows], config).metrics
+    assert got == pytest.approx({k: float(v) for k, v in want.items()}, abs=1e-7)
+    assert got["mis_rs_seq_mean_k3_max"] == got["mis_rs_seq_mean_k3_min"] == 0
+
+
+def test_accumulator_refuses_configs_it_cannot_pool():
+    with pytest.raises(ValueError, match="'m'.*tis_mode='mask'"):
+        analysis.Accumulator((("m", opj.CorrectionConfig(use_tis=True, tis_mode="mask")),))
+    with pytest.raises(ValueError, match="'p'.*m2po_tau"):
+        m2po = opj.CorrectionConfig(use_tis=True, tis_mode="none", m2po_tau=0.04)
+        analysis.Accumulator((("p", m2po),))
 
 
 @pytest.mark.slow
@@ -143,7 +282,17 @@ def test_cli_writes_report_files_and_plots(tmp_path, capsys):
     assert {"log_ratio_hist.png", "seq_ratio_hist.png"} <= names
     assert {"log_ratio_vs_position.png", "log_ratio_vs_prob.png"} <= names
     report = json.loads((out / "report.json").read_text())
-    assert "TODO" in (out / "report.md").read_text()  # IcePop / k3 placeholders
+    text = (out / "report.md").read_text()
+    assert "TODO" not in text and "| zero weight |" in text
+    for name in ("icepop", "k3_trust_region"):
+        assert f"| {name} | " in text
+        row = report["what_if"][name]
+        assert opj.CorrectionConfig.from_dict(row["config"]) == next(
+            w.build() for w in WHAT_IFS if w.name == name
+        )
+    assert report["what_if"]["icepop"]["config"]["tis_mode"] == "band"
+    assert report["what_if"]["icepop"]["table"]["truncated_share"] is None  # – in the table
+    assert report["what_if"]["token_tis"]["table"]["zero_weight_share"] is None
     assert report["what_if"]["token_tis"]["table"]["ess"] <= 1.0
 
 

@@ -78,7 +78,7 @@ def diagnose(
     columns = {"old": old_col, "rollout": rollout_col, "mask": mask_col}
     counts = [readers.check(path, columns) for path in paths]  # fail before any work
     configs = [("metrics", analysis.METRICS_ONLY)]
-    configs += [(w.name, w.build()) for w in WHAT_IFS if w.build() is not None]
+    configs += [(w.name, w.build()) for w in WHAT_IFS]
     acc = Accumulator(configs, reduction, position_bin=position_bin, top_k=top_k, rows=chunk_rows)
     known = [c for c in counts if c is not None]
     total = sum(known) if len(known) == len(counts) else None

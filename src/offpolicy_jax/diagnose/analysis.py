@@ -1,26 +1,36 @@
 """Chunked analysis: library metrics pooled exactly, plus histograms, worst-k and what-ifs.
 
 Every metric comes from :func:`offpolicy_jax.compute_correction`, called per chunk
-inside one jitted function. A metric of ``compute_correction`` is a mean
+inside one jitted function. Most metrics of ``compute_correction`` are a mean
 ``Σ num / D`` over a population of sequences (``reduction="sequence"``: ``D`` = the
 number of non-empty sequences of that population) or of tokens (``"token"``:
 ``D`` = their token count), so chunk values weighted by the chunk's ``D`` and
-divided by the total ``D`` give the whole-dump value up to float32 rounding. The
-population of a key (:func:`population`) is
+divided by the total ``D`` give the whole-dump value up to float32 rounding. How a
+key pools (:func:`population`):
 
 * ``valid``: sequences with a token in the mask and only finite log-probs (§0):
   every §4 mismatch metric, the weights before/after bounding, the truncation,
-  rejection and veto fractions;
+  band (IcePop), rejection and veto fractions, and the §8 rules' ``P_mean``,
+  ``P_fraction_low/high`` and ``P_seq_fraction`` (per-token statistics average over
+  the valid tokens of each sequence, per-sequence ones are one value per sequence);
 * ``all``: every non-empty sequence (``mis_nonfinite_seq_fraction``);
 * ``final``: sequences that keep a token after rejection
   (``mis_is_ratio_{mean,min,max}_{after_tis_rs,final}``; min and max are the mean of
-  per-sequence minima/maxima, so they pool like any mean).
+  per-sequence minima/maxima, so they pool like any mean);
+* ``max`` / ``min``: a rule's ``P_max`` / ``P_min`` (``mis_rs_<criterion>_*``,
+  ``mis_seq_logprob_error_*``) are batch extremes
+  (:func:`offpolicy_jax.rules.batch_extreme`), not means: the max / min over the
+  chunks that hold a valid sequence (a chunk without one reports 0, which must not
+  win), 0 when no chunk does;
+* ``batch``: ``mis_ess`` and ``mis_batch_norm_factor``, functions of batch-wide sums,
+  recomputed from the pooled sums.
 
 Batch normalisation (``tis_batch_normalize``) divides by a *global* ``μ``, so the
 chunks run without it and ``μ`` is applied once to the pooled mean (§3.6): it is the
 pooled ``mis_is_ratio_mean_after_tis_rs`` (taken in the normaliser's own reduction),
-through :func:`offpolicy_jax.normalize.normalizer`. Mask-mode TIS is refused: its
-``mis_tis_weight_after_bound`` averages over a population no output reveals.
+through :func:`offpolicy_jax.normalize.normalizer`. Refused: mask-mode TIS (its
+``mis_tis_weight_after_bound`` averages over a population no output reveals) and
+M2PO (``m2po_tau``: its cut-off is a function of the whole batch).
 """
 
 from __future__ import annotations
@@ -88,21 +98,17 @@ def _prob_bin(logp: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class WhatIf:
-    """One row of the what-if table: a standard correction, or a TODO placeholder.
+    """One row of the what-if table: a standard correction.
 
-    ``config`` is a :class:`~offpolicy_jax.CorrectionConfig` mapping; ``needs`` lists
-    config keys that must exist in this version of the library (IcePop and the k3
-    trust region are declared here and become rows once ``CorrectionConfig`` has them).
+    ``config`` is a :class:`~offpolicy_jax.CorrectionConfig` mapping (hashable pairs,
+    so the row is a constant); :meth:`build` makes the config.
     """
 
     name: str
     description: str
-    config: tuple[tuple[str, object], ...] | None
-    needs: tuple[str, ...] = ()
+    config: tuple[tuple[str, object], ...]
 
-    def build(self) -> opj.CorrectionConfig | None:
-        if self.config is None or not set(self.needs) <= set(opj.CorrectionConfig.keys()):
-            return None
+    def build(self) -> opj.CorrectionConfig:
         return opj.CorrectionConfig.from_dict(dict(self.config))
 
 
@@ -115,6 +121,12 @@ _TIS = (("use_tis", True), ("tis_level", "token"), ("tis_mode", "truncate"))
 _TIS = (*_TIS, ("tis_upper_bound", 2.0))
 GEO_BOUNDS = (0.98, 1.02)
 VETO = 1e-4
+# verl's IcePop preset (decoupled_token_icepop, rollout_is_threshold "0.5_5.0").
+ICEPOP_BOUNDS = (0.5, 5.0)
+# Trust Region Masking (verl rollout_rs "seq_max_k2,seq_mean_k3"): the per-sequence mean
+# k3 at verl's decoupled_k3_rs* preset threshold, the max token k2 at README's 2.5.
+TRM_MAX_K2 = 2.5
+TRM_MEAN_K3 = 0.01
 
 WHAT_IFS: tuple[WhatIf, ...] = (
     WhatIf("token_tis", "token TIS, truncate at 2 (Yao et al.)", _TIS),
@@ -143,24 +155,41 @@ WHAT_IFS: tuple[WhatIf, ...] = (
         + (("rs_lower_bound", GEO_BOUNDS[0]), ("rs_upper_bound", GEO_BOUNDS[1]))
         + (("rs_veto_threshold", VETO),),
     ),
-    # TODO(diagnose): IcePop (token masking outside [a, b] on the ratio) and the k3 trust
-    # region are not CorrectionConfig keys yet; give them their config and key names
-    # here when the core adds the rules, and they become rows of the table.
-    WhatIf("icepop", "IcePop token masking (TODO: not in CorrectionConfig yet)", None),
-    WhatIf("k3_trust_region", "k3 trust region (TODO: not in CorrectionConfig yet)", None),
+    WhatIf(
+        "icepop",
+        f"IcePop: token weight set to 0 outside [{ICEPOP_BOUNDS[0]}, {ICEPOP_BOUNDS[1]}], "
+        "the token stays in the mask (verl decoupled_token_icepop, '0.5_5.0')",
+        (("use_tis", True), ("tis_level", "token"), ("tis_mode", "band"))
+        + (("tis_lower_bound", ICEPOP_BOUNDS[0]), ("tis_upper_bound", ICEPOP_BOUNDS[1])),
+    ),
+    WhatIf(
+        "k3_trust_region",
+        "token TIS 2 + Trust Region Masking: reject sequences with a token k2 > "
+        f"{TRM_MAX_K2:g} or mean k3 > {TRM_MEAN_K3:g} (verl seq_max_k2,seq_mean_k3; "
+        f"{TRM_MEAN_K3:g} is verl's decoupled_k3_rs* preset threshold)",
+        (*_TIS, ("rs_criteria", (f"seq_max_k2:{TRM_MAX_K2:g}", f"seq_mean_k3:{TRM_MEAN_K3:g}"))),
+    ),
 )
 
 METRICS_ONLY = opj.CorrectionConfig()
 
 
+# Rule stages (docs/semantics.md §8) whose ``P_max`` / ``P_min`` are batch extremes.
+_RULE_PREFIXES = ("mis_rs_", "mis_seq_logprob_error_")
+
+
 def population(key: str) -> str:
-    """Which population a metric key averages over (module docstring)."""
+    """How a metric key pools over chunks (module docstring): the population it
+    averages over (``"valid"``, ``"all"``, ``"final"``), ``"max"`` / ``"min"`` for a
+    rule's batch extreme, or ``"batch"`` for a function of batch-wide sums."""
     if key.startswith("mis_is_ratio_"):
         return "final"
     if key == "mis_nonfinite_seq_fraction":
         return "all"
     if key in ("mis_batch_norm_factor", "mis_ess"):
         return "batch"  # a function of batch-wide sums, not a mean: pooled from those sums
+    if key.startswith(_RULE_PREFIXES) and key.endswith(("_max", "_min")):
+        return key[-3:]
     return "valid"
 
 
@@ -208,6 +237,8 @@ def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
             "valid_tokens": jnp.sum(n_valid),
             "valid_seqs": jnp.sum(jnp.where(n_valid > 0, 1.0, 0.0)),
             "rejected_seqs": jnp.sum(jnp.where((n_valid > 0) & (n_final == 0), 1.0, 0.0)),
+            # IcePop's band: kept tokens whose weight is set to 0 (no gradient).
+            "zero_weight_tokens": jnp.sum(jnp.where(kept & (res.weights == 0), 1.0, 0.0)),
             "sum_w": jnp.sum(jnp.where(kept, res.weights, 0.0)),
             "sum_w2": jnp.sum(jnp.where(kept, jnp.square(res.weights), 0.0)),
         }
@@ -275,15 +306,25 @@ def _bucket(n: int, minimum: int = 8) -> int:
     return -(-n // 512) * 512
 
 
+# Per-config sums of chunk_stats, added over chunks.
+_COUNTS = ("kept_tokens", "valid_tokens", "valid_seqs", "rejected_seqs", "zero_weight_tokens")
+_COUNTS += ("sum_w", "sum_w2")
+
+
 class Accumulator:
     """Pools :func:`chunk_stats` of many chunks; memory is independent of the dump size."""
 
     def __init__(self, configs, reduction="sequence", *, position_bin=32, top_k=20, rows=1024):
-        for _, config in configs:
+        for name, config in configs:
             if config.use_tis and config.tis_mode == "mask":
                 raise ValueError(
-                    "diagnose cannot pool tis_mode='mask' configs exactly "
+                    f"config {name!r}: diagnose cannot pool tis_mode='mask' configs exactly "
                     "(mis_tis_weight_after_bound averages over tokens no output reveals)"
+                )
+            if config.m2po_tau is not None:
+                raise ValueError(
+                    f"config {name!r}: diagnose cannot pool m2po_tau configs exactly "
+                    "(M2PO's cut-off is a function of the whole batch, not of each chunk)"
                 )
         self.configs = tuple(configs)
         self.reduction = reduction
@@ -293,6 +334,8 @@ class Accumulator:
         self.totals = {"tokens": 0, "sequences": 0, "nonfinite_tokens": 0}
         self.totals["nonfinite_sequences"] = 0
         self.sums: dict[str, dict[str, list[float]]] = {name: {} for name, _ in self.configs}
+        # Batch extremes of the rules: None until a chunk with a valid sequence reports one.
+        self.extremes: dict[str, dict[str, float | None]] = {n: {} for n, _ in self.configs}
         self.extra: dict[str, dict[str, float]] = {name: {} for name, _ in self.configs}
         self.pos_hist = np.zeros((0, N_DELTA_BINS))
         self.pos_sum = np.zeros(0)
@@ -331,17 +374,24 @@ class Accumulator:
         for name, entry in stats["configs"].items():
             sums = self.sums[name]
             counts = {**stats["D"], "final": entry["D_final"]}
+            extremes = self.extremes[name]
             for key, value in entry["metrics"].items():
                 kind = population(key)
                 if kind == "batch":
+                    continue
+                if kind in ("max", "min"):
+                    # A chunk without a valid sequence reports 0: it must not win.
+                    best = extremes.setdefault(key, None)
+                    if entry["valid_seqs"] > 0:
+                        pick = max if kind == "max" else min
+                        best = float(value) if best is None else pick(best, float(value))
+                        extremes[key] = best
                     continue
                 d = float(counts[kind])
                 num, den = sums.setdefault(key, [0.0, 0.0])
                 sums[key] = [num + float(value) * d, den + d]
             extra = self.extra[name]
-            for key in ("kept_tokens", "valid_tokens", "valid_seqs", "rejected_seqs"):
-                extra[key] = extra.get(key, 0.0) + float(entry[key])
-            for key in ("sum_w", "sum_w2"):
+            for key in _COUNTS:
                 extra[key] = extra.get(key, 0.0) + float(entry[key])
             if "mu_mean" in entry:
                 d = float(entry["mu_D"])
@@ -418,8 +468,8 @@ class Accumulator:
     def metrics(self, name: str) -> dict[str, float]:
         """Pooled metrics of one config: equal to one ``compute_correction`` on the dump."""
         config = dict(self.configs)[name]
-        sums = self.sums[name]
-        result = {key: (num / den if den else 0.0) for key, (num, den) in sums.items()}
+        result = {key: (num / den if den else 0.0) for key, (num, den) in self.sums[name].items()}
+        result |= {k: 0.0 if v is None else v for k, v in self.extremes[name].items()}
         if not config.use_tis:
             return result
         result["mis_ess"] = self._ess(name)
@@ -436,17 +486,32 @@ class Accumulator:
         result["mis_batch_norm_factor"] = mu
         return result
 
-    def what_if(self, name: str) -> dict[str, float]:
-        """Shares rejected / truncated, ESS over kept tokens, mean final weight."""
+    def what_if(self, name: str) -> dict[str, float | None]:
+        """Shares rejected / truncated / zero-weighted, ESS over kept tokens, mean weight.
+
+        ``rejected_token_share`` and ``zero_weight_share`` are shares of the valid
+        tokens: outside the final mask, and inside it with weight 0 (IcePop's band,
+        ``tis_mode="band"``, zeroes weights but keeps the tokens in the mask; None for
+        other modes); their sum is the share that adds no gradient.
+        ``truncated_share`` is ``mis_tis_truncate_fraction`` (the metrics' reduction;
+        None where the config does not truncate).
+        """
+        config = dict(self.configs)[name]
         extra, metrics = self.extra[name], self.metrics(name)
         valid_tokens = extra.get("valid_tokens", 0.0)
         kept = extra.get("kept_tokens", 0.0)
+
+        def share(tokens: float) -> float:
+            return tokens / valid_tokens if valid_tokens else 0.0
+
+        band = config.use_tis and config.tis_mode == "band"
         return {
-            "rejected_token_share": 1.0 - kept / valid_tokens if valid_tokens else 0.0,
+            "rejected_token_share": share(valid_tokens - kept),
             "rejected_seq_share": (
                 extra["rejected_seqs"] / extra["valid_seqs"] if extra.get("valid_seqs") else 0.0
             ),
-            "truncated_share": metrics.get("mis_tis_truncate_fraction", 0.0),
+            "truncated_share": metrics.get("mis_tis_truncate_fraction"),
+            "zero_weight_share": share(extra.get("zero_weight_tokens", 0.0)) if band else None,
             "ess": self._ess(name),
             "mean_weight": metrics.get("mis_is_ratio_mean_final", 0.0),
         }

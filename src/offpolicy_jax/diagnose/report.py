@@ -74,7 +74,6 @@ def recommend(metrics: dict[str, float], what_if: dict[str, dict]) -> dict:
                 "single tokens outside [0.5, 2] and vetoes catastrophic sequences"
             )
     config = next(w for w in analysis.WHAT_IFS if w.name == name).build()
-    assert config is not None  # the recommended rows are built-in configs
     return {"name": name, "severity": severity, "reason": reason, "config": config.to_dict()}
 
 
@@ -133,15 +132,12 @@ def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
     metrics = acc.metrics("metrics")
     what_if = {}
     for w in analysis.WHAT_IFS:
-        built = w.build()
-        entry: dict[str, Any] = {"description": w.description}
-        if built is None:
-            entry["todo"] = True
-        else:
-            entry["config"] = built.to_dict()
-            entry["table"] = acc.what_if(w.name)
-            entry["metrics"] = acc.metrics(w.name)
-        what_if[w.name] = entry
+        what_if[w.name] = {
+            "description": w.description,
+            "config": w.build().to_dict(),
+            "table": acc.what_if(w.name),
+            "metrics": acc.metrics(w.name),
+        }
     position = _profile(acc.pos_hist, acc.pos_sum, acc.pos_abs)
     position["start"] = np.arange(acc.pos_hist.shape[0]) * acc.position_bin
     prob = _profile(acc.prob_hist, acc.prob_sum, acc.prob_abs)
@@ -183,7 +179,7 @@ def _g(x, digits=4) -> str:
 
 
 def _pct(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.2f}%"
+    return "–" if x is None else f"{100 * x:.2f}%"  # None: the config has no such step
 
 
 def markdown(report: dict) -> str:
@@ -217,25 +213,28 @@ def markdown(report: dict) -> str:
     lines += [f"| `{k}` | {_g(v, 6)} |" for k, v in report["metrics"].items()]
     lines += ["", "## What-if: each standard correction on this dump", ""]
     lines += [
-        "| config | rejected tokens | rejected sequences | truncated | ESS | mean weight | what |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| config | rejected tokens | rejected sequences | truncated | zero weight | ESS "
+        "| mean weight | what |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, entry in report["what_if"].items():
-        if entry.get("todo"):
-            lines.append(f"| {name} | TODO | | | | | {entry['description']} |")
-            continue
         row = entry["table"]
         lines.append(
             f"| {name} | {_pct(row['rejected_token_share'])} | {_pct(row['rejected_seq_share'])}"
-            f" | {_pct(row['truncated_share'])} | {_g(row['ess'], 3)} | "
-            f"{_g(row['mean_weight'], 4)} | {entry['description']} |"
+            f" | {_pct(row['truncated_share'])} | {_pct(row['zero_weight_share'])} | "
+            f"{_g(row['ess'], 3)} | {_g(row['mean_weight'], 4)} | {entry['description']} |"
         )
     lines += [
         "",
         "Rejected: share of valid tokens / non-empty sequences outside the final mask. "
-        "Truncated: `mis_tis_truncate_fraction` (same reduction as the metrics). "
-        "ESS = (Σw)² / (n·Σw²) over the n kept tokens (1 = uniform weights). Mean weight: "
-        "`mis_is_ratio_mean_final` (after batch normalisation where the config has it).",
+        "Zero weight (IcePop, `tis_mode: band`): share of valid tokens that stay in the "
+        "mask with weight 0 (outside the band): they count in the loss's token average "
+        "but add no gradient, so rejected + zero weight is the share of tokens without "
+        "gradient. Truncated: `mis_tis_truncate_fraction` (the metrics' reduction). "
+        "–: the config has no such step. "
+        "ESS = (Σw)² / (n·Σw²) over the n kept tokens (1 = uniform weights; zero weights "
+        "count in n). Mean weight: `mis_is_ratio_mean_final` (after batch normalisation "
+        "where the config has it).",
     ]
     prob = report["by_rollout_prob"]
     lines += ["", "## Log-ratio δ = old − rollout by rollout probability", ""]
