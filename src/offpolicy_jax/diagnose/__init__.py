@@ -42,7 +42,7 @@ def diagnose(
     mask_col: str = DEFAULT_COLUMNS["mask"],
     reduction: str = "sequence",
     chunk_rows: int = 1024,
-    position_bin: int = 32,
+    position_bin: int | None = None,
     top_k: int = 20,
     progress: bool = False,
 ) -> dict:
@@ -55,7 +55,8 @@ def diagnose(
       old_col, rollout_col, mask_col: Parquet/JSONL column names.
       reduction: ``"sequence"`` or ``"token"`` reduction of the metrics.
       chunk_rows: sequences per chunk (memory is O(chunk_rows x longest sequence)).
-      position_bin: width of the position buckets of the position profile.
+      position_bin: width of the position buckets of the position profile; None picks
+        the largest power of two giving 32 buckets over the first chunk's length.
       top_k: how many worst sequences and tokens are kept.
       progress: show a tqdm progress bar on stderr.
 

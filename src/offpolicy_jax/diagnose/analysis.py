@@ -311,10 +311,19 @@ _COUNTS = ("kept_tokens", "valid_tokens", "valid_seqs", "rejected_seqs", "zero_w
 _COUNTS += ("sum_w", "sum_w2")
 
 
+def auto_position_bin(length: int) -> int:
+    """Bucket width for a dump whose first chunk is ``length`` tokens wide: the largest
+    power of two giving at least 32 buckets (1 for short responses)."""
+    width = 1
+    while width * 2 * 32 <= length:
+        width *= 2
+    return width
+
+
 class Accumulator:
     """Pools :func:`chunk_stats` of many chunks; memory is independent of the dump size."""
 
-    def __init__(self, configs, reduction="sequence", *, position_bin=32, top_k=20, rows=1024):
+    def __init__(self, configs, reduction="sequence", *, position_bin=None, top_k=20, rows=1024):
         for name, config in configs:
             if config.use_tis and config.tis_mode == "mask":
                 raise ValueError(
@@ -350,6 +359,8 @@ class Accumulator:
 
     def add(self, chunk) -> None:
         b, t = chunk.old.shape
+        if self.position_bin is None:
+            self.position_bin = auto_position_bin(t)
         rows = _bucket(b) if b < self.rows else -(-b // self.rows) * self.rows
         cols = _bucket(t)
 

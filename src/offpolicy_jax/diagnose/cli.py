@@ -43,7 +43,10 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         help="sequences per chunk (default 1024)",
     )
     p.add_argument(
-        "--position-bin", type=positive_int, default=32, help="position bucket width (default 32)"
+        "--position-bin",
+        type=positive_int,
+        default=None,
+        help="position bucket width (default: a power of two giving 32 buckets)",
     )
     p.add_argument(
         "--top-k", type=positive_int, default=20, help="worst sequences/tokens kept (default 20)"

@@ -139,7 +139,7 @@ def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
             "metrics": acc.metrics(w.name),
         }
     position = _profile(acc.pos_hist, acc.pos_sum, acc.pos_abs)
-    position["start"] = np.arange(acc.pos_hist.shape[0]) * acc.position_bin
+    position["start"] = np.arange(acc.pos_hist.shape[0]) * (acc.position_bin or 1)
     prob = _profile(acc.prob_hist, acc.prob_sum, acc.prob_abs)
     edges = analysis.prob_bin_edges()
     prob["p_high"], prob["p_low"] = edges[:-1], edges[1:]
@@ -326,11 +326,35 @@ def _profile_axes(ax, x, profile: dict, xlabel: str, title: str, linthresh, log_
     have = np.asarray(profile["tokens"], float) > 0
     p05 = np.asarray(profile["p05"], float)
     p95 = np.asarray(profile["p95"], float)
-    ax.fill_between(x[have], p05[have], p95[have], alpha=0.25, color="C0", label="δ 5–95%")
-    ax.plot(x[have], np.asarray(profile["p50"], float)[have], color="C0", lw=1, label="δ median")
-    ax.plot(x[have], np.asarray(profile["mean"], float)[have], color="C1", lw=1.5, label="mean δ")
+    # Few buckets (short responses, a narrow probability range): markers, and the
+    # 5–95% band as error bars, so that a single bucket is still a readable plot.
+    few = int(have.sum()) <= 12
+    style = {"marker": "o", "ms": 4} if few else {}
+    if few:
+        mid = np.asarray(profile["p50"], float)[have]
+        band = [mid - p05[have], p95[have] - mid]
+        ax.errorbar(x[have], mid, yerr=band, fmt="none", ecolor="C0", alpha=0.5, capsize=4)
+    else:
+        ax.fill_between(x[have], p05[have], p95[have], alpha=0.25, color="C0", label="δ 5–95%")
+    label = "δ median (bars: 5–95%)" if few else "δ median"
     ax.plot(
-        x[have], np.asarray(profile["mean_abs"], float)[have], color="C3", lw=1.5, label="mean |δ|"
+        x[have], np.asarray(profile["p50"], float)[have], color="C0", lw=1, label=label, **style
+    )
+    ax.plot(
+        x[have],
+        np.asarray(profile["mean"], float)[have],
+        color="C1",
+        lw=1.5,
+        label="mean δ",
+        **style,
+    )
+    ax.plot(
+        x[have],
+        np.asarray(profile["mean_abs"], float)[have],
+        color="C3",
+        lw=1.5,
+        label="mean |δ|",
+        **style,
     )
     _symlog(ax, linthresh, "y")
     if log_x:
