@@ -7,9 +7,14 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+# End to end: the whole benchmark grid at a tiny size (~35 s of CPU); the fast tier keeps
+# the command's argument check and the thread probe.
+@pytest.mark.slow
 def test_benchmark_command_writes_its_report(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--tiny", "--cpus", "1", "--out", str(tmp_path)],

@@ -12,6 +12,13 @@ derandomised examples, the counts given to :func:`budget`; ``HYPOTHESIS_PROFILE=
 runs every property on the profile's count (5,000), except ``jit == eager``, whose
 eager side costs about a second a call (see ``THOROUGH_EAGER_EXAMPLES``).
 
+Tiers: the fast tier (``-m "not slow"``) runs the headline properties (garbage at masked
+positions, finiteness, empty batches, threads, hostile configs) and the regressions; the
+properties marked slow (mask dtypes, low precision, jit == eager, vmap, pooling, the
+correction) each compile their own pool of programs (5-8 s of CPU apiece) and have
+fixed-example counterparts in the fast tier (test_pipeline_defects, test_policy_losses,
+test_correction); the full suite runs them all.
+
 The two defects the campaign found in the core (issue 17, #1 and #2) have regression
 tests at the end.
 """
@@ -309,6 +316,7 @@ def test_empty_or_fully_rejected_batch_gives_zero_loss_and_zero_gradient(
         assert float(metrics["mis_nonfinite_seq_fraction"]) == 1.0
 
 
+@pytest.mark.slow
 @budget(ci=3)
 @given(batch=campaign_batches(), config=loss_configs, dtype=dtypes)
 def test_mask_dtype_changes_nothing(batch, config, dtype):
@@ -317,6 +325,7 @@ def test_mask_dtype_changes_nothing(batch, config, dtype):
         assert_close(results[0], other, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @budget(ci=3)
 @given(
     batch=campaign_batches(),
@@ -337,6 +346,7 @@ def test_low_precision_inputs_equal_their_exact_float32_upcast(batch, config, dt
     assert_close(grad, grad32.astype(grad.dtype), rtol=1e-2, atol=1e-6)  # one bf16 ulp
 
 
+@pytest.mark.slow
 @budget(ci=2, thorough=THOROUGH_EAGER_EXAMPLES)
 @given(batch=campaign_batches(), config=loss_configs, dtype=dtypes, mask_dtype=mask_dtypes)
 def test_jit_equals_eager(batch, config, dtype, mask_dtype):
@@ -345,6 +355,7 @@ def test_jit_equals_eager(batch, config, dtype, mask_dtype):
     assert_close(loss_vg(*args, config=config), eager)
 
 
+@pytest.mark.slow
 @budget(ci=2)
 @given(
     batches=st.lists(campaign_batches(), min_size=3, max_size=3),
@@ -367,6 +378,7 @@ POOLABLE = [
 ]
 
 
+@pytest.mark.slow
 @budget(ci=3)
 @given(
     batch=campaign_batches(),
@@ -418,6 +430,7 @@ def test_four_threads_agree_with_one(batch, config, dtype, mask_dtype):
 # --------------------------------------------------------------------------- correction
 
 
+@pytest.mark.slow
 @budget(ci=4)
 @given(
     batch=campaign_batches(),
