@@ -675,7 +675,16 @@ COVERAGE = [(name, "sequence_mean") for name in SURROGATES] + [
 ]
 
 
-@pytest.mark.parametrize(("name", "aggregation"), COVERAGE)
+# Tiers: an empty batch compiles two programs per case (~3 s of CPU). The fast tier runs
+# every surrogate once; gmpo's other aggregations run in the full suite (the empty-batch
+# property of tests/test_campaign.py draws every aggregation in the fast tier).
+EMPTY_CASES = [
+    case if case[1] == "sequence_mean" else pytest.param(*case, marks=pytest.mark.slow)
+    for case in COVERAGE
+]
+
+
+@pytest.mark.parametrize(("name", "aggregation"), EMPTY_CASES)
 def test_empty_and_fully_rejected_batches_give_zero(name, aggregation):
     theta, old, rollout, adv, valid = policy_batch(25)
     config = loss_config(name, aggregation)
@@ -689,7 +698,13 @@ def test_empty_and_fully_rejected_batches_give_zero(name, aggregation):
     assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
-@pytest.mark.parametrize("name", SURROGATES)
+# Tiers: the end-to-end garbage check compiles two programs per surrogate (~2.5 s of
+# CPU); the fast tier runs a sequence-level (gspo) and a geometric (gmpo) surrogate, and
+# test_garbage_at_invalid_positions_changes_nothing checks every surrogate's terms.
+@pytest.mark.parametrize(
+    "name",
+    [n if n in ("gspo", "gmpo") else pytest.param(n, marks=pytest.mark.slow) for n in SURROGATES],
+)
 def test_policy_loss_ignores_padding_garbage(name):
     theta, old, rollout, adv, valid = policy_batch(26, garbage=True)
     clean = [np.where(valid, x, -1.0).astype(np.float32) for x in (theta, old, rollout)]
