@@ -678,7 +678,8 @@ COVERAGE = [(name, "sequence_mean") for name in SURROGATES] + [
 # Tiers: an empty batch compiles two programs per case (~3 s of CPU). The fast tier runs
 # a sequence-level (gspo), a geometric (gmpo) and a token-level (cispo) surrogate; the
 # other surrogates and gmpo's other aggregations run in the full suite (the empty-batch
-# property of tests/test_campaign.py draws every algorithm and aggregation in the fast tier).
+# property of tests/test_campaign.py, over a pool of every algorithm and aggregation, stays
+# in the fast tier).
 EMPTY_CASES = [
     case
     if case in (("gspo", "sequence_mean"), ("gmpo", "sequence_mean"), ("cispo", "sequence_mean"))
