@@ -675,20 +675,19 @@ COVERAGE = [(name, "sequence_mean") for name in SURROGATES] + [
 ]
 
 
-# Tiers: an empty batch compiles two programs per case (~3 s of CPU). The fast tier runs
-# a sequence-level (gspo), a geometric (gmpo) and a token-level (cispo) surrogate; the
-# other surrogates and gmpo's other aggregations run in the full suite (the empty-batch
-# property of tests/test_campaign.py, over a pool of every algorithm and aggregation, stays
-# in the fast tier).
-EMPTY_CASES = [
-    case
-    if case in (("gspo", "sequence_mean"), ("gmpo", "sequence_mean"), ("cispo", "sequence_mean"))
-    else pytest.param(*case, marks=pytest.mark.slow)
-    for case in COVERAGE
+# Tiers: the empty-batch and micro-batch checks compile two or more programs per case
+# (~3 s of CPU). The fast tier runs a sequence-level (gspo), a geometric (gmpo) and a
+# token-level (cispo) surrogate; the other surrogates and gmpo's other aggregations run in
+# the full suite. The fast tier keeps the aggregation-wide checks of the same behaviours:
+# the empty-batch property of tests/test_campaign.py and the micro-batch pooling property
+# of tests/test_losses.py, over every algorithm and aggregation.
+FAST_KINDS = (("gspo", "sequence_mean"), ("gmpo", "sequence_mean"), ("cispo", "sequence_mean"))
+TIERED_COVERAGE = [
+    case if case in FAST_KINDS else pytest.param(*case, marks=pytest.mark.slow) for case in COVERAGE
 ]
 
 
-@pytest.mark.parametrize(("name", "aggregation"), EMPTY_CASES)
+@pytest.mark.parametrize(("name", "aggregation"), TIERED_COVERAGE)
 def test_empty_and_fully_rejected_batches_give_zero(name, aggregation):
     theta, old, rollout, adv, valid = policy_batch(25)
     config = loss_config(name, aggregation)
@@ -719,7 +718,7 @@ def test_policy_loss_ignores_padding_garbage(name):
     np.testing.assert_array_equal(np.asarray(grad_g), np.asarray(grad_c))
 
 
-@pytest.mark.parametrize(("name", "aggregation"), COVERAGE)
+@pytest.mark.parametrize(("name", "aggregation"), TIERED_COVERAGE)
 def test_micro_batches_pool_to_the_full_batch(name, aggregation):
     theta, old, rollout, adv, valid = policy_batch(27)
     config = loss_config(name, aggregation)
