@@ -76,6 +76,11 @@ def clear_jax_caches():
 #    dtype ... still runs once); the combinations of values run in the full suite. A
 #    one-parameter list keeps every case (each value is new), so only the cross products
 #    of values shrink.
+# 4. Hypothesis properties: a run selected with exactly `-m "not slow"` under the ci
+#    profile draws at most FAST_EXAMPLES examples per property (the first ones of the same
+#    derandomised sequence); any other run (CI's full suite, `-m slow`, a single file, the
+#    explore/thorough profiles) keeps each property's own count. Most of a property's cost
+#    is compiling one program per drawn config, so this is where its time goes.
 SLOW_MODULES = frozenset(
     {
         "test_sharding.py",
@@ -88,6 +93,7 @@ SLOW_MODULES = frozenset(
 )
 CONFORMANCE_STRIDE = 97
 COVER_MIN = 6
+FAST_EXAMPLES = 6
 
 
 def _case_category(case_id: str) -> str:
@@ -128,8 +134,21 @@ def _mark_tiers(items) -> None:
             covered |= values
 
 
+def _cap_examples(items) -> None:
+    for item in items:
+        test = getattr(item.obj, "__func__", item.obj)
+        if not getattr(test, "is_hypothesis_test", False):
+            continue
+        current = getattr(test, "_hypothesis_internal_use_settings", None) or settings()
+        if current.max_examples > FAST_EXAMPLES:
+            test._hypothesis_internal_use_settings = settings(current, max_examples=FAST_EXAMPLES)
+
+
 def pytest_collection_modifyitems(config, items):
     _mark_tiers(items)
+    fast_run = " ".join(config.option.markexpr.split()) == "not slow"
+    if fast_run and os.environ.get("HYPOTHESIS_PROFILE", "ci") in ("ci", "default"):
+        _cap_examples(items)
     count = jax.device_count()
     if count >= 8:
         return
