@@ -89,6 +89,10 @@ SLOW_MODULES = frozenset(
         "test_multiprocess.py",
         "test_mesh_examples.py",
         "test_notebook.py",
+        # End-to-end runs of user-facing text (~23 s and ~8 s of CPU); the library calls
+        # they make are each covered by the numeric modules and the doctests.
+        "test_readme.py",
+        "test_examples.py",
     }
 )
 CONFORMANCE_STRIDE = 97
