@@ -569,6 +569,14 @@ def _sharded_configs():
 
     losses = {k: c for k, (c, _) in mc.LOSSES.items() if k in mc.CORE_LOSSES}
     losses["vanilla"] = mc.LOSSES["decoupled_vanilla_tis"][0]
+    # per-sequence surrogates whose sequences cross token shards, row_mean, KL + entropy
+    for name in (
+        "decoupled_gspo_sequence_mean",
+        "decoupled_gmpo_sequence_sum_norm",
+        "bypass_sapo_rejection_row_mean",
+        "decoupled_cispo_kl_k3_off_policy_entropy",
+    ):
+        losses[name] = mc.SURROGATE_LOSSES[name][0]
     corrections = {k: mc.CORRECTIONS[k] for k in mc.FULL_CORRECTIONS}
     return corrections, losses
 
