@@ -1064,3 +1064,22 @@ def test_kl_term_in_bypass_mode_matches_numpy(estimator, off_policy, aggregation
     np.testing.assert_allclose(
         np.asarray(grad), np.asarray(base_grad) + coef * kl.vjp(agg_w), rtol=2e-5, atol=2e-6
     )
+
+
+@pytest.mark.parametrize("name", VALUE_CONSISTENT)
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_sum_norm"])
+def test_check_grads_through_policy_loss_away_from_kinks(name, aggregation):
+    """The whole pipeline (correction weights and rejection, fused reduction, aggregation)
+    in float32: ``check_grads`` of ``policy_loss`` w.r.t. ``logp`` for the surrogates whose
+    value is their objective (the IS weights depend on π_old / π_rollout only)."""
+    theta, d, adv, valid = _away_from_kinks(name, 2)
+    rollout = d + np.random.default_rng(3).uniform(-0.3, 0.3, d.shape)
+    f32 = [np.asarray(x, np.float32) for x in (theta, d, rollout, adv)]
+    config = loss_config(name, aggregation)
+
+    def loss(lp):
+        return opj.policy_loss(lp, f32[1], f32[2], f32[3], valid, config)[0]
+
+    check_grads(
+        loss, (jnp.asarray(f32[0]),), order=1, modes=("rev",), eps=1e-2, atol=2e-3, rtol=2e-3
+    )
