@@ -1083,3 +1083,39 @@ def test_check_grads_through_policy_loss_away_from_kinks(name, aggregation):
     check_grads(
         loss, (jnp.asarray(f32[0]),), order=1, modes=("rev",), eps=1e-2, atol=2e-3, rtol=2e-3
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "aggregation"),
+    [
+        case
+        if case[0] in ("gspo", "gmpo", "dppo_kl")
+        else pytest.param(*case, marks=pytest.mark.slow)
+        for case in REGULARISED_CASES
+    ],
+)
+def test_vmap_over_batches_equals_a_loop(name, aggregation):
+    """``jax.vmap`` of the loss and its gradient over a stack of batches (KL and entropy on)."""
+    stacks = [policy_batch(40 + i) for i in range(3)]
+    regs = [_regulariser_inputs(40 + i, s[4], s[0]) for i, s in enumerate(stacks)]
+    config = _regularised(name, aggregation)
+
+    def one(lp, old, rollout, adv, mask, ref_logp, entropy):
+        def f(x):
+            return opj.policy_loss(
+                x, old, rollout, adv, mask, config, ref_logp=ref_logp, entropy=entropy
+            )
+
+        return jax.value_and_grad(f, has_aux=True)(lp)
+
+    args = [
+        np.stack(x)
+        for x in zip(*[(*s, *r) for s, r in zip(stacks, regs, strict=True)], strict=True)
+    ]
+    (loss, metrics), grad = jax.jit(jax.vmap(one))(*args)
+    for i in range(3):
+        (want, want_metrics), want_grad = jax.jit(one)(*(a[i] for a in args))
+        np.testing.assert_allclose(loss[i], want, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(grad[i], want_grad, rtol=1e-6, atol=1e-7)
+        for key, value in want_metrics.items():
+            np.testing.assert_allclose(metrics[key][i], value, rtol=1e-5, atol=1e-6, err_msg=key)
