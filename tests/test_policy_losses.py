@@ -1119,3 +1119,34 @@ def test_vmap_over_batches_equals_a_loop(name, aggregation):
         np.testing.assert_allclose(grad[i], want_grad, rtol=1e-6, atol=1e-7)
         for key, value in want_metrics.items():
             np.testing.assert_allclose(metrics[key][i], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize(("bad", "value"), [("ref_logp", np.nan), ("entropy", -np.inf)])
+def test_non_finite_regulariser_input_at_a_valid_token_rejects_its_sequence(bad, value):
+    """Regression: a NaN / -inf ``ref_logp`` or ``entropy`` at a valid token used to be read
+    as 0, silently dropping that token's KL / entropy term. Like a non-finite θ (§0) it now
+    removes its sequence and is counted by ``pg_nonfinite_seq_fraction``."""
+    theta, old, rollout, adv, valid = policy_batch(35)
+    ref_logp, entropy = _regulariser_inputs(35, valid, theta)
+    inputs = {"ref_logp": ref_logp, "entropy": entropy}
+    row = 4  # 7 valid tokens
+    inputs[bad] = inputs[bad].copy()
+    inputs[bad][row, 2] = value
+    config = _regularised("gspo", "sequence_mean")
+    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, valid, **inputs)
+    without = valid.copy()
+    without[row] = False
+    clean = dict(ref_logp=ref_logp, entropy=entropy)
+    (want, want_metrics), want_grad = _jit_loss(config)(theta, old, rollout, adv, without, **clean)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
+    for key in ("kl_loss", "entropy", "pg_loss"):
+        np.testing.assert_allclose(float(metrics[key]), float(want_metrics[key]), rtol=1e-6)
+    nonempty = valid.any(-1).sum()
+    np.testing.assert_allclose(float(metrics["pg_nonfinite_seq_fraction"]), 1 / nonempty)
+    # As a metric-only input (coefficient 0) it changes nothing in the loss.
+    metric_only = loss_config("gspo", "sequence_mean")
+    (plain, _), plain_grad = _jit_loss(metric_only)(theta, old, rollout, adv, valid)
+    (seen, _), seen_grad = _jit_loss(metric_only)(theta, old, rollout, adv, valid, **inputs)
+    assert float(seen) == float(plain)
+    np.testing.assert_array_equal(np.asarray(seen_grad), np.asarray(plain_grad))
