@@ -9,7 +9,9 @@ import re
 # where the CPU fusion takes its single-device paths; the multi-device modules below
 # are then skipped (not failed).
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-MULTI_DEVICE_MODULES = frozenset({"test_sharding.py", "test_hlo_communication.py"})
+MULTI_DEVICE_MODULES = frozenset(
+    {"test_sharding.py", "test_sharding_losses.py", "test_hlo_communication.py"}
+)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -85,6 +87,7 @@ SLOW_MODULES = frozenset(
     {
         "test_sharding.py",
         "test_sharding_rules.py",
+        "test_sharding_losses.py",
         "test_hlo_communication.py",
         "test_multiprocess.py",
         "test_mesh_examples.py",

@@ -231,6 +231,148 @@ LOSSES: dict[str, tuple[opj.LossConfig, str]] = {
 }
 
 
+# The surrogates of ``LossConfig.policy_loss`` beyond ppo_clip (docs/semantics.md §5):
+# each composed with a correction (weights and rejection), cycling through every
+# aggregation (hyperparameters tight enough that every clip / trust region binds on the
+# test batches), plus bypass / plain-PPO ones and the KL-to-reference and entropy terms
+# (``evaluate_all`` derives ``ref_logp`` and ``entropy`` from the batch for them).
+_BYPASS_REJECTION = opj.CorrectionConfig(
+    use_tis=True,
+    tis_mode="none",
+    use_rs=True,
+    rs_level="token",
+    rs_lower_bound=0.5,
+    rs_upper_bound=2.0,
+    rs_veto_threshold=1e-3,
+)
+_SURROGATE_HYPER: dict[str, dict] = {
+    "gspo": dict(clip_eps=0.03, clip_eps_high=0.05),
+    "gspo_token": dict(clip_eps=3e-4, clip_eps_high=4e-4),
+    "cispo": dict(clip_eps_high=0.28),
+    "gmpo": dict(clip_eps=0.15, clip_eps_high=0.2),
+    "sapo": dict(tau_pos=1.0, tau_neg=1.05),
+    "gpg": {},
+    "dppo_tv": dict(clip_eps=0.02, clip_eps_high=0.03, dppo_ratio_cap=1.2),
+    "dppo_kl": dict(clip_eps=0.002, clip_eps_high=0.003, dppo_ratio_cap=1.2),
+    "dro": dict(dro_beta=0.1),
+}
+_AGGREGATION_CYCLE = (
+    "sequence_mean",
+    "token_mean",
+    "sequence_sum",
+    "sequence_sum_norm",
+    "token_sum",
+    "row_mean",
+)
+
+
+def _surrogate_losses() -> dict[str, tuple[opj.LossConfig, str]]:
+    out = {}
+    for i, (name, hyper) in enumerate(_SURROGATE_HYPER.items()):
+        aggregation = _AGGREGATION_CYCLE[i % len(_AGGREGATION_CYCLE)]
+        out[f"decoupled_{name}_{aggregation}"] = (
+            opj.LossConfig(
+                algorithm="decoupled_ppo",
+                correction=CORRECTIONS["sequence_mask_rs_geometric"],
+                policy_loss=name,
+                aggregation=aggregation,
+                rejected_in_denominator=i % 4 == 1,
+                metric_reduction=("sequence", "token")[i % 2],
+                **hyper,
+            ),
+            ("token", "sequence")[i % 2],
+        )
+    extra = {
+        "decoupled_gmpo_token_truncate_token_mean": (
+            "decoupled_ppo",
+            "gmpo",
+            "token_mean",
+            CORRECTIONS["token_truncate_norm_veto"],
+            {},
+        ),
+        "decoupled_cispo_geometric_sequence_sum_norm_scaled": (
+            "decoupled_ppo",
+            "cispo",
+            "sequence_sum_norm",
+            CORRECTIONS["geometric_clip_rs_token"],
+            dict(loss_scale_factor=64.0),
+        ),
+        "bypass_gspo_token_rejection_token_sum": (
+            "bypass_ppo",
+            "gspo_token",
+            "token_sum",
+            _BYPASS_REJECTION,
+            {},
+        ),
+        "bypass_gpg_sequence_mean": ("bypass_ppo", "gpg", "sequence_mean", None, {}),
+        "bypass_sapo_rejection_row_mean": (
+            "bypass_ppo",
+            "sapo",
+            "row_mean",
+            _BYPASS_REJECTION,
+            {},
+        ),
+        "ppo_dppo_tv_metrics_only_sequence_sum": (
+            "ppo",
+            "dppo_tv",
+            "sequence_sum",
+            CORRECTIONS["metrics_only"],
+            {},
+        ),
+        "decoupled_cispo_kl_k3_off_policy_entropy": (
+            "decoupled_ppo",
+            "cispo",
+            "token_mean",
+            CORRECTIONS["sequence_mask_rs_geometric"],
+            dict(kl_coef=0.05, kl_estimator="k3", kl_off_policy=True, entropy_coef=0.01),
+        ),
+        "ppo_gspo_kl_k1_sequence_mean": (
+            "ppo",
+            "gspo",
+            "sequence_mean",
+            None,
+            dict(kl_coef=0.1, kl_estimator="k1"),
+        ),
+        "bypass_dro_kl_k2_entropy_sequence_sum_norm": (
+            "bypass_ppo",
+            "dro",
+            "sequence_sum_norm",
+            _BYPASS_REJECTION,
+            dict(kl_coef=0.02, kl_estimator="k2", kl_off_policy=True, entropy_coef=-0.01),
+        ),
+    }
+    for key, (algorithm, name, aggregation, correction, fields) in extra.items():
+        hyper = {**_SURROGATE_HYPER[name], **fields}
+        out[key] = (
+            opj.LossConfig(
+                algorithm=algorithm,
+                correction=correction,
+                policy_loss=name,
+                aggregation=aggregation,
+                **hyper,
+            ),
+            "token",
+        )
+    return out
+
+
+SURROGATE_LOSSES: dict[str, tuple[opj.LossConfig, str]] = _surrogate_losses()
+
+
+def regulariser_inputs(config: opj.LossConfig, logp, rollout, adv) -> dict:
+    """``ref_logp`` / ``entropy`` keyword arguments where ``config`` uses them.
+
+    Derived elementwise from the batch (garbage stays where the mask is 0), so the
+    packed, padded and sharded layouts all see the same values at the same tokens.
+    """
+    out = {}
+    if config.kl_coef > 0:
+        out["ref_logp"] = rollout - 0.125 + 0.5 * (logp - rollout)
+    if config.entropy_coef != 0:
+        out["entropy"] = abs(adv) + 0.25
+    return out
+
+
 # A compact set that still covers every algorithm and every TIS/RS level, for the
 # layouts that only shard the batch (cheaper to compile than everything).
 CORE_LOSSES = (
@@ -287,9 +429,12 @@ def evaluate_all(
         adv = a["adv"] if adv_kind == "token" else a["adv_seq"]
         old = None if config.algorithm in ("bypass_ppo", "reinforce_is") else a["old"]
 
-        def loss_fn(logp, config=config, adv=adv, old=old):
+        # Token advantages double as (derived) entropies; per-sequence ones cannot.
+        extra = regulariser_inputs(config, a["logp"], a["rollout"], a["adv"])
+
+        def loss_fn(logp, config=config, adv=adv, old=old, extra=extra):
             return opj.policy_loss(
-                logp, old, a["rollout"], adv, a["mask"], config, axis_names=axis_names
+                logp, old, a["rollout"], adv, a["mask"], config, axis_names=axis_names, **extra
             )
 
         (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(a["logp"])

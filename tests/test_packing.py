@@ -318,8 +318,17 @@ def _loss_configs():
     return configs
 
 
+def _surrogate_configs():
+    """Every ``policy_loss`` surrogate with a correction, every aggregation, KL and entropy."""
+    import mesh_cases as mc
+
+    return {name: config for name, (config, _) in mc.SURROGATE_LOSSES.items()}
+
+
 def _evaluate(batch, corrections, losses, segments=None, axis_names=None):
     """Every correction (both reductions) and loss (value, metrics, gradient)."""
+    import mesh_cases as mc
+
     packed = {} if segments is None else {"segment_ids": segments, "num_segments": K}
     out = {}
     for name, config in corrections.items():
@@ -337,7 +346,11 @@ def _evaluate(batch, corrections, losses, segments=None, axis_names=None):
     for name, config in losses.items():
         old = None if config.algorithm in ("bypass_ppo", "reinforce_is") else batch["old_logp"]
 
-        def loss_fn(logp, config=config, old=old):
+        extra = mc.regulariser_inputs(
+            config, batch["logp"], batch["rollout_logp"], batch["advantages"]
+        )
+
+        def loss_fn(logp, config=config, old=old, extra=extra):
             return opj.policy_loss(
                 logp,
                 old,
@@ -347,6 +360,7 @@ def _evaluate(batch, corrections, losses, segments=None, axis_names=None):
                 config,
                 axis_names=axis_names,
                 **packed,
+                **extra,
             )
 
         (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(batch["logp"])
@@ -436,12 +450,24 @@ def test_every_algorithm_packed_equals_one_per_row(seed):
     _assert_matches(got, want, batch["segment_ids"])
 
 
+@pytest.mark.parametrize("seed", [4])
+def test_every_surrogate_packed_equals_one_per_row(seed):
+    """GSPO (its sequence ratio), GMPO (its geometric means), CISPO, SAPO, GPG, DPPO, DRO
+    with corrections, every aggregation, the KL and entropy terms: value, metrics and
+    gradient of the packed batch == one sequence per row."""
+    batch = pc.packed_batch(seed, rows=6, length=24, num_segments=K)
+    losses = _surrogate_configs()
+    want = _one_per_row(batch, {}, losses)
+    got = jax.jit(lambda b, s: _evaluate(b, {}, losses, s))(batch, batch["segment_ids"])
+    _assert_matches(got, want, batch["segment_ids"])
+
+
 @pytest.mark.slow
 @settings(max_examples=10)
 @given(
     seed=st.integers(0, 2**31 - 1),
     config=st.sampled_from(sorted(_corrections().items())),
-    loss=st.sampled_from(sorted(_loss_configs().items())),
+    loss=st.sampled_from(sorted({**_loss_configs(), **_surrogate_configs()}.items())),
 )
 def test_random_packed_batches_equal_one_per_row(seed, config, loss):
     batch = pc.packed_batch(seed, rows=5, length=19, num_segments=K)
@@ -543,6 +569,14 @@ def _sharded_configs():
 
     losses = {k: c for k, (c, _) in mc.LOSSES.items() if k in mc.CORE_LOSSES}
     losses["vanilla"] = mc.LOSSES["decoupled_vanilla_tis"][0]
+    # per-sequence surrogates whose sequences cross token shards, row_mean, KL + entropy
+    for name in (
+        "decoupled_gspo_sequence_mean",
+        "decoupled_gmpo_sequence_sum_norm",
+        "bypass_sapo_rejection_row_mean",
+        "decoupled_cispo_kl_k3_off_policy_entropy",
+    ):
+        losses[name] = mc.SURROGATE_LOSSES[name][0]
     corrections = {k: mc.CORRECTIONS[k] for k in mc.FULL_CORRECTIONS}
     return corrections, losses
 

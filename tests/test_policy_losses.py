@@ -3,6 +3,7 @@ their kinks), garbage at invalid positions, empty batches; and their configurati
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import policy_losses_reference as ref
 import pytest
-from jax.test_util import check_grads
+from jax.test_util import check_grads, check_vjp
 
 import offpolicy_jax as opj
 from offpolicy_jax import policy_losses as pl
@@ -812,3 +813,358 @@ def test_regularisers_need_their_inputs():
         opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg", entropy_coef=0.1))
     with pytest.raises(ValueError, match="ref_logp"):
         opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg"), ref_logp=theta[:, :3])
+
+
+# --------------------------------------------------------------------------- the issue's
+# "must show" list, for every surrogate: gradients of the stop-gradient surrogates against
+# finite differences of the objective they estimate, the remaining kinks, and empty /
+# garbage / micro-batched inputs with the KL and entropy terms switched on.
+
+
+def _masked(values, valid):
+    return jnp.where(valid, values, 0.0)
+
+
+@pytest.mark.parametrize("name", ["cispo", "dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_truncated_is_gradients_are_the_ratio_objectives_gradient(name, seed):
+    """Away from every clip bound, trust-region boundary and cap, CISPO's ``−sg(clip(r))·A·θ``
+    and DPPO's ``−sg(min(r, C))·A·θ`` (inside the region) have the gradient of the
+    ratio objective ``−A·r``: the VJP of the surrogate against finite differences of
+    ``−A·e^{θ−d}`` (``check_vjp``, float64)."""
+    theta, d, adv, valid = _away_from_kinks(name, seed)
+    with jax.enable_x64(True):
+        d_, adv_ = jnp.asarray(d), jnp.asarray(adv)
+
+        def objective(th):
+            return _masked(-adv_ * jnp.exp(th - d_), valid)
+
+        def surrogate_vjp(th):
+            _, vjp = jax.vjp(lambda t: jax_loss(name, t, d_, adv_, valid).loss, th)
+            return objective(th), vjp
+
+        terms = jax_loss(name, jnp.asarray(theta), d_, adv_, valid)
+        assert not np.any(np.asarray(terms.clipped) & valid)  # really away from the kinks
+        check_vjp(objective, surrogate_vjp, (jnp.asarray(theta),), eps=1e-5, atol=1e-7, rtol=1e-7)
+
+
+@pytest.mark.parametrize("spread", [0.05, 0.5])
+def test_gspo_token_gradient_is_the_gspo_objectives_gradient(spread):
+    """GSPO-token's VJP (sequence advantages, each sequence's tokens averaged) against
+    finite differences of GSPO's own sequence objective, inside and outside the clip."""
+    theta, d, adv, valid = batch(12, spread=spread, garbage=False)
+    n = np.maximum(valid.sum(-1), 1)
+    with jax.enable_x64(True):
+        d_, adv_ = jnp.asarray(d, jnp.float64), jnp.asarray(adv, jnp.float64)
+
+        def per_sequence(name, th):
+            return jnp.sum(_masked(jax_loss(name, th, d_, adv_, valid).loss, valid), -1) / n
+
+        def surrogate_vjp(th):
+            _, vjp = jax.vjp(functools.partial(per_sequence, "gspo_token"), th)
+            return per_sequence("gspo", th), vjp
+
+        check_vjp(
+            functools.partial(per_sequence, "gspo"),
+            surrogate_vjp,
+            (jnp.asarray(theta, jnp.float64),),
+            eps=1e-6,
+            atol=1e-6,
+            rtol=1e-6,
+        )
+
+
+def test_gspo_kink_at_the_lower_clip_bound_passes_the_unclipped_gradient():
+    # A < 0, d = 0, one token: log s = θ and 1 − ε = s exactly in float32.
+    theta = np.float32(-0.25)
+    s = np.exp(np.float32(theta))
+    eps = float(np.float32(1) - s)
+    one = np.ones((1, 1), np.float32)
+    for name in ("gspo", "gspo_token"):
+        grad = _grad_at(name, theta * one, 0 * one, -one, one > 0, clip_eps=eps)
+        np.testing.assert_allclose(grad, s * one, rtol=1e-6)  # −A·s with A = −1
+        grad = _grad_at(name, theta * one, 0 * one, -one, one > 0, clip_eps=eps * 0.99)
+        np.testing.assert_array_equal(grad, 0.0)  # below 1 − ε with A < 0: clipped
+
+
+def test_dppo_kl_trust_region_includes_its_boundary():
+    """Binary KL exactly at δ_high (A > 0, p > q) keeps the token; one ulp less drops it."""
+    theta, d = np.float32(-0.5), np.float32(-0.7)
+    th, old = jnp.float32(theta), jnp.float32(d)
+    p, q = jnp.exp(th), jnp.exp(old)
+    # the same float32 operations as policy_losses.dppo
+    binary_kl = np.float32(
+        q * (old - th) + (1 - q) * jnp.log((1.0 - q + pl.DPPO_KL_EPS) / (1.0 - p + pl.DPPO_KL_EPS))
+    )
+    assert binary_kl > 0
+    one = np.ones((1, 1), np.float32)
+    args = (theta * one, d * one, one, one > 0)
+    ratio = np.float32(jnp.exp(th - old))
+    grad = _grad_at("dppo_kl", *args, clip_eps_high=float(binary_kl))
+    np.testing.assert_allclose(grad, -ratio * one, rtol=1e-6)
+    grad = _grad_at("dppo_kl", *args, clip_eps_high=float(np.nextafter(binary_kl, np.float32(0))))
+    np.testing.assert_array_equal(grad, 0.0)
+    # p ≤ q with A > 0 is always inside, however large the divergence.
+    grad = _grad_at("dppo_kl", d * one, theta * one, one, one > 0, clip_eps_high=1e-6)
+    np.testing.assert_allclose(grad, -np.float32(jnp.exp(old - th)) * one, rtol=1e-6)
+
+
+def test_gmpo_sequence_log_ratio_clamp_passes_the_gradient_at_twenty():
+    """GMPO clamps the mean clipped log-ratio to [−20, 20]: full gradient at −20, none below."""
+    one = np.ones((1, 1), np.float32)
+    valid = one > 0
+    for x, expected in ((-20.0, np.exp(-20.0)), (-20.5, 0.0)):
+
+        def loss(th):
+            terms = pl.gmpo_token_log_ratio(
+                th, 0 * one, one, valid, clip_eps=0.2, clip_eps_high=0.2
+            )
+            return jnp.sum(pl.gmpo_sequence_loss(terms.loss[:, 0], jnp.ones(1)))
+
+        grad = jax.grad(loss)(jnp.asarray(x * one))
+        np.testing.assert_allclose(grad, -expected * one, rtol=1e-5)
+
+
+def test_k3_cap_at_ten_has_the_analytic_gradient_on_both_sides():
+    """k3 = e^u − u − 1 (u = ref − θ) is capped at 10: below the cap the gradient is
+    ``1 − e^u``, above it 0 (and the value 10)."""
+    ref_logp = np.zeros((1, 2), np.float32)
+    valid = np.ones((1, 2), bool)
+    # u = 2.5 gives k3 ≈ 8.68 < 10; u = 2.7 gives ≈ 11.18 > 10
+    theta = np.array([[-2.5, -2.7]], np.float32)
+
+    def total(th):
+        return jnp.sum(pl.kl_estimate(th, ref_logp, valid, estimator="k3"))
+
+    value = pl.kl_estimate(jnp.asarray(theta), ref_logp, valid, estimator="k3")
+    u = np.float64(-theta[0])
+    np.testing.assert_allclose(value[0, 0], np.exp(u[0]) - u[0] - 1, rtol=1e-5)
+    assert float(value[0, 1]) == pl.K3_MAX
+    grad = np.asarray(jax.grad(total)(jnp.asarray(theta)))
+    np.testing.assert_allclose(grad[0, 0], 1 - np.exp(u[0]), rtol=1e-5)
+    assert grad[0, 1] == 0.0
+
+
+def _regularised(name, aggregation, algorithm="decoupled_ppo", **extra):
+    kl = dict(kl_coef=0.05, kl_estimator="k3", kl_off_policy=True, entropy_coef=0.01)
+    return loss_config(name, aggregation, algorithm, **{**kl, **extra})
+
+
+def _regulariser_inputs(seed, valid, theta, garbage=True):
+    rng = np.random.default_rng(seed)
+    ref_logp = theta + rng.normal(0, 0.5, theta.shape)
+    entropy = rng.uniform(0, 2, theta.shape)
+    if garbage:
+        junk = np.array([np.nan, np.inf, -np.inf, 1e30])[np.arange(theta.size) % 4]
+        ref_logp = np.where(valid, ref_logp, junk.reshape(theta.shape))
+        entropy = np.where(valid, entropy, junk[::-1].reshape(theta.shape))
+    return ref_logp.astype(np.float32), entropy.astype(np.float32)
+
+
+def _jit_loss_and_entropy_grad(config):
+    """Loss, metrics and the gradients w.r.t. ``logp`` and ``entropy``."""
+
+    def f(lp, ent, old, rollout, adv, mask, ref_logp):
+        return opj.policy_loss(lp, old, rollout, adv, mask, config, ref_logp=ref_logp, entropy=ent)
+
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+
+REGULARISED_CASES = [
+    (name, AGGREGATIONS[i % len(AGGREGATIONS)]) for i, name in enumerate(SURROGATES)
+]
+
+
+@pytest.mark.parametrize(("name", "aggregation"), REGULARISED_CASES)
+def test_empty_and_rejected_batches_give_zero_with_kl_and_entropy(name, aggregation):
+    theta, old, rollout, adv, valid = policy_batch(31)
+    ref_logp, entropy = _regulariser_inputs(31, valid, theta)
+    fn = _jit_loss_and_entropy_grad(_regularised(name, aggregation))
+    empty = np.zeros_like(valid)
+    far = np.where(valid, old + 5.0, np.nan).astype(np.float32)  # every token rejected
+    for mask, roll in ((empty, rollout), (valid, far)):
+        (loss, metrics), (grad, grad_entropy) = fn(theta, entropy, old, roll, adv, mask, ref_logp)
+        assert float(loss) == 0.0, name
+        assert np.all(np.asarray(grad) == 0.0) and np.all(np.asarray(grad_entropy) == 0.0)
+        assert all(np.isfinite(float(v)) for v in metrics.values()), metrics
+        assert float(metrics["kl_loss"]) == 0.0 and float(metrics["entropy"]) == 0.0
+
+
+@pytest.mark.parametrize(("name", "aggregation"), REGULARISED_CASES)
+def test_padding_garbage_never_leaks_with_kl_and_entropy(name, aggregation):
+    """NaN / ±inf / 1e30 in every input (ref_logp and entropy too) where the mask is 0."""
+    theta, old, rollout, adv, valid = policy_batch(32, garbage=True)
+    ref_logp, entropy = _regulariser_inputs(32, valid, theta, garbage=True)
+    fn = _jit_loss_and_entropy_grad(_regularised(name, aggregation))
+    dirty = fn(theta, entropy, old, rollout, adv, valid, ref_logp)
+    clean = [np.where(valid, x, -1.0).astype(np.float32) for x in (theta, old, rollout, ref_logp)]
+    clean_entropy = np.where(valid, entropy, 0.5).astype(np.float32)
+    tidy = fn(
+        clean[0], clean_entropy, clean[1], clean[2], np.where(valid, adv, 0.0), valid, clean[3]
+    )
+    assert float(dirty[0][0]) == float(tidy[0][0])
+    for key, value in dirty[0][1].items():
+        assert float(value) == float(tidy[0][1][key]), key
+    for got, want in zip(dirty[1], tidy[1], strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert np.all(np.asarray(got)[~valid] == 0)
+
+
+@pytest.mark.parametrize(("name", "aggregation"), REGULARISED_CASES)
+def test_micro_batches_pool_to_the_full_batch_with_kl_and_entropy(name, aggregation):
+    theta, old, rollout, adv, valid = policy_batch(33)
+    ref_logp, entropy = _regulariser_inputs(33, valid, theta)
+    config = _regularised(name, aggregation)
+    full = opj.compute_correction(old, rollout, valid, config.correction)
+    (full_loss, full_metrics), (full_grad, _) = _jit_loss_and_entropy_grad(config)(
+        theta, entropy, old, rollout, adv, valid, ref_logp
+    )
+
+    def numerator(lp, old, rollout, adv, mask, ref_logp, entropy, given):
+        parts, metrics = opj.policy_loss_parts(
+            lp,
+            old,
+            rollout,
+            adv,
+            mask,
+            config,
+            correction_result=given,
+            ref_logp=ref_logp,
+            entropy=entropy,
+        )
+        return parts.numerator, (parts.denominator, metrics)
+
+    step = jax.jit(jax.value_and_grad(numerator, has_aux=True))
+    num, den, grads, pooled = 0.0, 0.0, [], None
+    for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
+        given = opj.CorrectionResult(full.weights[rows], full.mask[rows], {})
+        args = (theta, old, rollout, adv, valid, ref_logp, entropy)
+        (n, (d, metrics)), g = step(*(x[rows] for x in args), given)
+        num, den = num + n, den + d
+        grads.append(np.asarray(g))
+        pooled = metrics if pooled is None else jax.tree.map(jnp.add, pooled, metrics)
+    np.testing.assert_allclose(
+        float(opj.LossParts(num, den).value()), float(full_loss), rtol=1e-5, atol=1e-6
+    )
+    grad = opj.LossParts(np.concatenate(grads), den).value()
+    np.testing.assert_allclose(grad, np.asarray(full_grad), rtol=1e-5, atol=1e-7)
+    pooled = opj.finalize_metrics(pooled)
+    for key in ("pg_loss", "kl_loss", "entropy", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        if key in full_metrics:
+            np.testing.assert_allclose(
+                pooled[key], full_metrics[key], rtol=1e-5, atol=1e-6, err_msg=key
+            )
+
+
+@pytest.mark.parametrize("estimator", pl.KL_ESTIMATORS)
+@pytest.mark.parametrize("off_policy", [False, True])
+@pytest.mark.parametrize(
+    "aggregation", ["sequence_sum", "sequence_sum_norm", "token_sum", "row_mean"]
+)
+def test_kl_term_in_bypass_mode_matches_numpy(estimator, off_policy, aggregation):
+    """Bypass mode: the off-policy weighting uses π_θ/π_rollout; the other aggregations."""
+    theta, old, rollout, adv, valid = policy_batch(34)
+    rng = np.random.default_rng(7)
+    ref_logp = np.where(valid, theta + rng.normal(0, 0.7, theta.shape), -np.inf)
+    ref_logp = ref_logp.astype(np.float32)
+    coef = 0.2
+    kw = dict(kl_coef=coef, kl_estimator=estimator, kl_off_policy=off_policy)
+    config = loss_config("gpg", aggregation, "bypass_ppo", **kw)
+    (loss, metrics), grad = _jit_loss(config)(theta, None, rollout, adv, valid, ref_logp=ref_logp)
+    (base, _), base_grad = _jit_loss(loss_config("gpg", aggregation, "bypass_ppo"))(
+        theta, None, rollout, adv, valid
+    )
+    kl = ref.kl(theta, ref_logp, valid, estimator=estimator, d=rollout if off_policy else None)
+    m = valid.astype(np.float64)
+    kl_value, agg_w = ref.aggregate(kl.loss, m, m, aggregation)
+    np.testing.assert_allclose(float(metrics["kl_loss"]), kl_value, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(float(loss), float(base) + coef * kl_value, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(
+        np.asarray(grad), np.asarray(base_grad) + coef * kl.vjp(agg_w), rtol=2e-5, atol=2e-6
+    )
+
+
+@pytest.mark.parametrize("name", VALUE_CONSISTENT)
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_sum_norm"])
+def test_check_grads_through_policy_loss_away_from_kinks(name, aggregation):
+    """The whole pipeline (correction weights and rejection, fused reduction, aggregation)
+    in float32: ``check_grads`` of ``policy_loss`` w.r.t. ``logp`` for the surrogates whose
+    value is their objective (the IS weights depend on π_old / π_rollout only)."""
+    theta, d, adv, valid = _away_from_kinks(name, 2)
+    rollout = d + np.random.default_rng(3).uniform(-0.3, 0.3, d.shape)
+    f32 = [np.asarray(x, np.float32) for x in (theta, d, rollout, adv)]
+    config = loss_config(name, aggregation)
+
+    def loss(lp):
+        return opj.policy_loss(lp, f32[1], f32[2], f32[3], valid, config)[0]
+
+    check_grads(
+        loss, (jnp.asarray(f32[0]),), order=1, modes=("rev",), eps=1e-2, atol=2e-3, rtol=2e-3
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "aggregation"),
+    [
+        case
+        if case[0] in ("gspo", "gmpo", "dppo_kl")
+        else pytest.param(*case, marks=pytest.mark.slow)
+        for case in REGULARISED_CASES
+    ],
+)
+def test_vmap_over_batches_equals_a_loop(name, aggregation):
+    """``jax.vmap`` of the loss and its gradient over a stack of batches (KL and entropy on)."""
+    stacks = [policy_batch(40 + i) for i in range(3)]
+    regs = [_regulariser_inputs(40 + i, s[4], s[0]) for i, s in enumerate(stacks)]
+    config = _regularised(name, aggregation)
+
+    def one(lp, old, rollout, adv, mask, ref_logp, entropy):
+        def f(x):
+            return opj.policy_loss(
+                x, old, rollout, adv, mask, config, ref_logp=ref_logp, entropy=entropy
+            )
+
+        return jax.value_and_grad(f, has_aux=True)(lp)
+
+    args = [
+        np.stack(x)
+        for x in zip(*[(*s, *r) for s, r in zip(stacks, regs, strict=True)], strict=True)
+    ]
+    (loss, metrics), grad = jax.jit(jax.vmap(one))(*args)
+    for i in range(3):
+        (want, want_metrics), want_grad = jax.jit(one)(*(a[i] for a in args))
+        np.testing.assert_allclose(loss[i], want, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(grad[i], want_grad, rtol=1e-6, atol=1e-7)
+        for key, value in want_metrics.items():
+            np.testing.assert_allclose(metrics[key][i], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize(("bad", "value"), [("ref_logp", np.nan), ("entropy", -np.inf)])
+def test_non_finite_regulariser_input_at_a_valid_token_rejects_its_sequence(bad, value):
+    """Regression: a NaN / -inf ``ref_logp`` or ``entropy`` at a valid token used to be read
+    as 0, silently dropping that token's KL / entropy term. Like a non-finite θ (§0) it now
+    removes its sequence and is counted by ``pg_nonfinite_seq_fraction``."""
+    theta, old, rollout, adv, valid = policy_batch(35)
+    ref_logp, entropy = _regulariser_inputs(35, valid, theta)
+    inputs = {"ref_logp": ref_logp, "entropy": entropy}
+    row = 4  # 7 valid tokens
+    inputs[bad] = inputs[bad].copy()
+    inputs[bad][row, 2] = value
+    config = _regularised("gspo", "sequence_mean")
+    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, valid, **inputs)
+    without = valid.copy()
+    without[row] = False
+    clean = dict(ref_logp=ref_logp, entropy=entropy)
+    (want, want_metrics), want_grad = _jit_loss(config)(theta, old, rollout, adv, without, **clean)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
+    for key in ("kl_loss", "entropy", "pg_loss"):
+        np.testing.assert_allclose(float(metrics[key]), float(want_metrics[key]), rtol=1e-6)
+    nonempty = valid.any(-1).sum()
+    np.testing.assert_allclose(float(metrics["pg_nonfinite_seq_fraction"]), 1 / nonempty)
+    # As a metric-only input (coefficient 0) it changes nothing in the loss.
+    metric_only = loss_config("gspo", "sequence_mean")
+    (plain, _), plain_grad = _jit_loss(metric_only)(theta, old, rollout, adv, valid)
+    (seen, _), seen_grad = _jit_loss(metric_only)(theta, old, rollout, adv, valid, **inputs)
+    assert float(seen) == float(plain)
+    np.testing.assert_array_equal(np.asarray(seen_grad), np.asarray(plain_grad))

@@ -354,6 +354,12 @@ def policy_loss_terms(
     # A non-finite θ or advantage at a valid token takes its sequence out of the loss
     # (§0); garbage advantages elsewhere would turn 0-cotangents into NaN.
     bad_model = ~jnp.isfinite(theta) | ~jnp.isfinite(adv)
+    # So does a non-finite reference log-prob or entropy that enters the loss: read as
+    # 0 it would silently drop the KL / entropy term of that token (§5.2).
+    if ref is not None and config.kl_coef > 0:
+        bad_model = bad_model | ~jnp.isfinite(ref)
+    if ent is not None and config.entropy_coef != 0:
+        bad_model = bad_model | ~jnp.isfinite(ent)
     adv = jnp.where(valid & jnp.isfinite(adv), adv, 0.0)
     theta_sg = jax.lax.stop_gradient(theta)
     # π_old for the IS ratio and the mismatch metrics: sg(θ) where it is absent.
@@ -590,8 +596,10 @@ def policy_loss(
     ``ppo``: ``ℓ(θ; π_old)``; ``bypass_ppo``: ``ℓ(θ; π_rollout)``;
     ``decoupled_ppo``: ``w(π_old/π_rollout) · ℓ(θ; π_old)`` on the corrected mask;
     ``reinforce_is``: ``−sg(w(π_θ/π_rollout)) · A · log π_θ``. ``ℓ`` is the
-    clipped PPO surrogate (:func:`~offpolicy_jax.surrogates.ppo_surrogate`), the
-    weights come from ``config.correction``; aggregation per
+    surrogate ``config.policy_loss``: the clipped PPO surrogate
+    (:func:`~offpolicy_jax.surrogates.ppo_surrogate`) by default, or GSPO, CISPO, GMPO,
+    SAPO, GPG, DPPO, DRO (:mod:`offpolicy_jax.policy_losses`, docs/semantics.md §5.1);
+    the weights come from ``config.correction``; aggregation per
     ``config.aggregation``. IS weights never carry gradient.
 
     Args:
@@ -614,6 +622,14 @@ def policy_loss(
         sequence per row.
       num_segments: ``K``, a static int, the most sequences a row may hold; given
         exactly when ``segment_ids`` is.
+      ref_logp: ``[..., T]`` log π_ref of the sampled tokens (stop-gradient), for the
+        KL-to-reference term (``config.kl_coef``, ``kl_estimator``, ``kl_off_policy``;
+        docs/semantics.md §5.2); required when ``kl_coef > 0``, else it only adds the
+        ``kl_loss`` metric. Non-finite at a valid token (with ``kl_coef > 0``): the
+        sequence is rejected, like a non-finite ``logp``.
+      entropy: ``[..., T]`` per-token entropies ``H`` (differentiable), for the bonus
+        ``−entropy_coef · H``; required when ``entropy_coef != 0``, else it only adds
+        the ``entropy`` metric.
 
     Returns:
       ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing
