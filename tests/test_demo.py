@@ -63,6 +63,7 @@ def tiny_run(tmp_path_factory):
     return out, proc.stdout
 
 
+@pytest.mark.slow  # an end-to-end demo run (~20 s); the README quick start runs one too
 def test_tiny_demo_writes_table_plot_and_logs(tiny_run):
     out, stdout = tiny_run
     for name in ("results.md", "demo.png", "metrics.csv", "summary.json"):
@@ -117,6 +118,7 @@ def train_metrics():
     return list(METRICS)
 
 
+@pytest.mark.slow  # an end-to-end demo run (~20 s); the README quick start runs one too
 def test_tiny_demo_uses_common_seeds_and_a_clean_reference(tiny_run):
     with open(tiny_run[0] / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
