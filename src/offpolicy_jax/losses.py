@@ -277,11 +277,6 @@ class PolicyLossTerms:
     metrics: dict[str, MeanParts | jax.Array]
 
 
-_SURROGATE = frozenset(
-    ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "ois", "kl_loss", "entropy", "pg_loss", "loss")
-)
-
-
 def policy_loss_terms(
     logp: jax.typing.ArrayLike,
     old_logp: jax.typing.ArrayLike | None,
@@ -472,9 +467,7 @@ def policy_loss_terms(
     if per_token is not pg_per_token:
         columns["pg_loss"] = _reduce.total(pg_per_token, final_mask)
     columns["loss"] = _reduce.total(per_token, final_mask)
-    # The fused reduction runs a few columns per loop (_fusion._GROUP): the columns of
-    # the surrogate's ratio go last, together, so that one loop evaluates its exp.
-    sums = layout.reduce({k: columns[k] for k in sorted(columns, key=_SURROGATE.__contains__)})
+    sums = layout.reduce(columns)
 
     ok = sums["bad_model"] == 0
     means = {

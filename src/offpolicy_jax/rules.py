@@ -218,9 +218,9 @@ class ProbabilityMetrics(Stage):
     (:func:`offpolicy_jax.criteria.js_divergence`)."""
 
     def decide(self, t, sums):
-        # A reduction of its own rather than pass 1's columns: measured on XLA:CPU, the
-        # expm1/log1p of these two columns inside pass 1's fused loop cost ~6x more
-        # (the decoupled PPO step +65%, vs +10% here; benchmarks/, one CPU).
+        # A reduction of its own rather than pass 1's columns: measured on XLA:CPU, these
+        # two columns (an exp, a log and a series per token) in pass 1's loops made the
+        # correction 2.5x slower (too large a loop body; see _fusion).
         mult, js = criteria.probability_errors(t.delta)
         own = t.layout.reduce(
             {"mult": _reduce.total(mult, t.population), "js": _reduce.total(js, t.population)}
