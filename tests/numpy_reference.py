@@ -380,6 +380,7 @@ def _correction_core(
     rs_criteria=(),
     seq_logprob_error_threshold=None,
     m2po_tau=None,
+    probability_metrics=False,
 ):
     """Shared body of :func:`correction`: returns ``(w, m_final, metrics)``.
 
@@ -394,7 +395,8 @@ def _correction_core(
         m_valid = np.where(_seq_broadcast(bad_seq, m.shape), 0.0, m)
         delta = np.where(m_valid > 0, o - b, 0.0)
         metrics = monitoring_metrics(o, b, m_valid, reduction)
-        metrics.update(rules_ref.probability_metrics(o, b, m_valid, reduction))
+        if probability_metrics:
+            metrics.update(rules_ref.probability_metrics(o, b, m_valid, reduction))
         if not use_tis:
             # metrics only: weights = m, mask unchanged, nothing rejected (§7)
             return np.ones_like(m), m.copy(), metrics
@@ -493,6 +495,7 @@ def correction(
     rs_criteria=(),
     seq_logprob_error_threshold=None,
     m2po_tau=None,
+    probability_metrics=False,
 ):
     """Reference ``compute_correction`` (§0, §2-§4, §7, §8).
 
@@ -534,6 +537,7 @@ def correction(
         rs_criteria=tuple(rs_criteria),
         seq_logprob_error_threshold=seq_logprob_error_threshold,
         m2po_tau=m2po_tau,
+        probability_metrics=probability_metrics,
     )
     weights = np.where(m_final > 0, w * m_final, 0.0)
     return weights, m_final, metrics
@@ -654,6 +658,7 @@ def _correction_kwargs(corr: dict) -> dict:
         rs_criteria=(),
         seq_logprob_error_threshold=None,
         m2po_tau=None,
+        probability_metrics=False,
     )
     unknown = set(corr) - set(defaults)
     if unknown:
@@ -774,7 +779,8 @@ def policy_loss(
         bad_seq = _nonfinite_sequences(src, b, m)
         m_valid = np.where(_seq_broadcast(bad_seq, m.shape), 0.0, m)
         metrics.update(monitoring_metrics(src, b, m_valid, metric_reduction))
-        metrics.update(rules_ref.probability_metrics(src, b, m_valid, metric_reduction))
+        if isinstance(correction, dict) and correction.get("probability_metrics", False):
+            metrics.update(rules_ref.probability_metrics(src, b, m_valid, metric_reduction))
 
     m_den = m if rejected_in_denominator else m_final
 

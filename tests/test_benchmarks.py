@@ -87,3 +87,46 @@ def test_against_flags_a_slower_jit_to_floor_ratio():
     assert lines[0].endswith("**1.05** |")  # within 10%: not flagged
     assert lines[1].endswith("**1.20** (slower) |")
     assert "| new" not in text  # absent from the baseline
+
+
+def _git_checkout() -> bool:
+    probe = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    return probe.returncode == 0
+
+
+# The commit comparison needs git history (a clone, not an unpacked sdist); a few seconds
+# of CPU for two compilations of each computation at a tiny size.
+@pytest.mark.slow
+@pytest.mark.skipif(not _git_checkout(), reason="needs a git checkout of the project")
+def test_compare_against_a_commit_reports_both_versions(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.compare",
+            "--commit",
+            "HEAD",
+            "--sizes",
+            "4x64",
+            "--repeats",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "compare_results.json").read_text())
+    assert [(r["computation"], r["size"]) for r in report["rows"]] == [
+        ("loss", "4 x 64"),
+        ("correction", "4 x 64"),
+    ]
+    for row in report["rows"]:
+        assert row["this_ms"] > 0 and row["other_ms"] > 0
+    assert "| loss | 4 x 64 |" in (tmp_path / "compare_results.md").read_text()

@@ -42,6 +42,7 @@ def test_defaults_match_reference_mis_yaml_keys():
         "rs_criteria": [],
         "seq_logprob_error_threshold": None,
         "m2po_tau": None,
+        "probability_metrics": False,
     }
 
 

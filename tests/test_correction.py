@@ -157,8 +157,9 @@ def test_weights_carry_no_gradient():
 
 # ------------------------------------------------------------------------ metric keys
 
-# §4, plus the probability metrics of §8 that come with them.
-MONITORING = set(ref.MONITORING_KEYS) | {"mis_token_mult_prob_error", "mis_js_divergence"}
+# §4; the probability metrics of §8 come with them only when asked for.
+MONITORING = set(ref.MONITORING_KEYS)
+PROBABILITY = {"mis_token_mult_prob_error", "mis_js_divergence"}
 
 
 @pytest.mark.parametrize(
@@ -205,6 +206,11 @@ MONITORING = set(ref.MONITORING_KEYS) | {"mis_token_mult_prob_error", "mis_js_di
             | {"mis_rs_token_k1_fraction_low"},
         ),
         (opj.CorrectionConfig(use_tis=True, tis_mode="none"), set()),
+        (opj.CorrectionConfig(probability_metrics=True), PROBABILITY),
+        (
+            opj.CorrectionConfig(use_tis=True, probability_metrics=True),
+            PROBABILITY | {"mis_tis_truncate_fraction"},
+        ),
     ],
 )
 def test_metric_keys_follow_config(config, extra):
@@ -221,7 +227,7 @@ def test_metric_keys_follow_config(config, extra):
         "mis_nonfinite_seq_fraction",
         "mis_ess",
     }
-    assert keys == MONITORING | (common | extra if config.use_tis else set())
+    assert keys == MONITORING | (common | extra if config.use_tis else extra)
 
 
 # ------------------------------------------------------------------------ D1–D10

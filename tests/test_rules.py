@@ -19,6 +19,7 @@ correct = jax.jit(opj.compute_correction, static_argnames=("config", "reduction"
 
 RULE_CONFIGS = {
     "trm_icepop": opj.CorrectionConfig(
+        probability_metrics=True,
         use_tis=True,
         tis_mode="band",
         tis_lower_bound=0.5,
@@ -26,11 +27,13 @@ RULE_CONFIGS = {
         rs_criteria=("seq_max_k2:0.6", "seq_mean_k3:0.02"),
     ),
     "none_k1_family": opj.CorrectionConfig(
+        probability_metrics=True,
         use_tis=True,
         tis_mode="none",
         rs_criteria=("token_k1:0.4_2.5", "seq_sum_k1:0.3_4.0", "seq_mean_k1:0.8_1.2"),
     ),
     "seq_truncate_logprob_m2po": opj.CorrectionConfig(
+        probability_metrics=True,
         use_tis=True,
         tis_level="sequence",
         rs_criteria=("seq_max_k3:1.5",),
@@ -38,6 +41,7 @@ RULE_CONFIGS = {
         m2po_tau=0.05,
     ),
     "icepop_seq_bn_k2_k3": opj.CorrectionConfig(
+        probability_metrics=True,
         use_tis=True,
         tis_level="sequence",
         tis_mode="band",

@@ -13,16 +13,22 @@ XLA's own fused loop, which reads the inputs once and evaluates every column's
 expression in registers. XLA:CPU vectorises that loop only when LLVM fully unrolls
 its inner reduction loop, which bounds the work per loop: so the loop reduces
 small chunks of ``_CHUNK`` tokens (writing ``[..., T / _CHUNK]`` partial results,
-then finished by the library kernel) and takes at most ``_GROUP`` columns; larger
-sets of columns run as several such loops. Both numbers were measured with
-``benchmarks/`` on jax 0.10.2 (CPU): with chunks of 8, two columns of the PPO loss
-already fall back to scalar code (3-5x slower). With chunks of 4 the limit is the
-size of the loop body, not a column count: eight light columns vectorise, but eight
-columns of the PPO loss with its non-finite checks and its exp, or pass 1 with the
-k3 / χ² series, fall back to scalar code (3-7x slower passes, found when the
-correction gained rules). Four columns per loop keep a margin; ``expm1``, ``log1p``
-and divisions cost far more of that budget than ``exp`` and multiplications
-(``ratios.k3``). A length that is not a multiple of ``_CHUNK`` is reduced as its
+then finished by the library kernel), and a loop takes at most ``_MAX_COLUMNS``
+columns and only up to a budget of ``_BUDGET`` cost units (:class:`offpolicy_jax._reduce.Column` ``.cost``: 1 for a
+select / compare / a few arithmetic operations, 2, the default, for anything heavier
+such as an ``exp`` of its own); larger sets of columns run as several such loops. The numbers were measured
+with ``benchmarks/`` on jax 0.10.2 (CPU): with chunks of 8, two columns of the PPO
+loss already fall back to scalar code (3-5x slower). With chunks of 4 the limit is
+the size of the loop body and the number of results: the correction's first pass
+(eight columns, one ``exp`` and the k3 series, cost 9) vectorises as one loop, but
+nine light columns, or the PPO loss's seven or eight columns with their non-finite
+checks and ``exp`` (cost 10), fall back to scalar code (2-3x slower steps).
+Every extra loop re-reads its inputs, so packing light columns together saves a
+pass (about 10% of ``compute_correction``; a fixed four columns per loop cost
+that). ``expm1``, ``log1p`` and divisions cost far more of the budget than ``exp``
+and multiplications (``ratios.k3``). Callers that do not give costs (the packed
+layout, whose loops carry ``K`` compares per column) get the old four columns per
+loop (cost 2 each). A length that is not a multiple of ``_CHUNK`` is reduced as its
 chunked prefix plus a short remainder loop (issue 17 #5: it used to fall back to
 the slow path, 7x slower at ``T = 131071``).
 
@@ -36,6 +42,7 @@ would all-gather each operand's partial results, one collective per column).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import NamedTuple
 
@@ -48,7 +55,9 @@ _COMBINE = {"sum": jnp.add, "min": jnp.minimum, "max": jnp.maximum}
 _FINISH = {"sum": jnp.sum, "min": jnp.min, "max": jnp.max}
 
 _CHUNK = 4
-_GROUP = 4
+_BUDGET = 9
+_MAX_COLUMNS = 8
+_DEFAULT_COST = 2  # four columns per loop when the caller gives no costs
 # Below this many values in total (columns x elements, e.g. the per-sequence terms of
 # all the metrics), one scalar loop over every column is cheaper than a kernel each.
 _SMALL = 1 << 16
@@ -126,7 +135,47 @@ def _chunked_reduce(
     return [plain_reduce(op, p) for op, p in zip(ops, _variadic_reduce(ops, chunked), strict=True)]
 
 
-def _cpu_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def _loops(costs: tuple[int, ...]) -> list[slice]:
+    """Consecutive groups of columns, each within ``_BUDGET`` and ``_MAX_COLUMNS``.
+
+    As few groups as the limits allow, as even as possible (the largest group's cost
+    smallest): 17 light columns run as 6 + 6 + 5, never as 8 + 8 + 1 (a lone light
+    column would go back to the write-then-reduce path). Order is kept so that
+    columns that share a subexpression (k3 and χ²'s ``exp``) stay in one loop.
+    """
+    size = len(costs)
+
+    @functools.cache
+    def best(start: int, groups: int) -> tuple[tuple[int, int, int], tuple[int, ...]] | None:
+        # ((largest cost, largest count, −smallest count), cut points) of columns[start:]
+        # in `groups` loops, the smallest such key.
+        if groups == 1:
+            cost, count = sum(costs[start:]), size - start
+            if cost > _BUDGET or count > _MAX_COLUMNS:
+                return None
+            return (cost, count, -count), ()
+        options = []
+        for stop in range(start + 1, size - groups + 2):
+            cost, count = sum(costs[start:stop]), stop - start
+            if cost > _BUDGET or count > _MAX_COLUMNS:
+                break
+            rest = best(stop, groups - 1)
+            if rest is not None:
+                worst = (max(cost, rest[0][0]), max(count, rest[0][1]), max(-count, rest[0][2]))
+                options.append((worst, (stop, *rest[1])))
+        return min(options) if options else None
+
+    for groups in range(1, size + 1):
+        found = best(0, groups)
+        if found is not None:
+            cuts = (0, *found[1], size)
+            return [slice(a, b) for a, b in itertools.pairwise(cuts)]
+    return [slice(i, i + 1) for i in range(size)]  # a single column over the budget
+
+
+def _cpu_reduce(
+    ops: tuple[str, ...], values: tuple[jax.Array, ...], costs: tuple[int, ...]
+) -> tuple[jax.Array, ...]:
     split = _split(values[0])
     length = values[0].shape[-1]
     if values[0].size * len(values) <= _SMALL and split.explicit * split.free == 1:
@@ -142,13 +191,8 @@ def _cpu_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[ja
     if unsplit and length % _CHUNK == 1 and body > _CHUNK:
         body -= _CHUNK
     prefix = tuple(v[..., :body] for v in values) if body < length else values
-    # Balanced groups: 17 columns run as 6 + 6 + 5, never as 8 + 8 + 1 (a single
-    # column would go back to the write-then-reduce path).
-    n_groups = -(-len(values) // _GROUP)
-    size = -(-len(values) // n_groups)
     out: list[jax.Array] = []
-    for start in range(0, len(values), size):
-        group = slice(start, start + size)
+    for group in _loops(costs):
         out += _chunked_reduce(ops[group], prefix[group], split.spec)
     if body < length:
         rest = _variadic_reduce(ops, tuple(v[..., body:] for v in values))
@@ -156,26 +200,37 @@ def _cpu_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[ja
     return tuple(out)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def reduce_columns(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def reduce_columns(
+    ops: tuple[str, ...], values: tuple[jax.Array, ...], costs: tuple[int, ...] | None = None
+) -> tuple[jax.Array, ...]:
     """Reduces each ``[..., T]`` operand over its last axis by its op (sum/min/max).
 
-    On CPU in few fused loops (see the module docstring); elsewhere one plain
+    On CPU in few fused loops (see the module docstring), ``costs`` (static ints, one
+    per operand; default 2 each) deciding which share a loop; elsewhere one plain
     reduction per operand. Differentiable: a sum's tangent is the plain sum of the
     tangents.
     """
+    if costs is None:
+        costs = (_DEFAULT_COST,) * len(values)
+    return _reduce_columns(ops, tuple(costs), values)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _reduce_columns(
+    ops: tuple[str, ...], costs: tuple[int, ...], values: tuple[jax.Array, ...]
+) -> tuple[jax.Array, ...]:
     if len(values) == 1 or jax.default_backend() != "cpu":
         return tuple(plain_reduce(op, v) for op, v in zip(ops, values, strict=True))
-    return _cpu_reduce(ops, values)
+    return _cpu_reduce(ops, values, costs)
 
 
-def _reduce_columns_jvp(ops, primals, tangents):
+def _reduce_columns_jvp(ops, costs, primals, tangents):
     # A sum is linear, so its tangent is the plain sum of the tangents; reverse mode
     # transposes that into a broadcast, and the whole backward of a reduction is
     # then one elementwise pass over the inputs, with nothing [..., T] stored from
     # the forward. Min/max use JAX's own rule (the library never differentiates them).
     (values,), (dvalues,) = primals, tangents
-    out = reduce_columns(ops, values)
+    out = _reduce_columns(ops, costs, values)
     dout = []
     for op, value, dvalue, primal in zip(ops, values, dvalues, out, strict=True):
         if isinstance(dvalue, jax.custom_derivatives.SymbolicZero):
@@ -187,4 +242,4 @@ def _reduce_columns_jvp(ops, primals, tangents):
     return out, tuple(dout)
 
 
-reduce_columns.defjvp(_reduce_columns_jvp, symbolic_zeros=True)
+_reduce_columns.defjvp(_reduce_columns_jvp, symbolic_zeros=True)

@@ -175,35 +175,39 @@ class Column(NamedTuple):
     ``op`` is ``"sum"`` (``Σ_t x_t p_t``, with ``x`` taken as 0 where ``p_t = 0``),
     ``"min"`` or ``"max"`` (over the tokens with ``p_t > 0``; ``±inf`` for an empty
     sequence). ``value`` broadcasts against ``population``, ``[..., T]`` float
-    weights that are 0 outside the population.
+    weights that are 0 outside the population. ``cost`` is how much of a fused CPU
+    loop's budget the value's expression takes (:mod:`offpolicy_jax._fusion`): 1 for
+    selects, compares and a few arithmetic operations on inputs, 2 (the default, the
+    safe side) for anything heavier, such as an ``exp`` or ``log`` of its own.
     """
 
     op: Literal["sum", "min", "max"]
     value: jax.Array | float
     population: jax.Array
+    cost: int = 2
 
 
-def total(x: jax.Array | float, population: jax.Array) -> Column:
-    """``Σ_t x_t p_t``."""
-    return Column("sum", x, population)
+def total(x: jax.Array | float, population: jax.Array, *, cost: int = 2) -> Column:
+    """``Σ_t x_t p_t``; ``cost``: see :class:`Column`."""
+    return Column("sum", x, population, cost)
 
 
 def count(population: jax.Array) -> Column:
     """``N = Σ_t p_t``."""
-    return Column("sum", 1.0, population)
+    return Column("sum", 1.0, population, 1)
 
 
 def count_where(condition: jax.Array, population: jax.Array) -> Column:
     """``Σ_t [condition_t] p_t``: the population weight where ``condition`` holds."""
-    return Column("sum", jnp.where(condition, 1.0, 0.0), population)
+    return Column("sum", jnp.where(condition, 1.0, 0.0), population, 1)
 
 
 def minimum(x: jax.Array, population: jax.Array) -> Column:
-    return Column("min", x, population)
+    return Column("min", x, population, 1)
 
 
 def maximum(x: jax.Array, population: jax.Array) -> Column:
-    return Column("max", x, population)
+    return Column("max", x, population, 1)
 
 
 def _operand(column: Column, shape: tuple[int, ...]) -> jax.Array:
@@ -252,8 +256,9 @@ class Rows:
             *(jnp.shape(c.value) for c in columns.values()),
         )
         ops = tuple(columns[n].op for n in names)
+        costs = tuple(columns[n].cost for n in names)
         operands = tuple(_operand(columns[n], shape) for n in names)
-        results = dict(zip(names, _fusion.reduce_columns(ops, operands), strict=True))
+        results = dict(zip(names, _fusion.reduce_columns(ops, operands, costs), strict=True))
         if self.axes.token:
             for op, collective in _COLLECTIVE.items():
                 same = [n for n in names if columns[n].op == op]  # names need not sort

@@ -208,6 +208,10 @@ class CorrectionConfig:
       m2po_tau: M2PO second-moment budget ``τ > 0``: drop the tokens with the largest
         ``δ²`` until the batch mean of ``δ²`` over the kept tokens is ``≤ τ``; ``None``
         disables it.
+      probability_metrics: also report NeMo-RL's probability-space metrics
+        ``mis_token_mult_prob_error`` and ``mis_js_divergence`` (docs/semantics.md §8).
+        Off by default: their ``exp`` and ``log`` per token cost a pass of their own
+        (about a quarter of ``compute_correction``'s time on CPU).
 
     Ratio bounds and the veto threshold are checked as the float32 values the
     computation uses: each must be a normal, finite float32 (``1.2e-38`` to
@@ -228,11 +232,12 @@ class CorrectionConfig:
     rs_criteria: tuple[str, ...] = ()
     seq_logprob_error_threshold: float | None = None
     m2po_tau: float | None = None
+    probability_metrics: bool = False
 
     def __post_init__(self):
         owner = "CorrectionConfig"
         set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen)
-        for key in ("use_tis", "tis_batch_normalize", "use_rs"):
+        for key in ("use_tis", "tis_batch_normalize", "use_rs", "probability_metrics"):
             set_(key, _check_bool(owner, key, getattr(self, key)))
         set_("tis_level", _check_choice(owner, "tis_level", self.tis_level, LEVELS))
         set_("tis_mode", _check_choice(owner, "tis_mode", self.tis_mode, MODES))

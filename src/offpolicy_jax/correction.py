@@ -66,7 +66,9 @@ def _check_reduction(reduction: str) -> None:
 
 def correction_stages(config: CorrectionConfig) -> list[stages.Stage]:
     """The stages ``config`` names, in the order of docs/semantics.md §3."""
-    chain: list[stages.Stage] = [metrics.MismatchMetrics(), rules.ProbabilityMetrics()]
+    chain: list[stages.Stage] = [metrics.MismatchMetrics()]
+    if config.probability_metrics:
+        chain.append(rules.ProbabilityMetrics())
     if config.use_tis:
         lower, upper = config.lower_bound, config.upper_bound
         chain.append(bounds.TISWeights(config.tis_level, config.tis_mode, lower, upper))

@@ -376,8 +376,13 @@ def policy_loss_terms(
     if config.wants_mismatch_metrics and not correction_has_them:
         # §4 metrics of π_old (sg(θ) where absent) against π_rollout; the loss is
         # unchanged. In reinforce_is they replace those of the correction's sg(θ).
+        probability = (
+            isinstance(config.correction, CorrectionConfig)
+            and config.correction.probability_metrics
+        )
+        metrics_only = CorrectionConfig(probability_metrics=True) if probability else METRICS_ONLY
         _, _, mismatch = correction_parts(
-            proxy_old, rollout, mask, METRICS_ONLY, reduction=reduction, layout=layout
+            proxy_old, rollout, mask, metrics_only, reduction=reduction, layout=layout
         )
         parts.update(mismatch)
 
@@ -410,6 +415,8 @@ def policy_loss_terms(
             bad_logp = bad_logp | ~jnp.isfinite(x)
         columns["bad_logp"] = _reduce.count_where(bad_logp, mask)
     ratio_denominator = rollout if algorithm == "bypass_ppo" else old
+    ratio_columns: dict[str, _reduce.Column] = {}
+    ois_token = None
     if algorithm == "reinforce_is":
         assert weights is not None  # reinforce_is always reweights (LossConfig.reweights)
         per_token = reinforce_term(jnp.where(kept, theta, 0.0), adv, weights)
@@ -433,10 +440,16 @@ def policy_loss_terms(
             dual_clip_c=config.dual_clip_c,
         )
         per_token = terms.loss if weights is None else jnp.where(kept, weights, 0.0) * terms.loss
-        columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, final_mask)
+        # Added after the other columns, beside "loss": the columns that read the ratio
+        # r then share one fused loop, and r is never written out (_fusion's loops).
+        ratio_columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, final_mask)
         if terms.clipped_lower is not None:
-            columns["pg_clipfrac_lower"] = _reduce.count_where(terms.clipped_lower, final_mask)
-        columns["ppo_kl"] = _reduce.total(sg(terms.log_ratio), final_mask)
+            ratio_columns["pg_clipfrac_lower"] = _reduce.count_where(
+                terms.clipped_lower, final_mask
+            )
+        columns["ppo_kl"] = _reduce.total(sg(terms.log_ratio), final_mask, cost=1)
+        # exp(θ − d) as the surrogate takes it for its ratio (one exponential for both).
+        ois_token = metric_exp(-terms.log_ratio)
     if algorithm != "reinforce_is":
         if rollout is not None:
             # D8b: in bypass mode π_old is sg(θ); the reference reports 0 here.
@@ -444,14 +457,16 @@ def policy_loss_terms(
             assert source is not None  # ppo / decoupled_ppo require old_logp
             diff = jnp.abs(source - rollout)
             columns["train_rollout_logprob_abs_diff"] = _reduce.total(
-                sg(jnp.where(jnp.isfinite(diff), diff, 0.0)), final_mask
+                sg(jnp.where(jnp.isfinite(diff), diff, 0.0)), final_mask, cost=1
             )
         if config.correction is not None or config.get_mismatch_metrics:
             # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
             # divergence it exists to show; capped like every metric exponential.
             assert ratio_denominator is not None  # only reinforce_is may lack it
-            raw = jnp.where(valid, theta_sg - jax.lax.stop_gradient(ratio_denominator), 0.0)
-            columns["ois"] = _reduce.total(metric_exp(jnp.where(jnp.isnan(raw), 0.0, raw)), mask)
+            if ois_token is None:
+                raw = jnp.where(valid, theta_sg - sg(ratio_denominator), 0.0)
+                ois_token = metric_exp(jnp.where(jnp.isnan(raw), 0.0, raw))
+            columns["ois"] = _reduce.total(ois_token, mask)
     # KL-to-reference and entropy join the policy term per token: one sum, one
     # aggregation, the same final mask.
     regularisers = _objective.regulariser_terms(config, theta, ratio_denominator, valid, ref, ent)
@@ -466,6 +481,7 @@ def policy_loss_terms(
             per_token = per_token - config.entropy_coef * regularisers["entropy"]
     if per_token is not pg_per_token:
         columns["pg_loss"] = _reduce.total(pg_per_token, final_mask)
+    columns.update(ratio_columns)
     columns["loss"] = _reduce.total(per_token, final_mask)
     sums = layout.reduce(columns)
 

@@ -66,11 +66,12 @@ class MismatchMetrics(Stage):
         u = t.delta + k3
         chi2 = jnp.where(t.delta > LOG_RATIO_CLAMP, _E2S_M1, u * (u + 2.0))
         return {
-            "old": _reduce.total(t.old, t.population),
-            "rollout": _reduce.total(t.rollout, t.population),
+            "old": _reduce.total(t.old, t.population, cost=1),
+            "rollout": _reduce.total(t.rollout, t.population, cost=1),
             "k3": _reduce.total(k3, t.population),
             # Σ (e^{2δ} − 1) m / N = Σ e^{2δ} m / N − 1 exactly, without the cancellation.
-            "chi2": _reduce.total(chi2, t.population),
+            # Light: it reuses k3's exponential in the same loop.
+            "chi2": _reduce.total(chi2, t.population, cost=1),
         }
 
     def decide(self, t, sums):

@@ -231,7 +231,7 @@ def run(
     columns: dict[str | tuple[int, str], Column] = {
         "count": _reduce.count(t.population),
         "nonfinite": _reduce.count_where(nonfinite, t.population),
-        "delta": _reduce.total(t.delta, t.population),
+        "delta": _reduce.total(t.delta, t.population, cost=1),
     }
     for i, stage in enumerate(stages):
         columns.update({(i, k): c for k, c in stage.columns(t).items()})
@@ -285,12 +285,13 @@ def run(
             pass2_columns[("n", p)] = _reduce.count(populations[p])
         if not metric.per_seq:
             key = metric.key if metric.key is not None else name
-            pass2_columns[("sum", key, p)] = _reduce.total(metric.value, populations[p])
+            # Fractions and weights already computed per token: light columns.
+            pass2_columns[("sum", key, p)] = _reduce.total(metric.value, populations[p], cost=1)
     if weight_stats:
         pass2_columns[("n", len(populations) - 1)] = _reduce.count(final)
         if not weights_per_seq:
-            pass2_columns["w"] = _reduce.total(weights, final)
-            pass2_columns["w2"] = _reduce.total(weights * weights, final)
+            pass2_columns["w"] = _reduce.total(weights, final, cost=1)
+            pass2_columns["w2"] = _reduce.total(weights * weights, final, cost=1)
             pass2_columns["lo"] = _reduce.minimum(weights, final)
             pass2_columns["hi"] = _reduce.maximum(weights, final)
     pass2 = layout.reduce(pass2_columns)

@@ -14,10 +14,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from offpolicy_jax import _reduce
 from offpolicy_jax._reduce import MeanParts, Reduction, Rows
 from offpolicy_jax.ratios import LOG_RATIO_CLAMP, metric_exp, metric_expm1
+
+_RATIO_MIN = float(np.exp(np.float32(-LOG_RATIO_CLAMP)))
+_RATIO_MAX = float(np.exp(np.float32(LOG_RATIO_CLAMP)))
 
 
 def clamp(x: jax.Array, lower: float, upper: float) -> jax.Array:
@@ -124,7 +128,10 @@ def _ppo_terms(logp, denominator_logp, advantages, valid, clip_eps, clip_eps_hig
     """``k``, ``r``, ℓ and the clipped-branch mask, per token."""
     raw = denominator_logp - logp
     log_ratio = jnp.where(valid & jnp.isfinite(raw), raw, 0.0)
-    ratio = jnp.exp(clamp(-log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    # exp(clip(−k, −S, S)) as clip(exp(min(−k, 50)), e^−S, e^S): the same values, and the
+    # exponential is the one the loss's `ois` metric takes (ratios.metric_exp), so that
+    # XLA computes it once per token.
+    ratio = clamp(metric_exp(-log_ratio), _RATIO_MIN, _RATIO_MAX)
     branches = _branches(ratio, advantages, clip_eps, clip_eps_high, dual_clip_c)
     return _Terms(branches.loss, branches.clipped, log_ratio, ratio, branches.floored)
 

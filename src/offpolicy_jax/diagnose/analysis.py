@@ -171,7 +171,7 @@ WHAT_IFS: tuple[WhatIf, ...] = (
     ),
 )
 
-METRICS_ONLY = opj.CorrectionConfig()
+METRICS_ONLY = opj.CorrectionConfig(probability_metrics=True)
 
 
 # Rule stages (docs/semantics.md §8) whose ``P_max`` / ``P_min`` are batch extremes.

@@ -1,0 +1,204 @@
+"""This checkout against another commit of the library, side by side in one process.
+
+``python -m benchmarks.compare --commit 7737661`` extracts ``src/offpolicy_jax`` of that
+commit (``git archive``) into a temporary package with its imports renamed, builds the
+same two computations with each version's own public API (``policy_loss`` forward +
+backward and ``compute_correction``, ``decoupled_ppo`` with the shipped ``mis.yaml``
+and every metric), compiles both and times them call by call, interleaved, so that a
+busy machine slows them alike. It writes ``compare_results.md`` / ``.json``: the median
+time of each version and their ratio per computation and size, and the metric keys
+that only one of them reports (work the other does not do).
+
+Why not ``run.py --against``: that compares jit / floor ratios between two runs, which
+is only meaningful on the same machine; this compares the code itself. Issue 10 asked
+the redesigned pipeline to stay within 10% of the phase-1 library (commit ``7737661``,
+the code behind the phase-1 ``results.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import io
+import json
+import os
+import pathlib
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from importlib import resources
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import workloads
+
+HERE = pathlib.Path(__file__).resolve().parent
+PHASE_1 = "7737661"
+
+
+def load_commit(commit: str, workdir: pathlib.Path) -> tuple[ModuleType, str]:
+    """``src/offpolicy_jax`` at ``commit`` as an importable package (imports renamed)."""
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", commit],
+        cwd=workloads.REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    name = f"offpolicy_jax_{sha}"
+    archive = subprocess.run(
+        ["git", "archive", sha, "src/offpolicy_jax"],
+        cwd=workloads.REPO,
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        # The "data" filter exists from Python 3.11.4 on; the archive is our own tree.
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(workdir, filter="data")
+        else:
+            tar.extractall(workdir)  # noqa: S202
+    package = workdir / name
+    shutil.move(workdir / "src" / "offpolicy_jax", package)
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        path.write_text(re.sub(r"\boffpolicy_jax\b", name, text))
+    sys.path.insert(0, str(workdir))
+    return importlib.import_module(name), sha
+
+
+def steps(opj: ModuleType, inputs: dict[str, jax.Array]) -> dict[str, tuple]:
+    """The compiled loss and correction steps of one version, with their arguments."""
+    mis_yaml = resources.files("offpolicy_jax") / "configs" / "mis.yaml"
+    correction = opj.CorrectionConfig.from_yaml(mis_yaml)
+    loss_config = opj.LossConfig(
+        algorithm="decoupled_ppo", correction=correction, get_mismatch_metrics=True
+    )
+
+    def loss(logp, old_logp, rollout_logp, advantages, mask):
+        return jax.value_and_grad(
+            lambda lp: opj.policy_loss(lp, old_logp, rollout_logp, advantages, mask, loss_config),
+            has_aux=True,
+        )(logp)
+
+    def correct(old_logp, rollout_logp, mask):
+        return opj.compute_correction(old_logp, rollout_logp, mask, correction)
+
+    out = {}
+    for name, fn, keys in (
+        ("loss", loss, workloads.LOSS_INPUTS),
+        ("correction", correct, workloads.CORRECTION_INPUTS),
+    ):
+        args = tuple(inputs[k] for k in keys)
+        out[name] = (jax.jit(fn).lower(*args).compile(), args)
+    return out
+
+
+def metric_keys(compiled, args) -> set[str]:
+    result = compiled(*args)
+    metrics = result[0][1] if isinstance(result, tuple) else result.metrics
+    return set(metrics)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--commit", default=PHASE_1, help="the other version (git revision)")
+    parser.add_argument("--sizes", default="64x2048,256x4096,256x8192", help="BxT,BxT,...")
+    parser.add_argument("--repeats", type=int, default=21, help="timed calls per version")
+    parser.add_argument("--out", default=None, help="directory for compare_results.md/.json")
+    args = parser.parse_args(argv)
+
+    import offpolicy_jax as current
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        other, sha = load_commit(args.commit, pathlib.Path(tmp))
+        load_before = os.getloadavg()[0]
+        for item in args.sizes.split(","):
+            batch, length = (int(x) for x in item.lower().split("x"))
+            inputs = {k: jnp.asarray(v) for k, v in workloads.make_inputs(batch, length).items()}
+            ours, theirs = steps(current, inputs), steps(other, inputs)
+            for name in ours:
+                versions = {"this checkout": ours[name], sha: theirs[name]}
+                for compiled, call_args in versions.values():
+                    for _ in range(3):
+                        jax.block_until_ready(compiled(*call_args))
+                times: dict[str, list[float]] = {v: [] for v in versions}
+                for _ in range(args.repeats):
+                    for version, (compiled, call_args) in versions.items():
+                        start = time.perf_counter()
+                        jax.block_until_ready(compiled(*call_args))
+                        times[version].append(time.perf_counter() - start)
+                now = statistics.median(times["this checkout"]) * 1e3
+                then = statistics.median(times[sha]) * 1e3
+                keys_now, keys_then = metric_keys(*ours[name]), metric_keys(*theirs[name])
+                rows.append(
+                    {
+                        "computation": name,
+                        "size": f"{batch} x {length}",
+                        "this_ms": now,
+                        "other_ms": then,
+                        "ratio": now / then,
+                        "only_this": sorted(keys_now - keys_then),
+                        "only_other": sorted(keys_then - keys_now),
+                    }
+                )
+                print(
+                    f"{name:>10} {batch}x{length}: {now:.2f} ms vs {then:.2f} ms = {now / then:.2f}"
+                )
+    report = {
+        "commit": sha,
+        "command": "python -m benchmarks.compare "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "rows": rows,
+    }
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare_results.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "compare_results.md").write_text(render(report))
+
+
+def render(report: dict) -> str:
+    lines = [
+        f"# This checkout against commit `{report['commit']}`",
+        "",
+        f"Produced by `{report['command']}` on {report['date']}; jax {report['jax']}, "
+        f"Python {report['python']}, {report['cpus']} CPUs, load average (1 min) "
+        f"{report['load_before']:.2f} before / {report['load_after']:.2f} after.",
+        "",
+        "Both versions run in one process on the same inputs (decoupled PPO with the shipped "
+        "`mis.yaml`, every metric), compiled, then timed call by call, interleaved: medians. "
+        "*only here* / *only there*: metric keys that one version reports and the other does "
+        "not (work the other does not do).",
+        "",
+        "| computation | [B, T] | this checkout ms | other ms | **this / other** | only here "
+        "| only there |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['computation']} | {r['size']} | {r['this_ms']:.2f} | {r['other_ms']:.2f} | "
+            f"**{r['ratio']:.2f}** | {', '.join(f'`{k}`' for k in r['only_this']) or '–'} | "
+            f"{', '.join(f'`{k}`' for k in r['only_other']) or '–'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
