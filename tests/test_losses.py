@@ -302,33 +302,34 @@ def test_micro_batch_pooling_equals_full_batch(batch, config, data):
         # Batch-level statistics (normalisation) must see the whole batch:
         # compute the correction once, then split it with the tokens.
         numerator_logp = batch["logp"] if config.algorithm == "reinforce_is" else batch["old_logp"]
-        full_correction = opj.compute_correction(
+        full_correction = jax.jit(opj.compute_correction, static_argnames=("config", "reduction"))(
             numerator_logp,
             batch["rollout_logp"],
             batch["mask"],
-            config.correction,
+            config=config.correction,
             reduction=config.metric_reduction,
         )
     (full_loss, full_metrics), full_grad = _value_and_grad(config)(*_args(batch))
+
+    def numerator(lp, old, rollout, adv, mask, precomputed):
+        parts, metrics = opj.policy_loss_parts(
+            lp, old, rollout, adv, mask, config, correction_result=precomputed
+        )
+        return parts.numerator, (parts.denominator, metrics)
+
+    # One compiled step per micro-batch shape (eager dispatch would compile every
+    # primitive of the pipeline for each new shape).
+    step = jax.jit(jax.value_and_grad(numerator, has_aux=True))
     pooled_num, pooled_den, grads, pooled_metrics = 0.0, 0.0, [], None
     for start, stop in itertools.pairwise(bounds):
         rows = slice(start, stop)
-        logp, old, rollout, adv, mask = (x[rows] for x in _args(batch))
         precomputed = (
             None
             if full_correction is None
             else opj.CorrectionResult(full_correction.weights[rows], full_correction.mask[rows], {})
         )
-
-        # Differentiated and called only within this iteration: the late binding is harmless.
-        def numerator(lp, old=old, rollout=rollout, adv=adv, mask=mask, precomputed=precomputed):
-            parts, metrics = opj.policy_loss_parts(
-                lp, old, rollout, adv, mask, config, correction_result=precomputed
-            )
-            return parts.numerator, (parts.denominator, metrics)
-
-        g, (den, metrics) = jax.grad(numerator, has_aux=True)(logp)
-        pooled_num += numerator(logp)[0]
+        (num, (den, metrics)), g = step(*(x[rows] for x in _args(batch)), precomputed)
+        pooled_num += num
         pooled_den += den
         grads.append(g)
         pooled_metrics = (
