@@ -103,7 +103,7 @@ SLOW_MODULES = frozenset(
 )
 CONFORMANCE_STRIDE = 97
 COVER_MIN = 6
-FAST_EXAMPLES = 6
+FAST_EXAMPLES = 3
 
 
 def _case_category(case_id: str) -> str:
