@@ -174,7 +174,16 @@ def _away_from_kinks(name, seed):
 VALUE_CONSISTENT = ("gspo", "gmpo", "sapo", "gpg", "dro")
 
 
-@pytest.mark.parametrize("name", VALUE_CONSISTENT)
+# Tiers: second-order finite differences in float64 (~1.5 s of CPU each); the fast tier
+# checks a sequence-ratio (GSPO) and a geometric (GMPO) surrogate, the full suite all
+# five. test_value_and_gradient_match_numpy checks every surrogate's VJP in the fast tier.
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in ("gspo", "gmpo") else pytest.param(n, marks=pytest.mark.slow)
+        for n in VALUE_CONSISTENT
+    ],
+)
 def test_check_grads_away_from_kinks(name):
     theta, d, adv, valid = _away_from_kinks(name, 0)
     with jax.enable_x64(True):
