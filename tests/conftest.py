@@ -7,7 +7,10 @@ import re
 # setting lands first. Unsharded programs still run on device 0 only.
 # `JAX_NUM_CPU_DEVICES=1 python -m pytest ...` runs the numeric tests on one device,
 # where the CPU fusion takes its single-device paths; the multi-device modules below
-# are then skipped (not failed).
+# are then skipped (not failed). The fast tier (`-m "not slow"`, which defers every
+# multi-device module) runs on one device unless JAX_NUM_CPU_DEVICES is set: see
+# pytest_configure.
+_DEVICES_CHOSEN = "JAX_NUM_CPU_DEVICES" in os.environ
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 MULTI_DEVICE_MODULES = frozenset(
     {"test_sharding.py", "test_sharding_losses.py", "test_hlo_communication.py"}
@@ -100,7 +103,7 @@ SLOW_MODULES = frozenset(
 )
 CONFORMANCE_STRIDE = 97
 COVER_MIN = 6
-FAST_EXAMPLES = 6
+FAST_EXAMPLES = 3
 
 
 def _case_category(case_id: str) -> str:
@@ -151,9 +154,27 @@ def _cap_examples(items) -> None:
             test._hypothesis_internal_use_settings = settings(current, max_examples=FAST_EXAMPLES)
 
 
+def _fast_run(config) -> bool:
+    return " ".join(config.option.markexpr.split()) == "not slow"
+
+
+def pytest_configure(config):
+    # The fast tier on one CPU device. With no mesh in context, the CPU fusion must
+    # assume that jit may place an unsharded program on any of the backend's devices,
+    # so with 8 devices it compiles the partition-safe form of every reduction: about
+    # twice the compile time of the single-device form, and compiling is most of the
+    # fast tier's time. The full suite (CI) runs the 8-device form and the sharded
+    # modules; `JAX_NUM_CPU_DEVICES=8 python -m pytest -m "not slow"` runs the fast
+    # tier on 8 devices. This runs before any test module is imported, in the main
+    # process and in every xdist worker, so before the CPU backend starts.
+    if _fast_run(config) and not _DEVICES_CHOSEN:
+        os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # subprocesses (the demo CLI) too
+        jax.config.update("jax_num_cpu_devices", 1)
+
+
 def pytest_collection_modifyitems(config, items):
     _mark_tiers(items)
-    fast_run = " ".join(config.option.markexpr.split()) == "not slow"
+    fast_run = _fast_run(config)
     if fast_run and os.environ.get("HYPOTHESIS_PROFILE", "ci") in ("ci", "default"):
         _cap_examples(items)
     count = jax.device_count()

@@ -174,7 +174,16 @@ def _away_from_kinks(name, seed):
 VALUE_CONSISTENT = ("gspo", "gmpo", "sapo", "gpg", "dro")
 
 
-@pytest.mark.parametrize("name", VALUE_CONSISTENT)
+# Tiers: second-order finite differences in float64 (~1.5 s of CPU each); the fast tier
+# checks a sequence-ratio (GSPO) and a geometric (GMPO) surrogate, the full suite all
+# five. test_value_and_gradient_match_numpy checks every surrogate's VJP in the fast tier.
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in ("gspo", "gmpo") else pytest.param(n, marks=pytest.mark.slow)
+        for n in VALUE_CONSISTENT
+    ],
+)
 def test_check_grads_away_from_kinks(name):
     theta, d, adv, valid = _away_from_kinks(name, 0)
     with jax.enable_x64(True):
@@ -182,7 +191,9 @@ def test_check_grads_away_from_kinks(name):
         def total(th):
             return jnp.sum(jax_loss(name, th, jnp.asarray(d), jnp.asarray(adv), valid).loss)
 
-        check_grads(total, (jnp.asarray(theta),), order=2, modes=("fwd", "rev"), eps=1e-4)
+        # Compiled once per transform: eager dispatch would compile each primitive for
+        # each of check_grads' jvp/vjp/second-order traces.
+        check_grads(jax.jit(total), (jnp.asarray(theta),), order=2, modes=("fwd", "rev"), eps=1e-4)
 
 
 @pytest.mark.parametrize("spread", [0.05, 0.5])
@@ -579,6 +590,9 @@ def numpy_policy_loss(name, config, theta, old, rollout, adv, valid):
     return value, terms.vjp(agg_w * w)
 
 
+# Cached by config (frozen, hashable): the tests that share a config share its compiled
+# program instead of compiling it again.
+@functools.cache
 def _jit_loss(config):
     def f(lp, old, rollout, adv, mask, **kw):
         return opj.policy_loss(lp, old, rollout, adv, mask, config, **kw)
@@ -961,6 +975,7 @@ def _regulariser_inputs(seed, valid, theta, garbage=True):
     return ref_logp.astype(np.float32), entropy.astype(np.float32)
 
 
+@functools.cache
 def _jit_loss_and_entropy_grad(config):
     """Loss, metrics and the gradients w.r.t. ``logp`` and ``entropy``."""
 
@@ -975,7 +990,21 @@ REGULARISED_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "aggregation"), REGULARISED_CASES)
+def _regularised_tier(first):
+    """REGULARISED_CASES with every third case from ``first`` on in the fast tier.
+
+    Tiers: each case compiles one or more programs with the KL and entropy terms (1 to
+    3 s of CPU). The three tests below keep the cases from 0, 1 and 2, so that the fast
+    tier still runs every surrogate and every aggregation once with both terms on; each
+    test runs every case in the full suite.
+    """
+    return [
+        case if i % 3 == first else pytest.param(*case, marks=pytest.mark.slow)
+        for i, case in enumerate(REGULARISED_CASES)
+    ]
+
+
+@pytest.mark.parametrize(("name", "aggregation"), _regularised_tier(2))
 def test_empty_and_rejected_batches_give_zero_with_kl_and_entropy(name, aggregation):
     theta, old, rollout, adv, valid = policy_batch(31)
     ref_logp, entropy = _regulariser_inputs(31, valid, theta)
@@ -990,7 +1019,7 @@ def test_empty_and_rejected_batches_give_zero_with_kl_and_entropy(name, aggregat
         assert float(metrics["kl_loss"]) == 0.0 and float(metrics["entropy"]) == 0.0
 
 
-@pytest.mark.parametrize(("name", "aggregation"), REGULARISED_CASES)
+@pytest.mark.parametrize(("name", "aggregation"), _regularised_tier(1))
 def test_padding_garbage_never_leaks_with_kl_and_entropy(name, aggregation):
     """NaN / ±inf / 1e30 in every input (ref_logp and entropy too) where the mask is 0."""
     theta, old, rollout, adv, valid = policy_batch(32, garbage=True)
@@ -1010,7 +1039,7 @@ def test_padding_garbage_never_leaks_with_kl_and_entropy(name, aggregation):
         assert np.all(np.asarray(got)[~valid] == 0)
 
 
-@pytest.mark.parametrize(("name", "aggregation"), REGULARISED_CASES)
+@pytest.mark.parametrize(("name", "aggregation"), _regularised_tier(0))
 def test_micro_batches_pool_to_the_full_batch_with_kl_and_entropy(name, aggregation):
     theta, old, rollout, adv, valid = policy_batch(33)
     ref_logp, entropy = _regulariser_inputs(33, valid, theta)
@@ -1099,7 +1128,13 @@ def test_check_grads_through_policy_loss_away_from_kinks(name, aggregation):
         return opj.policy_loss(lp, f32[1], f32[2], f32[3], valid, config)[0]
 
     check_grads(
-        loss, (jnp.asarray(f32[0]),), order=1, modes=("rev",), eps=1e-2, atol=2e-3, rtol=2e-3
+        jax.jit(loss),
+        (jnp.asarray(f32[0]),),
+        order=1,
+        modes=("rev",),
+        eps=1e-2,
+        atol=2e-3,
+        rtol=2e-3,
     )
 
 

@@ -48,7 +48,9 @@ def test_is_weight_carries_gradient_in_bypass_or_reinforce_mode(algorithm):
     logp, _, rollout, adv, mask = _batch()
     correction = opj.CorrectionConfig(use_tis=True) if algorithm == "reinforce_is" else None
     config = opj.LossConfig(algorithm=algorithm, correction=correction, aggregation="token_mean")
-    grad = jax.grad(lambda lp: opj.policy_loss(lp, None, rollout, adv, mask, config)[0])(logp)
+    grad = jax.jit(jax.grad(lambda lp: opj.policy_loss(lp, None, rollout, adv, mask, config)[0]))(
+        logp
+    )
     if algorithm == "reinforce_is":
         # d/dθ [−sg(w)·A·θ] = −w·A: a weight with gradient would add −A·θ·dw/dθ.
         w = np.minimum(np.exp(logp - rollout), 2.0)
@@ -85,8 +87,9 @@ def test_fully_masked_sequences_counted_in_a_denominator():
     ]
     padded_mask = np.concatenate([mask, np.zeros((3, 8), np.float32)])
     config = opj.LossConfig(algorithm="decoupled_ppo", correction=MASK_MODE)
-    loss, metrics = opj.policy_loss(logp, old, rollout, adv, mask, config)
-    loss_p, metrics_p = opj.policy_loss(*padded, padded_mask, config)
+    loss_fn = jax.jit(lambda *args: opj.policy_loss(*args, config))
+    loss, metrics = loss_fn(logp, old, rollout, adv, mask)
+    loss_p, metrics_p = loss_fn(*padded, padded_mask)
     np.testing.assert_allclose(float(loss_p), float(loss), rtol=1e-6)
     for key in metrics:
         np.testing.assert_allclose(

@@ -194,10 +194,12 @@ def test_custom_derivatives_keep_forward_mode_and_second_order():
         return opj.policy_loss(lp, old, rollout, adv, mask, config)[0]
 
     direction = jnp.asarray(rng.normal(size=logp.shape), jnp.float32)
-    grad = jax.grad(loss)(logp)
-    _, forward = jax.jvp(loss, (logp,), (direction,))
+    # Each transform compiled whole: eager dispatch would compile every primitive of the
+    # pipeline on its own (seconds), and the rules under test are the same under jit.
+    grad = jax.jit(jax.grad(loss))(logp)
+    _, forward = jax.jit(lambda x, v: jax.jvp(loss, (x,), (v,)))(logp, direction)
     np.testing.assert_allclose(forward, jnp.vdot(grad, direction), rtol=1e-4, atol=1e-6)
-    hvp = jax.jvp(jax.grad(loss), (logp,), (direction,))[1]
+    hvp = jax.jit(lambda x, v: jax.jvp(jax.grad(loss), (x,), (v,))[1])(logp, direction)
     assert hvp.shape == logp.shape and bool(jnp.all(jnp.isfinite(hvp)))
 
 
