@@ -140,6 +140,13 @@ def main(argv: list[str] | None = None) -> None:
                         times[version].append(time.perf_counter() - start)
                 now = statistics.median(times["this checkout"]) * 1e3
                 then = statistics.median(times[sha]) * 1e3
+                # Each call's ratio to the other version's call right beside it: the two
+                # share the machine's state of the moment, so this is steadier than the
+                # ratio of the medians when the machine's speed drifts.
+                paired = sorted(
+                    a / b for a, b in zip(times["this checkout"], times[sha], strict=True)
+                )
+                quartiles = statistics.quantiles(paired, n=4)
                 keys_now, keys_then = metric_keys(*ours[name]), metric_keys(*theirs[name])
                 rows.append(
                     {
@@ -148,12 +155,16 @@ def main(argv: list[str] | None = None) -> None:
                         "this_ms": now,
                         "other_ms": then,
                         "ratio": now / then,
+                        "paired_ratio": statistics.median(paired),
+                        "paired_quartiles": [quartiles[0], quartiles[2]],
                         "only_this": sorted(keys_now - keys_then),
                         "only_other": sorted(keys_then - keys_now),
                     }
                 )
                 print(
-                    f"{name:>10} {batch}x{length}: {now:.2f} ms vs {then:.2f} ms = {now / then:.2f}"
+                    f"{name:>10} {batch}x{length}: {now:.2f} ms vs {then:.2f} ms = "
+                    f"{now / then:.2f}; paired {statistics.median(paired):.2f} "
+                    f"({quartiles[0]:.2f}-{quartiles[2]:.2f})"
                 )
     report = {
         "commit": sha,
@@ -185,16 +196,20 @@ def render(report: dict) -> str:
         "Both versions run in one process on the same inputs (decoupled PPO with the shipped "
         "`mis.yaml`, every metric), compiled, then timed call by call, interleaved: medians. "
         "*only here* / *only there*: metric keys that one version reports and the other does "
-        "not (work the other does not do).",
+        "not (work the other does not do). *paired*: the median over calls of each call's "
+        "time over the other version's call beside it (quartiles in brackets), steadier "
+        "than the ratio of medians when the machine's speed drifts during the run.",
         "",
-        "| computation | [B, T] | this checkout ms | other ms | **this / other** | only here "
-        "| only there |",
-        "|---|---|---|---|---|---|---|",
+        "| computation | [B, T] | this checkout ms | other ms | this / other | **paired** "
+        "| only here | only there |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
+        low, high = r["paired_quartiles"]
         lines.append(
             f"| {r['computation']} | {r['size']} | {r['this_ms']:.2f} | {r['other_ms']:.2f} | "
-            f"**{r['ratio']:.2f}** | {', '.join(f'`{k}`' for k in r['only_this']) or '–'} | "
+            f"{r['ratio']:.2f} | **{r['paired_ratio']:.2f}** ({low:.2f}-{high:.2f}) | "
+            f"{', '.join(f'`{k}`' for k in r['only_this']) or '–'} | "
             f"{', '.join(f'`{k}`' for k in r['only_other']) or '–'} |"
         )
     return "\n".join(lines) + "\n"

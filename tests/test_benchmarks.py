@@ -130,3 +130,40 @@ def test_compare_against_a_commit_reports_both_versions(tmp_path):
     for row in report["rows"]:
         assert row["this_ms"] > 0 and row["other_ms"] > 0
     assert "| loss | 4 x 64 |" in (tmp_path / "compare_results.md").read_text()
+
+
+@pytest.mark.slow
+def test_odd_lengths_pairs_each_ragged_size_with_its_aligned_neighbour(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.odd_lengths",
+            "--sizes",
+            "2x127,2x128",
+            "--repeats",
+            "4",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "paired.json").read_text())
+    assert [(r["computation"], r["ragged"], r["aligned"]) for r in report["rows"]] == [
+        (name, [2, 127], [2, 128]) for name in ("loss", "correction", "loss_trm_icepop")
+    ]
+    assert all(r["paired_ratio"] > 0 for r in report["rows"])
+    assert "Largest paired ratio" in (tmp_path / "paired.md").read_text()
+
+
+def test_odd_lengths_needs_the_aligned_neighbour():
+    from benchmarks.odd_lengths import pairs
+
+    assert pairs("8x4093,8x4096,8x128") == [((8, 4093), (8, 4096))]
+    with pytest.raises(ValueError, match="no aligned neighbour"):
+        pairs("8x4093")
