@@ -18,13 +18,11 @@ the code behind the phase-1 ``results.json``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import io
 import json
 import os
 import pathlib
-import platform
 import re
 import shutil
 import statistics
@@ -40,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import workloads
+from benchmarks.paired import environment, environment_line, paired_ratio
 
 HERE = pathlib.Path(__file__).resolve().parent
 PHASE_1 = "7737661"
@@ -140,13 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                         times[version].append(time.perf_counter() - start)
                 now = statistics.median(times["this checkout"]) * 1e3
                 then = statistics.median(times[sha]) * 1e3
-                # Each call's ratio to the other version's call right beside it: the two
-                # share the machine's state of the moment, so this is steadier than the
-                # ratio of the medians when the machine's speed drifts.
-                paired = sorted(
-                    a / b for a, b in zip(times["this checkout"], times[sha], strict=True)
-                )
-                quartiles = statistics.quantiles(paired, n=4)
+                paired = paired_ratio(times["this checkout"], times[sha])
+                low, high = paired["paired_quartiles"]
                 keys_now, keys_then = metric_keys(*ours[name]), metric_keys(*theirs[name])
                 rows.append(
                     {
@@ -155,27 +149,20 @@ def main(argv: list[str] | None = None) -> None:
                         "this_ms": now,
                         "other_ms": then,
                         "ratio": now / then,
-                        "paired_ratio": statistics.median(paired),
-                        "paired_quartiles": [quartiles[0], quartiles[2]],
+                        **paired,
                         "only_this": sorted(keys_now - keys_then),
                         "only_other": sorted(keys_then - keys_now),
                     }
                 )
                 print(
                     f"{name:>10} {batch}x{length}: {now:.2f} ms vs {then:.2f} ms = "
-                    f"{now / then:.2f}; paired {statistics.median(paired):.2f} "
-                    f"({quartiles[0]:.2f}-{quartiles[2]:.2f})"
+                    f"{now / then:.2f}; paired {paired['paired_ratio']:.2f} ({low:.2f}-{high:.2f})"
                 )
     report = {
         "commit": sha,
         "command": "python -m benchmarks.compare "
         + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
+        **environment(load_before),
         "rows": rows,
     }
     if args.out:
@@ -189,9 +176,7 @@ def render(report: dict) -> str:
     lines = [
         f"# This checkout against commit `{report['commit']}`",
         "",
-        f"Produced by `{report['command']}` on {report['date']}; jax {report['jax']}, "
-        f"Python {report['python']}, {report['cpus']} CPUs, load average (1 min) "
-        f"{report['load_before']:.2f} before / {report['load_after']:.2f} after.",
+        f"{environment_line(report)}.",
         "",
         "Both versions run in one process on the same inputs (decoupled PPO with the shipped "
         "`mis.yaml`, every metric), compiled, then timed call by call, interleaved: medians. "

@@ -16,17 +16,16 @@ by 2x over a run the same cell read 0.72, 1.02 and 4.05 in three runs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import statistics
 import time
 
 import jax
 
 from benchmarks import workloads
+from benchmarks.paired import environment, environment_line, paired_ratio
 
 
 def pairs(text: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -72,18 +71,15 @@ def main(argv: list[str] | None = None) -> None:
                     start = time.perf_counter()
                     jax.block_until_ready(compiled(*call_args))
                     per_token[size].append((time.perf_counter() - start) / tokens * 1e9)
-            paired = sorted(
-                a / b for a, b in zip(per_token[ragged], per_token[aligned], strict=True)
-            )
-            low, _, high = statistics.quantiles(paired, n=4)
+            paired = paired_ratio(per_token[ragged], per_token[aligned])
+            low, high = paired["paired_quartiles"]
             row = {
                 "computation": name,
                 "ragged": list(ragged),
                 "aligned": list(aligned),
                 "ragged_ns_per_token": statistics.median(per_token[ragged]),
                 "aligned_ns_per_token": statistics.median(per_token[aligned]),
-                "paired_ratio": statistics.median(paired),
-                "paired_quartiles": [low, high],
+                **paired,
             }
             rows.append(row)
             print(
@@ -93,12 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     report = {
         "command": "python -m benchmarks.odd_lengths",
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
+        **environment(load_before),
         "repeats": args.repeats,
         "rows": rows,
     }
@@ -112,10 +103,7 @@ def render(report: dict) -> str:
     lines = [
         "# Odd and prime lengths against the nearest multiple of 128 (paired)",
         "",
-        f"Produced by `{report['command']}` on {report['date']}; jax {report['jax']}, Python "
-        f"{report['python']}, {report['cpus']} CPUs, load average (1 min) "
-        f"{report['load_before']:.2f} before / {report['load_after']:.2f} after; "
-        f"{report['repeats']} call pairs.",
+        f"{environment_line(report)}; {report['repeats']} call pairs.",
         "",
         "Each ragged call's time per token over the aligned call's right beside it: median "
         "(quartiles in brackets). Target (issue 17): at most 1.25.",

@@ -89,6 +89,18 @@ def test_against_flags_a_slower_jit_to_floor_ratio():
     assert "| new" not in text  # absent from the baseline
 
 
+def _run_module(module: str, *args: str, out: pathlib.Path) -> subprocess.CompletedProcess:
+    """``python -m module *args --out out`` from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args, "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
 def _git_checkout() -> bool:
     probe = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
@@ -101,25 +113,8 @@ def _git_checkout() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _git_checkout(), reason="needs a git checkout of the project")
 def test_compare_against_a_commit_reports_both_versions(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.compare",
-            "--commit",
-            "HEAD",
-            "--sizes",
-            "4x64",
-            "--repeats",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    proc = _run_module(
+        "benchmarks.compare", "--commit", "HEAD", "--sizes", "4x64", "--repeats", "2", out=tmp_path
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "compare_results.json").read_text())
@@ -134,23 +129,8 @@ def test_compare_against_a_commit_reports_both_versions(tmp_path):
 
 @pytest.mark.slow
 def test_odd_lengths_pairs_each_ragged_size_with_its_aligned_neighbour(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.odd_lengths",
-            "--sizes",
-            "2x127,2x128",
-            "--repeats",
-            "4",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    proc = _run_module(
+        "benchmarks.odd_lengths", "--sizes", "2x127,2x128", "--repeats", "4", out=tmp_path
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "paired.json").read_text())
