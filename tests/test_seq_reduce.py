@@ -220,3 +220,28 @@ def test_unsplit_cpu_path_with_ragged_lengths(length):
     for i in range(9):
         want = _expected(OPS[i % 3], values[i], population)
         np.testing.assert_allclose(got[f"c{i}"], want, rtol=1e-5, atol=1e-5, err_msg=f"c{i}")
+
+
+@pytest.mark.parametrize(
+    "costs, want",
+    [
+        ((1,) * 8, [8]),  # the correction's first pass: one loop
+        ((1, 1, 1, 1, 1, 2, 1, 1), [8]),  # cost 9, eight columns: still one loop
+        ((1,) * 9, [4, 5]),  # nine columns: two loops, never 8 + 1
+        ((1, 1, 1, 1, 1, 2, 1, 2), [5, 3]),  # cost 10: two loops
+        ((2,) * 8, [4, 4]),  # no costs given: the old four columns per loop
+        ((1,) * 17, [5, 6, 6]),
+        ((2,) * 17, [3, 3, 3, 4, 4]),
+        ((12, 1, 1), [1, 1, 1]),  # a column over the budget runs alone
+    ],
+)
+def test_cpu_loops_respect_the_budget_with_as_few_loops_as_possible(costs, want):
+    from offpolicy_jax import _fusion
+
+    loops = _fusion._loops(costs)
+    assert [s.stop - s.start for s in loops] == want
+    assert loops[0].start == 0 and loops[-1].stop == len(costs)
+    assert all(a.stop == b.start for a, b in zip(loops, loops[1:], strict=False))
+    for s in loops:
+        if s.stop - s.start > 1:
+            assert sum(costs[s]) <= _fusion._BUDGET and s.stop - s.start <= _fusion._MAX_COLUMNS

@@ -139,7 +139,7 @@ def _loops(costs: tuple[int, ...]) -> list[slice]:
     """Consecutive groups of columns, each within ``_BUDGET`` and ``_MAX_COLUMNS``.
 
     As few groups as the limits allow, as even as possible (the largest group's cost
-    smallest): 17 light columns run as 6 + 6 + 5, never as 8 + 8 + 1 (a lone light
+    smallest): 17 light columns run as 5 + 6 + 6, never as 8 + 8 + 1 (a lone light
     column would go back to the write-then-reduce path). Order is kept so that
     columns that share a subexpression (k3 and χ²'s ``exp``) stay in one loop.
     """
