@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import workloads
-from benchmarks.paired import environment, environment_line, paired_ratio
+from benchmarks.paired import environment, environment_line, paired_cell, paired_ratio
 
 HERE = pathlib.Path(__file__).resolve().parent
 PHASE_1 = "7737661"
@@ -190,10 +190,9 @@ def render(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
-        low, high = r["paired_quartiles"]
         lines.append(
             f"| {r['computation']} | {r['size']} | {r['this_ms']:.2f} | {r['other_ms']:.2f} | "
-            f"{r['ratio']:.2f} | **{r['paired_ratio']:.2f}** ({low:.2f}-{high:.2f}) | "
+            f"{r['ratio']:.2f} | {paired_cell(r)} | "
             f"{', '.join(f'`{k}`' for k in r['only_this']) or '–'} | "
             f"{', '.join(f'`{k}`' for k in r['only_other']) or '–'} |"
         )

@@ -42,3 +42,9 @@ def environment_line(report: dict) -> str:
         f"{report['python']}, {report['cpus']} CPUs, load average (1 min) "
         f"{report['load_before']:.2f} before / {report['load_after']:.2f} after"
     )
+
+
+def paired_cell(row: dict) -> str:
+    """A row's paired ratio as a results-table cell: ``**median** (q1-q3)``."""
+    low, high = row["paired_quartiles"]
+    return f"**{row['paired_ratio']:.2f}** ({low:.2f}-{high:.2f})"
