@@ -11,9 +11,10 @@ float32 array and reads it back, and K sums of functions of the same inputs read
 those inputs K times. A *variadic* reduce (several operands, one loop) stays in
 XLA's own fused loop, which reads the inputs once and evaluates every column's
 expression in registers. XLA:CPU vectorises that loop only when LLVM fully unrolls
-its inner reduction loop, which bounds the work per loop: so the loop reduces
-small chunks of ``_CHUNK`` tokens (writing ``[..., T / _CHUNK]`` partial results,
-then finished by the library kernel), and a loop takes at most ``_MAX_COLUMNS``
+its inner reduction loop, which bounds the work per loop: so the loop adds only
+``_CHUNK`` tokens per result (writing ``[..., T / _CHUNK]`` partial results, then
+finished by the library kernel; see :func:`_chunked_reduce` for the two views of
+the token axis), and a loop takes at most ``_MAX_COLUMNS``
 columns and only up to a budget of ``_BUDGET`` cost units (:class:`offpolicy_jax._reduce.Column` ``.cost``: 1 for a
 select / compare / a few arithmetic operations, 2, the default, for anything heavier
 such as an ``exp`` of its own); larger sets of columns run as several such loops. The numbers were measured
@@ -109,30 +110,45 @@ def _split(value: jax.Array) -> _Split:
     )
 
 
-def _variadic_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """One loop reducing every operand over its last axis (XLA's own, not a library kernel)."""
+def _variadic_reduce(
+    ops: tuple[str, ...], values: tuple[jax.Array, ...], axis: int = -1
+) -> tuple[jax.Array, ...]:
+    """One loop reducing every operand over ``axis`` (XLA's own, not a library kernel)."""
     inits = tuple(jnp.array(INIT[op], v.dtype) for op, v in zip(ops, values, strict=True))
     return tuple(
         jax.lax.reduce(
             values,
             inits,
             lambda acc, x: tuple(_combine(op, a, b) for op, a, b in zip(ops, acc, x, strict=True)),
-            (values[0].ndim - 1,),
+            (axis % values[0].ndim,),
         )
     )
 
 
 def _chunked_reduce(
-    ops: tuple[str, ...], values: tuple[jax.Array, ...], spec: PartitionSpec | None
+    ops: tuple[str, ...], values: tuple[jax.Array, ...], spec: PartitionSpec | None, unsplit: bool
 ) -> list[jax.Array]:
-    """One variadic loop over chunks of ``_CHUNK`` tokens, then the per-chunk results.
+    """One variadic loop adding ``_CHUNK`` tokens at a time, then the partial results.
 
-    ``T`` must be a multiple of ``_CHUNK`` here.
+    ``T`` must be a multiple of ``_CHUNK`` here. When nothing may split the token
+    axis (``unsplit``: one device, or local arrays inside ``shard_map``) it is viewed
+    as ``[..., _CHUNK, T / _CHUNK]`` and the loop reduces the short *leading* axis:
+    each result adds ``_CHUNK`` tokens ``T / _CHUNK`` apart, and LLVM vectorises
+    along the contiguous axis of the results (the step 3-8% faster, and a loop 1.2-2.7x
+    in isolation, than contiguous chunks). Otherwise it is viewed as ``[..., T /
+    _CHUNK, _CHUNK]``: contiguous chunks never straddle two devices' shares, where the
+    strided view would make the loop reduce across devices.
     """
     shape = values[0].shape
-    chunked_shape = (*shape[:-1], shape[-1] // _CHUNK, _CHUNK)
-    chunked = tuple(jax.lax.reshape(v, chunked_shape, out_sharding=spec) for v in values)
-    return [plain_reduce(op, p) for op, p in zip(ops, _variadic_reduce(ops, chunked), strict=True)]
+    if unsplit:
+        strided_shape = (*shape[:-1], _CHUNK, shape[-1] // _CHUNK)
+        strided = tuple(jax.lax.reshape(v, strided_shape) for v in values)
+        partial = _variadic_reduce(ops, strided, axis=len(shape) - 1)
+    else:
+        chunked_shape = (*shape[:-1], shape[-1] // _CHUNK, _CHUNK)
+        chunked = tuple(jax.lax.reshape(v, chunked_shape, out_sharding=spec) for v in values)
+        partial = _variadic_reduce(ops, chunked)
+    return [plain_reduce(op, p) for op, p in zip(ops, partial, strict=True)]
 
 
 def _loops(costs: tuple[int, ...]) -> list[slice]:
@@ -193,7 +209,7 @@ def _cpu_reduce(
     prefix = tuple(v[..., :body] for v in values) if body < length else values
     out: list[jax.Array] = []
     for group in _loops(costs):
-        out += _chunked_reduce(ops[group], prefix[group], split.spec)
+        out += _chunked_reduce(ops[group], prefix[group], split.spec, unsplit)
     if body < length:
         rest = _variadic_reduce(ops, tuple(v[..., body:] for v in values))
         out = [_combine(op, a, b) for op, a, b in zip(ops, out, rest, strict=True)]

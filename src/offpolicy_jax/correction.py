@@ -164,7 +164,7 @@ def compute_correction(
     weights_mask = as_float_mask("mask", mask)
     check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
     layout = _segments.layout(axes, segment_ids, num_segments, old.shape)
-    weights_mask = _segments.only_segments(layout, weights_mask)
+    weights_mask = _segments.only_segments(layout, weights_mask, raw=mask)
     check_split_over(
         axes.batch + axes.token,
         old_logp=old_logp,

@@ -98,13 +98,14 @@ def aggregate(
       >>> float(opj.aggregate(x, m, m, "sequence_mean").value())
       3.5
     """
+    raw_final, raw_denominator = final_mask, denominator_mask
     final_mask = as_float_mask("final_mask", final_mask)
     denominator_mask = as_float_mask("denominator_mask", denominator_mask)
     layout = _segments.layout(
         _reduce.as_mesh_axes(axis_names), segment_ids, num_segments, final_mask.shape
     )
-    final_mask = _segments.only_segments(layout, final_mask)
-    denominator_mask = _segments.only_segments(layout, denominator_mask)
+    final_mask = _segments.only_segments(layout, final_mask, raw=raw_final)
+    denominator_mask = _segments.only_segments(layout, denominator_mask, raw=raw_denominator)
     sums = layout.reduce(
         {
             "loss": _reduce.total(per_token_loss, final_mask),
@@ -317,6 +318,7 @@ def policy_loss_terms(
       >>> jax.grad(loss_fn)(logp).shape
       (2, 3)
     """
+    raw_mask = mask
     theta, old, rollout, adv, mask = _check_inputs(
         config, logp, old_logp, rollout_logp, advantages, mask
     )
@@ -327,7 +329,7 @@ def policy_loss_terms(
             f"advantages has shape {jnp.shape(advantages)}; with segment_ids they must be "
             f"per token, {theta.shape} (give each token its sequence's advantage)"
         )
-    mask = _segments.only_segments(layout, mask)
+    mask = _segments.only_segments(layout, mask, raw=raw_mask)
     ref, ent = _check_regularisers(config, theta, ref_logp, entropy)
     if correction_result is not None and not config.reweights:
         raise ValueError(
