@@ -17,22 +17,44 @@ are the sequences of a row and 0 is padding. A per-sequence value is then
   correction pipeline, the losses and every rule reduce and broadcast through it,
   so they are all packed-aware without knowing it.
 
-How (measured with ``python -m benchmarks.segments``, jax 0.10.2, XLA:CPU, ``[64, 2048]``,
-K = 8, 8 columns): the sum over the tokens of each segment is a compare-and-reduce,
-``Σ_t [id_t = k] x_t`` for ``k = 1..K``, run as :mod:`~offpolicy_jax._fusion`'s fused
-variadic loop over ``[..., K, T]`` operands that XLA never writes out (the compare
-and the select are fused into the loop): about 2-3x the time of the
-one-sequence-per-row reduction of the same columns. The alternatives, relative to
-it: a one-hot ``einsum`` 1.7-2.5x (XLA:CPU writes the ``[..., T, K]`` indicator and
-runs small batched matrix products), ``jax.ops.segment_sum`` over flattened (row,
-segment) ids 3-8x (a serial scatter-add, and a flattening the partitioner cannot keep
-sharded), a plain ``jnp.sum`` of the ``[..., K, T]`` select 15-40x (the reduction
-kernel cannot fuse its producer, so the select is written out), one fused loop
-per (column, segment) 0.7-1.5x (faster only when a column holds an ``exp`` that the
-compare form evaluates K times), materialising the columns first about 1x, and a
-windowed two-level sum (at most two segments per window of 64 tokens, with a
-``cond`` fallback) no faster. The gather back is a chain of ``K`` selects, fused
-into whatever elementwise pass consumes it (``take_along_axis`` was 3x slower).
+How, on one device (XLA:CPU; measured with ``python -m benchmarks.packing``, jax
+0.10.2): a two-level *windowed* reduction. The row is cut into windows of ``W``
+tokens (``W ≈ sqrt(T / 8)``, 16-64). Level 1 (:func:`_windowed`) reduces every
+column per window into two slots, its tokens with an even id and those with an odd
+id (padding in neither), with the one-sequence-per-row machinery of
+:mod:`~offpolicy_jax._fusion`: two selects per token and column on the token's own
+id, the column's expression evaluated once, nothing written out as ``[..., T]``.
+Level 2 scatters the ``2 T / W`` slot results of a row, each under its window's
+even or odd id, and the ``T mod W`` tokens after the last window into the ``K``
+segments. It is exact when no window holds two different even ids or two different
+odd ids: true of the layout of ``pack_sequences``, tunix and MaxText (ids 1, 2, 3,
+... in order, consecutive sequences of different parity, each longer than a window
+but the last of a row).
+
+Any other ids (the layout allows any id on any token) take the exact
+*compare-and-reduce*: ``Σ_t [id_t = k] x_t`` for ``k = 1..K`` as
+:mod:`~offpolicy_jax._fusion`'s fused variadic loop over ``[..., K, T]`` operands
+that XLA never writes out, about ``K`` times the work of the unpacked reduction. It
+is also the only path on other backends, for rows shorter than two windows, and
+when the XLA partitioner may split the token axis. The choice is a ``cond`` on the
+ids: :func:`dispatch` puts one around a whole public call (``compute_correction``,
+``policy_loss_terms``), whose operands are the caller's inputs, compiling it twice;
+a reduction outside such a call checks its own ids (a ``cond`` whose operands, the
+columns, XLA then writes out). Under ``vmap`` the check covers the whole mapped
+batch (:func:`_all`, a custom batching rule), so the ``cond`` stays a branch.
+
+Measured (``policy_loss`` forward + backward, mis.yaml, ``K = 8``, packed / padded
+time per valid token): the compare-and-reduce alone 3.3-4.7, the windowed path
+with its check 1.6-3.2 (unchecked 1.5-1.9: the ``cond`` costs its branches'
+residuals, which the backward reads). Alternatives measured against the
+compare-and-reduce: a one-hot ``einsum`` 1.7-2.5x (XLA:CPU writes the ``[..., T,
+K]`` indicator), ``jax.ops.segment_sum`` over flattened (row, segment) ids 3-8x (a
+serial scatter-add over every token), one fused loop per (column, segment)
+0.7-1.5x; for the windowed path, gathering the windows that hold several ids (any
+ids, at most ``K + 1`` such windows a row) instead of the two slots wrote every
+column out for the gather (90 MB of temporaries at ``[39, 18432]``). The gather
+back is a chain of ``K`` selects, fused into whatever elementwise pass consumes it
+(``take_along_axis`` was 3x slower).
 
 Gradients: a segment sum is linear, and its JVP is written as ``K`` plain sums of
 the tangent, whose transpose is the chain of selects: the backward of a segment
@@ -44,9 +66,12 @@ padding, whatever the mask says.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -125,11 +150,10 @@ def _plain_segment_sum(value: jax.Array, segment_ids: jax.Array, num_segments: i
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _segment_fused(
+def _compare_reduce(
     ops: tuple[str, ...], num_segments: int, values: tuple[jax.Array, ...], segment_ids
 ) -> tuple[jax.Array, ...]:
-    """Each ``[..., T]`` operand reduced by its op over each segment: ``[..., K]``."""
+    """The exact compare-and-reduce: ``K`` masked copies of every operand, one fused loop."""
     hit = _segment_axis(segment_ids, num_segments)
     operands = tuple(
         jnp.where(hit, v[..., None, :], _INIT[op]) for op, v in zip(ops, values, strict=True)
@@ -137,10 +161,201 @@ def _segment_fused(
     return _fusion.reduce_columns(ops, operands)
 
 
-def _segment_fused_jvp(ops, num_segments, primals, tangents):
+def _window_size(length: int) -> int:
+    """The window ``W``: about ``sqrt(T / 8)``, which balances the ``2 T / W`` window
+    results of the second level against segments shorter than a window (which send a
+    call to the compare-and-reduce); a power of two between 16 and 64 (a multiple of
+    ``_fusion._CHUNK``)."""
+    best = math.sqrt(length / 8)
+    return int(min(64, max(16, 2 ** round(math.log2(max(best, 1.0))))))
+
+
+def _window_reduce(
+    ops: tuple[str, ...], costs: tuple[int, ...], windows: tuple[jax.Array, ...]
+) -> tuple[jax.Array, ...]:
+    """Every ``[..., n, W]`` operand reduced over its windows, ``[..., n]``.
+
+    :mod:`~offpolicy_jax._fusion`'s variadic loop (grouped by cost like a row
+    reduction), each window viewed as ``[_CHUNK, W / _CHUNK]`` and reduced over its
+    leading axis (the strided view of ``_fusion._chunked_reduce``), writes ``[..., n,
+    W / _CHUNK]``; these are then combined by ``W / _CHUNK − 1`` elementwise ops, one
+    fused pass (the library kernel that finishes a row reduction is 3-5x slower on
+    so short a last axis).
+    """
+    chunk = _fusion._CHUNK
+    lead = windows[0].shape[:-1]
+    width = windows[0].shape[-1]
+    out: list[jax.Array] = []
+    for group in _fusion._loops(costs):
+        group_ops = ops[group]
+        strided = tuple(w.reshape(*lead, chunk, width // chunk) for w in windows[group])
+        partial = _fusion._variadic_reduce(group_ops, strided, axis=-2)
+        for op, part in zip(group_ops, partial, strict=True):
+            acc = part[..., 0]
+            for j in range(1, width // chunk):
+                acc = _fusion._combine(op, acc, part[..., j])
+            out.append(acc)
+    return tuple(out)
+
+
+class _Plan(NamedTuple):
+    """Per window, the id of its even-id tokens and of its odd-id tokens (ids only)."""
+
+    window: int
+    odd: jax.Array  # [..., T'] bool: the token's id is odd (T' = n · W tokens)
+    even_ids: jax.Array  # [..., n] the window's even id (0: none)
+    odd_ids: jax.Array  # [..., n] the window's odd id (0: none)
+    tail: jax.Array  # [..., T mod W] ids after the last whole window
+    ok: jax.Array  # bool scalar: no window holds two even or two odd ids
+
+
+def _plan(segment_ids: jax.Array, window: int, num_segments: int) -> _Plan:
+    lead = segment_ids.shape[:-1]
+    n = segment_ids.shape[-1] // window
+    ids = jnp.where(in_segment(segment_ids, num_segments), segment_ids, 0)
+    body = ids[..., : n * window]
+    windows = body.reshape(*lead, n, window)
+    odd = windows % 2 == 1
+    even_ids = jnp.max(jnp.where(odd, 0, windows), axis=-1)
+    odd_ids = jnp.max(jnp.where(odd, windows, 0), axis=-1)
+    label = jnp.where(odd, odd_ids[..., None], even_ids[..., None])
+    ok = _all((windows == 0) | (windows == label))
+    odd_tokens = body % 2 == 1
+    return _Plan(window, odd_tokens, even_ids, odd_ids, ids[..., n * window :], ok)
+
+
+def _windowed(
+    ops: tuple[str, ...],
+    costs: tuple[int, ...],
+    num_segments: int,
+    values: tuple[jax.Array, ...],
+    plan: _Plan,
+) -> tuple[jax.Array, ...]:
+    """Two-level per-segment reduction, exact when ``plan.ok``.
+
+    Level 1: every operand reduced over windows of ``W`` tokens into two slots, its
+    tokens with an even id and those with an odd id, by the fast
+    one-sequence-per-row loop on ``[..., T / W, W]``: two selects per token and
+    column on the token's own id, each column's expression evaluated once.
+    Consecutive segments have ids of different parity, so a window across a
+    boundary still holds one segment per slot (``plan.ok`` checks it; padding,
+    id 0, adds nothing to any sum). Level 2: a scatter of these ``2 T / W`` slot
+    results and of the ``T mod W`` tokens after the last window into the ``K``
+    segments. No column is ever written out as a ``[..., T]`` array.
+    """
+    lead = plan.even_ids.shape[:-1]
+    n = plan.even_ids.shape[-1]
+    body = n * plan.window
+    slot_ops, slot_costs, slots = [], [], []
+    for op, cost, v in zip(ops, costs, values, strict=True):
+        slot_ops += [op, op]
+        slot_costs += [cost, 1]
+        # Padding (id 0) joins the even slot, where its value is the op's identity:
+        # populations are 0 outside the segments (see segment_reduce). Keeping it out
+        # with a test of its own cost the packed step 45%.
+        slots += [
+            jnp.where(plan.odd, _INIT[op], v[..., :body]),
+            jnp.where(plan.odd, v[..., :body], _INIT[op]),
+        ]
+    windows = tuple(x.reshape(*lead, n, plan.window) for x in slots)
+    per_slot = _window_reduce(tuple(slot_ops), tuple(slot_costs), windows)
+    ids = jnp.concatenate([plan.even_ids, plan.odd_ids, plan.tail], axis=-1)
+    second = tuple(
+        jnp.concatenate([per_slot[2 * i], per_slot[2 * i + 1], v[..., body:]], axis=-1)
+        for i, v in enumerate(values)
+    )
+    return _scatter(ops, num_segments, second, ids)
+
+
+def _scatter(
+    ops: tuple[str, ...], num_segments: int, values: tuple[jax.Array, ...], segment_ids
+) -> tuple[jax.Array, ...]:
+    """Per-segment reduction of a few values per row by scatter: the columns of one op
+    stacked on a minor axis, one scatter per op; id 0 lands in a bucket dropped after
+    (a select, never a product, so NaN there reaches nothing)."""
+    lead = segment_ids.shape[:-1]
+    rows = math.prod(lead)
+    length = segment_ids.shape[-1]
+    buckets = num_segments + 1
+    base = (jnp.arange(rows, dtype=jnp.int32) * buckets).reshape(*lead, 1)
+    index = (base + segment_ids).reshape(rows * length)
+    out: list[jax.Array] = [jnp.zeros(())] * len(ops)
+    for op in ("sum", "min", "max"):
+        group = [i for i, o in enumerate(ops) if o == op]
+        if not group:
+            continue
+        stacked = jnp.stack([values[i] for i in group], axis=-1).reshape(rows * length, -1)
+        at = jnp.full((rows * buckets, len(group)), _INIT[op], stacked.dtype).at[index]
+        if op == "sum":
+            reduced = at.add(stacked, mode="promise_in_bounds")
+        elif op == "min":
+            reduced = at.min(stacked, mode="promise_in_bounds")
+        else:
+            reduced = at.max(stacked, mode="promise_in_bounds")
+        reduced = reduced.reshape(*lead, buckets, len(group))[..., 1:, :]
+        for j, i in enumerate(group):
+            out[i] = reduced[..., j]
+    return tuple(out)
+
+
+def _use_windows(value: jax.Array, num_segments: int) -> bool:
+    """The windowed path runs on CPU when no device shares the token axis: inside
+    ``shard_map`` (local arrays) or on one device. The XLA partitioner would move
+    whole token rows to gather the mixed windows of a sharded axis, so a program
+    that the partitioner may split keeps the compare-and-reduce."""
+    length = value.shape[-1]
+    if jax.default_backend() != "cpu" or length < 2 * _window_size(length):
+        return False
+    split = _fusion._split(value)
+    return split.explicit * split.free == 1
+
+
+@jax.custom_batching.custom_vmap
+def _all(flags: jax.Array) -> jax.Array:
+    """``all(flags)``; under ``vmap`` also over the mapped axis, so that a ``cond`` on
+    it stays a branch (a batched predicate would turn it into a select of both)."""
+    return jnp.all(flags)
+
+
+@_all.def_vmap
+def _all_vmap(axis_size, in_batched, flags):
+    del axis_size, in_batched
+    return jnp.all(flags), False
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _segment_fused(
+    ops: tuple[str, ...],
+    costs: tuple[int, ...],
+    num_segments: int,
+    contiguous: bool | None,
+    values: tuple[jax.Array, ...],
+    segment_ids,
+) -> tuple[jax.Array, ...]:
+    """Each ``[..., T]`` operand reduced by its op over each segment: ``[..., K]``.
+
+    ``contiguous``: True when the caller has checked that no row has more than ``M``
+    windows holding several ids (:func:`dispatch`), False to compare, None to check
+    here (a ``cond``: see the module docstring for its price).
+    """
+    if contiguous is False or not _use_windows(values[0], num_segments):
+        return _compare_reduce(ops, num_segments, values, segment_ids)
+    plan = _plan(segment_ids, _window_size(segment_ids.shape[-1]), num_segments)
+    if contiguous:
+        return _windowed(ops, costs, num_segments, values, plan)
+    return jax.lax.cond(
+        plan.ok,
+        lambda v, i: _windowed(ops, costs, num_segments, v, plan),
+        lambda v, i: _compare_reduce(ops, num_segments, v, i),
+        values,
+        segment_ids,
+    )
+
+
+def _segment_fused_jvp(ops, costs, num_segments, contiguous, primals, tangents):
     values, segment_ids = primals
     dvalues, _ = tangents
-    out = _segment_fused(ops, num_segments, values, segment_ids)
+    out = _segment_fused(ops, costs, num_segments, contiguous, values, segment_ids)
     dout = []
     for op, value, dvalue, primal in zip(ops, values, dvalues, out, strict=True):
         if isinstance(dvalue, jax.custom_derivatives.SymbolicZero):
@@ -166,13 +381,16 @@ def segment_reduce(
     segment_ids: jax.Array,
     num_segments: int,
     axes: MeshAxes,
+    contiguous: bool | None = None,
 ) -> dict[ColumnKey, jax.Array]:
     """Every column's per-segment reduction, ``[..., T] -> [..., K]``, computed together.
 
     ``out[..., k − 1] = Σ_t [id_t = k] x_t p_t`` (or the min / max over the tokens
     with ``id_t = k`` and ``p_t > 0``; ``±inf`` for an empty segment). Values are
     selected with ``where`` before they are weighted, so NaN/inf outside a
-    population or a segment never reaches a result. Sums are differentiable, and
+    population never reaches a result. Populations must be 0 outside the segments
+    ``1..K`` (padding): every population of the library is, since the public calls
+    restrict their masks with :func:`only_segments`. Sums are differentiable, and
     their backward is :func:`segment_broadcast` of the cotangent.
 
     Inside ``shard_map`` with a sharded token axis the ``[..., K]`` partial results
@@ -185,6 +403,9 @@ def segment_reduce(
         else is padding.
       num_segments: ``K``, static.
       axes: mesh axes to combine over inside ``shard_map``.
+      contiguous: static; True: the ids are known (by :func:`dispatch`) to change
+        at most ``K + 1`` times a row, the windowed path runs without a check;
+        False: the compare-and-reduce; None: the windowed path, checked by a ``cond``.
 
     Returns:
       name -> ``[..., K]`` per-segment result.
@@ -198,9 +419,12 @@ def segment_reduce(
         *(jnp.shape(c.value) for c in columns.values()),
     )
     ops = tuple(columns[n].op for n in names)
+    costs = tuple(columns[n].cost for n in names)
     values = tuple(_reduce._operand(columns[n], shape) for n in names)
     ids = jnp.broadcast_to(segment_ids, shape)
-    results = dict(zip(names, _segment_fused(ops, num_segments, values, ids), strict=True))
+    results = dict(
+        zip(names, _segment_fused(ops, costs, num_segments, contiguous, values, ids), strict=True)
+    )
     if axes.token:
         for op, collective in _COLLECTIVE.items():
             same = [n for n in names if columns[n].op == op]
@@ -271,12 +495,14 @@ class Packed(Rows):
       axes: mesh axes to combine over inside ``shard_map``.
       segment_ids: int32 ``[..., T]``; 1..K name the sequences of a row.
       num_segments: ``K``, static.
+      contiguous: static, see :func:`segment_reduce` (set by :func:`dispatch`).
     """
 
     # A default only because the inherited ``axes`` has one; :func:`layout` always
     # passes validated ids (see ``ids``).
     segment_ids: jax.Array | None = None
     num_segments: int = 1
+    contiguous: bool | None = None
 
     @property
     def ids(self) -> jax.Array:
@@ -288,7 +514,9 @@ class Packed(Rows):
     def reduce(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
         """Every column's per-segment reduction, ``[..., T] -> [..., K]`` (see
         :func:`segment_reduce`)."""
-        return segment_reduce(columns, self.ids, self.num_segments, self.axes)
+        return segment_reduce(
+            columns, self.ids, self.num_segments, self.axes, contiguous=self.contiguous
+        )
 
     def broadcast(self, per_seq: jax.Array) -> jax.Array:
         """A per-segment value ``[..., K]`` on every token of its segment, ``[..., T]``
@@ -302,7 +530,69 @@ def layout(axes: MeshAxes, segment_ids, num_segments, shape: tuple[int, ...]) ->
     ids = check_segments(segment_ids, num_segments, shape)
     if ids is None:
         return Rows(axes)
-    return Packed(axes, ids, int(num_segments))
+    return Packed(axes, ids, int(num_segments), _CONTIGUOUS.get())
+
+
+# Set while :func:`dispatch` traces one of its two branches: every packed layout
+# built meanwhile (by :func:`layout`) takes that branch's path.
+_CONTIGUOUS: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "offpolicy_jax_segments_contiguous", default=None
+)
+
+
+def contiguous_rows(
+    segment_ids: jax.Array, num_segments: int, axes: MeshAxes = MeshAxes()
+) -> jax.Array:
+    """Bool scalar: the windowed path is exact for these ids (no window holds two
+    different even ids or two different odd ids, as in the layout of
+    :func:`~offpolicy_jax.pack_sequences`); True where the windowed path does not
+    apply. Under ``vmap``, over the whole mapped batch; inside
+    ``shard_map``, over every device of ``axes`` (all must take the same branch of a
+    :func:`dispatch` whose branches hold collectives)."""
+    ids = jnp.asarray(segment_ids)
+    if not _use_windows(ids, num_segments):
+        ok = jnp.asarray(True)
+    else:
+        ok = _plan(ids, _window_size(ids.shape[-1]), num_segments).ok
+    names = axes.batch + axes.token
+    if names:
+        ok = jax.lax.pmin(ok.astype(jnp.int32), names) > 0
+    return ok
+
+
+def dispatch(fn, segment_ids, num_segments, *args, axes: MeshAxes = MeshAxes()):
+    """``fn(*args)`` traced twice, under one ``cond`` on :func:`contiguous_rows`:
+    with the windowed path unchecked, and with the compare-and-reduce.
+
+    A check inside each reduction (``contiguous=None``) costs a ``cond`` whose
+    operands are every column, written out as ``[..., T]`` arrays; here the operands
+    are ``args``, the caller's inputs, and both branches fuse as usual. Compiles
+    ``fn`` twice. Without ``segment_ids`` (None), or where only the
+    compare-and-reduce applies (:func:`_use_windows`), simply ``fn(*args)``.
+
+    Args:
+      fn: a function of ``args`` whose packed layouts (:func:`layout`) are built
+        while it is traced.
+      segment_ids: int ``[..., T]`` or None.
+      num_segments: static ``K``.
+      args: ``fn``'s arguments (a pytree of arrays).
+      axes: the mesh axes of a call inside ``shard_map``.
+    """
+    if segment_ids is None or not _use_windows(jnp.asarray(segment_ids), num_segments):
+        return fn(*args)  # one path only: nothing to choose
+
+    def branch(flag):
+        def run(*a):
+            token = _CONTIGUOUS.set(flag)
+            try:
+                return fn(*a)
+            finally:
+                _CONTIGUOUS.reset(token)
+
+        return run
+
+    ok = contiguous_rows(segment_ids, num_segments, axes)
+    return jax.lax.cond(ok, branch(True), branch(False), *args)
 
 
 def only_segments(layout: Rows, mask: jax.Array, raw=None) -> jax.Array:
@@ -335,6 +625,8 @@ def segment_arguments(layout: Rows) -> dict:
 __all__ = [
     "Packed",
     "check_segments",
+    "contiguous_rows",
+    "dispatch",
     "in_segment",
     "layout",
     "only_segments",

@@ -159,6 +159,32 @@ def compute_correction(
         raise TypeError(f"config must be a CorrectionConfig, got {type(config).__name__}")
     _check_reduction(reduction)
     axes = _reduce.as_mesh_axes(axis_names)
+    if segment_ids is not None:
+        # Packed rows: the arguments checked here so that errors name them, then the
+        # whole computation under one check of the ids (``_segments.dispatch``).
+        shape = as_float_logp("old_logp", old_logp).shape
+        _segments.check_segments(segment_ids, num_segments, shape)
+        return _segments.dispatch(
+            lambda old, rollout, mask, ids: _compute_correction(
+                old, rollout, mask, config, reduction, axes, ids, num_segments
+            ),
+            segment_ids,
+            num_segments,
+            old_logp,
+            rollout_logp,
+            mask,
+            segment_ids,
+            axes=axes,
+        )
+    # (num_segments without segment_ids is refused there, naming both)
+    return _compute_correction(
+        old_logp, rollout_logp, mask, config, reduction, axes, None, num_segments
+    )
+
+
+def _compute_correction(
+    old_logp, rollout_logp, mask, config, reduction, axes, segment_ids, num_segments
+) -> CorrectionResult:
     old = jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))
     rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
     weights_mask = as_float_mask("mask", mask)

@@ -318,6 +318,73 @@ def policy_loss_terms(
       >>> jax.grad(loss_fn)(logp).shape
       (2, 3)
     """
+    if segment_ids is None:
+        return _policy_loss_terms(
+            logp,
+            old_logp,
+            rollout_logp,
+            advantages,
+            mask,
+            config,
+            axis_names=axis_names,
+            correction_result=correction_result,
+            num_segments=num_segments,  # refused there without segment_ids, naming both
+            ref_logp=ref_logp,
+            entropy=entropy,
+        )
+    # Packed rows: the arguments checked here so that errors name them, then the
+    # whole computation under one check of the ids (``_segments.dispatch``).
+    shape = as_float_logp("logp", logp).shape
+    _segments.check_segments(segment_ids, num_segments, shape)
+
+    def packed(logp, old_logp, rollout_logp, advantages, mask, correction_result, ids, ref, ent):
+        return _policy_loss_terms(
+            logp,
+            old_logp,
+            rollout_logp,
+            advantages,
+            mask,
+            config,
+            axis_names=axis_names,
+            correction_result=correction_result,
+            segment_ids=ids,
+            num_segments=num_segments,
+            ref_logp=ref,
+            entropy=ent,
+        )
+
+    return _segments.dispatch(
+        packed,
+        segment_ids,
+        num_segments,
+        logp,
+        old_logp,
+        rollout_logp,
+        advantages,
+        mask,
+        correction_result,
+        segment_ids,
+        ref_logp,
+        entropy,
+        axes=_reduce.as_mesh_axes(axis_names),
+    )
+
+
+def _policy_loss_terms(
+    logp,
+    old_logp,
+    rollout_logp,
+    advantages,
+    mask,
+    config: LossConfig,
+    *,
+    axis_names: AxisNames = None,
+    correction_result: CorrectionResult | None = None,
+    segment_ids=None,
+    num_segments: int | None = None,
+    ref_logp=None,
+    entropy=None,
+) -> PolicyLossTerms:
     raw_mask = mask
     theta, old, rollout, adv, mask = _check_inputs(
         config, logp, old_logp, rollout_logp, advantages, mask
