@@ -134,8 +134,17 @@ _SIZES = [(515, 8)] + [
 ]
 
 
+_FAST_KINDS = ("ordered", "short", "garbage_tail", "random")
+
+
 @pytest.mark.parametrize(("length", "k"), _SIZES)
-@pytest.mark.parametrize("kind", [*KINDS, "random"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        kind if kind in _FAST_KINDS else pytest.param(kind, marks=pytest.mark.slow)
+        for kind in (*KINDS, "random")
+    ],
+)
 def test_windowed_matches_numpy(one_device, length, k, kind):
     rng = np.random.default_rng(length * 31 + k * 7 + len(kind))
     window = _segments._window_size(length)
@@ -274,7 +283,10 @@ def _unpacked(ids, k, *arrays):
     return out, rows, seqs
 
 
-@pytest.mark.parametrize("kind", ["ordered", "contiguous", "random"])
+@pytest.mark.parametrize(
+    "kind",
+    ["ordered", *(pytest.param(kind, marks=pytest.mark.slow) for kind in ("contiguous", "random"))],
+)
 def test_public_calls_take_either_path_exactly(one_device, kind):
     """policy_loss (value and gradient) and compute_correction on long packed rows equal
     the same sequences one per row, whichever branch the ids send them to."""
