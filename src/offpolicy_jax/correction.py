@@ -160,25 +160,22 @@ def compute_correction(
     _check_reduction(reduction)
     axes = _reduce.as_mesh_axes(axis_names)
     if segment_ids is not None:
-        # Packed rows: the arguments checked here so that errors name them, then the
-        # whole computation under one check of the ids (``_segments.dispatch``).
+        # Packed rows: the arguments checked here, so that errors name them, before the
+        # ids are read to choose the path (num_segments alone is refused further on).
         shape = as_float_logp("old_logp", old_logp).shape
         _segments.check_segments(segment_ids, num_segments, shape)
-        return _segments.dispatch(
-            lambda old, rollout, mask, ids: _compute_correction(
-                old, rollout, mask, config, reduction, axes, ids, num_segments
-            ),
-            segment_ids,
-            num_segments,
-            old_logp,
-            rollout_logp,
-            mask,
-            segment_ids,
-            axes=axes,
-        )
-    # (num_segments without segment_ids is refused there, naming both)
-    return _compute_correction(
-        old_logp, rollout_logp, mask, config, reduction, axes, None, num_segments
+    # The whole computation under one check of the ids (plainly called without them).
+    return _segments.dispatch(
+        lambda old, rollout, mask, ids: _compute_correction(
+            old, rollout, mask, config, reduction, axes, ids, num_segments
+        ),
+        segment_ids,
+        num_segments,
+        old_logp,
+        rollout_logp,
+        mask,
+        segment_ids,
+        axes=axes,
     )
 
 

@@ -318,26 +318,13 @@ def policy_loss_terms(
       >>> jax.grad(loss_fn)(logp).shape
       (2, 3)
     """
-    if segment_ids is None:
-        return _policy_loss_terms(
-            logp,
-            old_logp,
-            rollout_logp,
-            advantages,
-            mask,
-            config,
-            axis_names=axis_names,
-            correction_result=correction_result,
-            num_segments=num_segments,  # refused there without segment_ids, naming both
-            ref_logp=ref_logp,
-            entropy=entropy,
-        )
-    # Packed rows: the arguments checked here so that errors name them, then the
-    # whole computation under one check of the ids (``_segments.dispatch``).
-    shape = as_float_logp("logp", logp).shape
-    _segments.check_segments(segment_ids, num_segments, shape)
+    if segment_ids is not None:
+        # Packed rows: the arguments checked here, so that errors name them, before the
+        # ids are read to choose the path (num_segments alone is refused further on).
+        shape = as_float_logp("logp", logp).shape
+        _segments.check_segments(segment_ids, num_segments, shape)
 
-    def packed(logp, old_logp, rollout_logp, advantages, mask, correction_result, ids, ref, ent):
+    def terms(logp, old_logp, rollout_logp, advantages, mask, correction_result, ids, ref, ent):
         return _policy_loss_terms(
             logp,
             old_logp,
@@ -353,8 +340,9 @@ def policy_loss_terms(
             entropy=ent,
         )
 
+    # The whole computation under one check of the ids (plainly called without them).
     return _segments.dispatch(
-        packed,
+        terms,
         segment_ids,
         num_segments,
         logp,
