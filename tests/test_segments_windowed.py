@@ -229,6 +229,41 @@ def test_windowed_gradient_is_the_gather(one_device, contiguous):
     assert f"{k},{length}]" not in hlo.replace(" ", "")
 
 
+@pytest.mark.parametrize("length", [515, pytest.param(131, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["ordered", "edges", "garbage", "padding"])
+def test_windowed_broadcast_matches_the_gather(one_device, length, kind):
+    """The layout's way back (``[..., K] -> [..., T]``) on the windowed path: two
+    per-window lookups and two selects per token, 0 / False on padding, with the
+    tail after the last window; its transpose is the per-segment sum."""
+    rng = np.random.default_rng(length + len(kind))
+    k = 5
+    ids = _ids(
+        rng, 3, length, k, _segments._window_size(length), kind.replace("garbage", "ordered")
+    )
+    if kind == "garbage":  # out-of-range ids are padding too
+        ids = np.where(ids == 0, rng.choice([0, -3, k + 1], ids.shape), ids).astype(np.int32)
+    assert _windowable(ids, _segments._window_size(length), k)
+    inside = (ids >= 1) & (ids <= k)
+    layout = _segments.Packed(MeshAxes(), jnp.asarray(ids), k, True)
+    values = rng.normal(size=(3, k)).astype(np.float32)
+    gathered = np.take_along_axis(
+        np.concatenate([np.zeros((3, 1)), values], -1), np.where(inside, ids, 0), -1
+    )
+    got = jax.jit(layout.broadcast)(values)
+    np.testing.assert_array_equal(got, np.where(inside, gathered, 0.0).astype(np.float32))
+    flags = rng.random((3, k)) < 0.5
+    got_flags = jax.jit(layout.broadcast)(flags)
+    assert got_flags.dtype == jnp.bool_
+    want_flags = np.take_along_axis(
+        np.concatenate([np.zeros((3, 1), bool), flags], -1), np.where(inside, ids, 0), -1
+    )
+    np.testing.assert_array_equal(got_flags, want_flags & inside)
+    cot = rng.normal(size=ids.shape).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(layout.broadcast(v) * cot)))(values)
+    want = _expected("sum", cot, inside.astype(np.float32), ids, k)
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
+
+
 def test_windowed_under_vmap_keeps_the_branch(one_device):
     """One mapped example with scattered ids: the check covers the whole mapped batch,
     and the cond stays a cond (not a select that runs both branches)."""

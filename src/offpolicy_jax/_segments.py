@@ -230,6 +230,7 @@ class _Plan(NamedTuple):
 
     window: int
     odd: jax.Array  # [..., T'] bool: the token's id is odd (T' = n · W tokens)
+    padding: jax.Array  # [..., T'] bool: the token is in no segment 1..K
     even_ids: jax.Array  # [..., n] the window's even id (0: none)
     odd_ids: jax.Array  # [..., n] the window's odd id (0: none)
     tail: jax.Array  # [..., T mod W] ids after the last whole window
@@ -248,7 +249,49 @@ def _plan(segment_ids: jax.Array, window: int, num_segments: int) -> _Plan:
     label = jnp.where(odd, odd_ids[..., None], even_ids[..., None])
     ok = _all((windows == 0) | (windows == label))
     odd_tokens = body % 2 == 1
-    return _Plan(window, odd_tokens, even_ids, odd_ids, ids[..., n * window :], ok)
+    padding = body == 0
+    return _Plan(window, odd_tokens, padding, even_ids, odd_ids, ids[..., n * window :], ok)
+
+
+def _windows_plan(segment_ids: jax.Array, num_segments: int) -> _Plan:
+    return _plan(segment_ids, _window_size(segment_ids.shape[-1]), num_segments)
+
+
+def _window_broadcast(values: jax.Array, segment_ids: jax.Array, plan: _Plan, fill) -> jax.Array:
+    """:func:`segment_broadcast` when ``plan.ok``: two per-window lookups in the
+    ``[..., K]`` table (``[..., n]`` each), then two selects per token, where the
+    general gather compares every token with all ``K`` ids. Linear in ``values``:
+    its transpose, the backward of a broadcast, is as cheap (a select per token, a
+    sum over each window, a scatter of ``2 n`` values)."""
+    lead = plan.even_ids.shape[:-1]
+    n = plan.even_ids.shape[-1]
+    body = n * plan.window
+    table = jnp.concatenate([jnp.full((*lead, 1), fill, values.dtype), values], axis=-1)
+    even = jnp.take_along_axis(table, plan.even_ids, axis=-1, mode="promise_in_bounds")
+    odd = jnp.take_along_axis(table, plan.odd_ids, axis=-1, mode="promise_in_bounds")
+    shape = (*lead, n, plan.window)
+    tokens = jnp.where(plan.odd.reshape(shape), odd[..., None], even[..., None])
+    tokens = jnp.where(plan.padding.reshape(shape), fill, tokens).reshape(*lead, body)
+    if body == segment_ids.shape[-1]:
+        return tokens
+    tail = _broadcast(values, segment_ids[..., body:], fill)
+    return jnp.concatenate([tokens, tail], axis=-1)
+
+
+def _window_segment_sum(value: jax.Array, plan: _Plan, num_segments: int) -> jax.Array:
+    """``K`` per-segment sums when ``plan.ok`` (the tangent of a windowed sum): linear,
+    and its transpose is :func:`_window_broadcast`'s two selects per token."""
+    lead = plan.even_ids.shape[:-1]
+    n = plan.even_ids.shape[-1]
+    body = n * plan.window
+    shape = (*lead, n, plan.window)
+    odd = plan.odd.reshape(shape)
+    windows = value[..., :body].reshape(shape)
+    even_sums = jnp.sum(jnp.where(odd, 0.0, windows), axis=-1)
+    odd_sums = jnp.sum(jnp.where(odd, windows, 0.0), axis=-1)
+    second = jnp.concatenate([even_sums, odd_sums, value[..., body:]], axis=-1)
+    ids = jnp.concatenate([plan.even_ids, plan.odd_ids, plan.tail], axis=-1)
+    return _scatter(("sum",), num_segments, (second,), ids)[0]
 
 
 def _windowed(
@@ -369,7 +412,7 @@ def _segment_fused(
         return _compare_reduce(ops, num_segments, values, segment_ids, lean=True)
     if not _use_windows(values[0], num_segments):
         return _compare_reduce(ops, num_segments, values, segment_ids)
-    plan = _plan(segment_ids, _window_size(segment_ids.shape[-1]), num_segments)
+    plan = _windows_plan(segment_ids, num_segments)
     if contiguous:
         return _windowed(ops, costs, num_segments, values, plan)
     return jax.lax.cond(
@@ -385,10 +428,15 @@ def _segment_fused_jvp(ops, costs, num_segments, contiguous, primals, tangents):
     values, segment_ids = primals
     dvalues, _ = tangents
     out = _segment_fused(ops, costs, num_segments, contiguous, values, segment_ids)
+    plan = None
+    if contiguous and _use_windows(values[0], num_segments):
+        plan = _windows_plan(segment_ids, num_segments)
     dout = []
     for op, value, dvalue, primal in zip(ops, values, dvalues, out, strict=True):
         if isinstance(dvalue, jax.custom_derivatives.SymbolicZero):
             dout.append(jnp.zeros_like(primal))
+        elif op == "sum" and plan is not None:
+            dout.append(_window_segment_sum(dvalue, plan, num_segments))
         elif op == "sum":
             dout.append(_plain_segment_sum(dvalue, segment_ids, num_segments))
         else:  # min / max: JAX's own rule (the library never differentiates them)
@@ -550,7 +598,13 @@ class Packed(Rows):
     def broadcast(self, per_seq: jax.Array) -> jax.Array:
         """A per-segment value ``[..., K]`` on every token of its segment, ``[..., T]``
         (0 / False on padding)."""
-        return segment_broadcast(jnp.asarray(per_seq), self.ids)
+        values = jnp.asarray(per_seq)
+        if not (self.contiguous and _use_windows(self.ids, self.num_segments)):
+            return segment_broadcast(values, self.ids)
+        plan = _windows_plan(self.ids, self.num_segments)
+        if values.dtype == jnp.bool_:
+            return _window_broadcast(values.astype(jnp.int8), self.ids, plan, 0).astype(bool)
+        return _window_broadcast(values, self.ids, plan, 0.0)
 
 
 def layout(axes: MeshAxes, segment_ids, num_segments, shape: tuple[int, ...]) -> Rows:
