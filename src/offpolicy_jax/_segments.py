@@ -43,10 +43,16 @@ a reduction outside such a call checks its own ids (a ``cond`` whose operands, t
 columns, XLA then writes out). Under ``vmap`` the check covers the whole mapped
 batch (:func:`_all`, a custom batching rule), so the ``cond`` stays a branch.
 
+Under differentiation both branches of :func:`dispatch` are checkpointed with a
+policy that keeps only reduction results (:func:`_keep_reductions`): the backward
+recomputes the per-token values, as XLA's fusion does without a ``cond``, where the
+``cond`` would otherwise write out every per-token residual the backward reads. The
+fallback branch reduces in blocks (``_compare_reduce(lean=True)``), since a program
+allocates its largest branch's scratch memory on every call.
+
 Measured (``policy_loss`` forward + backward, mis.yaml, ``K = 8``, packed / padded
 time per valid token): the compare-and-reduce alone 3.3-4.7, the windowed path
-with its check 1.6-3.2 (unchecked 1.5-1.9: the ``cond`` costs its branches'
-residuals, which the backward reads). Alternatives measured against the
+with its check 1.5-1.8 (unchecked 1.45-1.7). Alternatives measured against the
 compare-and-reduce: a one-hot ``einsum`` 1.7-2.5x (XLA:CPU writes the ``[..., T,
 K]`` indicator), ``jax.ops.segment_sum`` over flattened (row, segment) ids 3-8x (a
 serial scatter-add over every token), one fused loop per (column, segment)
@@ -54,11 +60,14 @@ serial scatter-add over every token), one fused loop per (column, segment)
 ids, at most ``K + 1`` such windows a row) instead of the two slots wrote every
 column out for the gather (90 MB of temporaries at ``[39, 18432]``). The gather
 back is a chain of ``K`` selects, fused into whatever elementwise pass consumes it
-(``take_along_axis`` was 3x slower).
+(``take_along_axis`` per token was 3x slower); on the windowed path
+(:meth:`Packed.broadcast` after the check) two lookups per window and two selects
+per token.
 
 Gradients: a segment sum is linear, and its JVP is written as ``K`` plain sums of
-the tangent, whose transpose is the chain of selects: the backward of a segment
-sum is the gather, one elementwise pass, with nothing ``[..., K, T]`` stored.
+the tangent (on the windowed path, the two-slot windowed sum), whose transpose is the
+chain of selects (the two selects): the backward of a segment sum is the gather, one
+elementwise pass, with nothing ``[..., K, T]`` stored.
 
 Ids outside ``1..K`` (0, negative, too large) belong to no segment: they are
 padding, whatever the mask says.
