@@ -352,9 +352,9 @@ def test_public_calls_take_either_path_exactly(one_device, kind):
             lp, old, rollout, adv, mask, config, segment_ids=segment_ids, num_segments=k
         )
 
-    fn = jax.jit(jax.value_and_grad(packed, has_aux=True))
-    (loss, metrics), grad = fn(logp, ids)
-    assert "conditional" in fn.lower(logp, ids).compile().as_text()
+    compiled = jax.jit(jax.value_and_grad(packed, has_aux=True)).lower(logp, ids).compile()
+    (loss, metrics), grad = compiled(logp, ids)
+    assert "conditional" in compiled.as_text()
     (lp2, old2, ro2, adv2, mask2), rows, seqs = _unpacked(ids, k, logp, old, rollout, adv, mask)
 
     def padded(lp):
