@@ -146,7 +146,10 @@ def test_segment_reduce_matches_numpy(shape, n, num_segments):
     population = population.astype(np.float32)
     values = rng.normal(size=(n, *shape)).astype(np.float32)
     ids = rng.integers(-1, num_segments + 2, size=shape).astype(np.int32)  # out-of-range = padding
-    values[:, (population == 0) | (ids < 1) | (ids > num_segments)] = np.nan
+    padding = (ids < 1) | (ids > num_segments)
+    # 0 on padding, as every population of the library (segment_reduce's contract)
+    population = np.where(padding, 0.0, population).astype(np.float32)
+    values[:, (population == 0) | padding] = np.nan
 
     def fn(values, population, ids):
         columns = {f"c{i}": _reduce.Column(OPS[i % 3], values[i], population) for i in range(n)}

@@ -1,8 +1,9 @@
 """The windowed two-level path of the packed reductions (``offpolicy_jax._segments``).
 
-Per-segment sums / mins / maxes over windows of ``W`` tokens, in two slots (the
-tokens with an even id and those with an odd id) scattered into the segments,
-exact when no window holds two even or two odd ids: checked by a ``cond`` (or once,
+Per-segment sums / mins / maxes over windows of ``W`` tokens, the windows that hold
+two sequences gathered and split in two slots (the tokens with an even id and those
+with an odd id), scattered into the segments; exact when no window holds two even or
+two odd ids and no sequence ends in two such windows: checked by a ``cond`` (or once,
 by ``dispatch``). The
 path runs only where no device may share the token axis, so every test here traces
 under a one-device mesh (the test process has 8 CPU devices); the oracle is NumPy.
@@ -115,14 +116,22 @@ KINDS = [
 
 
 def _windowable(ids, window, k):
-    """NumPy oracle of the check: no window holds two even or two odd ids."""
+    """NumPy oracle of the check: no window holds two even or two odd ids, and no
+    sequence of a row ends in two windows that hold two ids (the windows across a
+    boundary are listed by the id on the left of it)."""
     ids = np.where((ids >= 1) & (ids <= k), ids, 0)
     n = ids.shape[-1] // window
     for row in ids.reshape(-1, ids.shape[-1]):
+        ends = []
         for w in row[: n * window].reshape(n, window):
-            present = set(w[w > 0].tolist())
+            inside = w[w > 0]
+            present = set(inside.tolist())
             if len({i for i in present if i % 2}) > 1 or len({i for i in present if not i % 2}) > 1:
                 return False
+            if len(present) == 2:
+                ends.append(int(inside[0]))
+        if len(ends) != len(set(ends)):
+            return False
     return True
 
 
@@ -169,7 +178,7 @@ def test_windowed_matches_numpy(one_device, length, k, kind):
     got = jax.jit(
         lambda v, p, i: _segments.dispatch(
             lambda v, p: _segments.segment_reduce(
-                _columns(v, p), i, k, MeshAxes(), contiguous=_segments._CONTIGUOUS.get()
+                _columns(v, p), i, k, MeshAxes(), *_segments._CONTIGUOUS.get()
             ),
             i,
             k,

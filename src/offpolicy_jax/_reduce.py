@@ -234,8 +234,34 @@ class Rows:
     """
 
     axes: MeshAxes = MeshAxes()
+    # The reductions taken through this layout (one public call), by what they reduce.
+    _taken: dict = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def reduce(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
+        """:meth:`reduce_columns`, each distinct column reduced once per layout.
+
+        A column asked for again, with the same op on the same arrays (the loss's
+        count of the mask, which the correction's first pass took), is not reduced
+        again: every column costs part of a fused loop, and one too many can cost a
+        whole pass over the batch (:mod:`offpolicy_jax._fusion`).
+        """
+        keys = {name: _identity(column) for name, column in columns.items()}
+        fresh: dict[ColumnKey, Column] = {}
+        asked = set(self._taken)
+        for name, column in columns.items():
+            if keys[name] not in asked:
+                fresh[name] = column
+                asked.add(keys[name])
+        if fresh:
+            for name, result in self.reduce_columns(fresh).items():
+                # The column stays referenced beside its result: the ids in the keys
+                # belong to live arrays, so they are never reused.
+                self._taken[keys[name]] = (fresh[name], result)
+        return {name: self._taken[keys[name]][1] for name in columns}
+
+    def reduce_columns(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
         """Every column's per-sequence reduction, ``[..., T] -> [...]``, computed together.
 
         Each result is ``Σ_t x_t p_t``, ``min`` or ``max`` over the sequence's tokens
@@ -290,6 +316,15 @@ class Rows:
 
 
 _COLLECTIVE = {"sum": jax.lax.psum, "min": jax.lax.pmin, "max": jax.lax.pmax}
+
+
+def _identity(column: Column) -> tuple:
+    """What a column reduces: its op and its arrays (by identity; constants by value)."""
+
+    def ref(x):
+        return ("constant", x) if isinstance(x, int | float) else id(x)
+
+    return (column.op, ref(column.value), ref(column.population))
 
 
 def seq_mean(sums: jax.Array, counts: jax.Array, reduction: Reduction) -> MeanParts:

@@ -20,16 +20,21 @@ are the sequences of a row and 0 is padding. A per-sequence value is then
 How, on one device (XLA:CPU; measured with ``python -m benchmarks.packing``, jax
 0.10.2): a two-level *windowed* reduction. The row is cut into windows of ``W``
 tokens (``W ≈ sqrt(T / 8)``, 16-64). Level 1 (:func:`_windowed`) reduces every
-column per window into two slots, its tokens with an even id and those with an odd
-id (padding in neither), with the one-sequence-per-row machinery of
-:mod:`~offpolicy_jax._fusion`: two selects per token and column on the token's own
-id, the column's expression evaluated once, nothing written out as ``[..., T]``.
-Level 2 scatters the ``2 T / W`` slot results of a row, each under its window's
-even or odd id, and the ``T mod W`` tokens after the last window into the ``K``
+column per window with the one-sequence-per-row machinery of
+:mod:`~offpolicy_jax._fusion` (the column's expression evaluated once, nothing
+written out as ``[..., T]``, as many columns per loop as a row reduction). The few
+windows across a boundary, one per sequence that ends inside a window, ``K`` a row at
+most, are gathered (XLA computes the gathered columns' expressions at their
+``K W`` tokens) and reduced again in two slots: the tokens with an even id and those
+with an odd id. Level 2 scatters the window results (those of two ids left out), the
+slot results and the ``T mod W`` tokens after the last window into the ``K``
 segments. It is exact when no window holds two different even ids or two different
-odd ids: true of the layout of ``pack_sequences``, tunix and MaxText (ids 1, 2, 3,
-... in order, consecutive sequences of different parity, each longer than a window
-but the last of a row).
+odd ids, and no sequence ends in two windows that hold two ids: true of the layout
+of ``pack_sequences``, tunix and MaxText (each sequence one run of tokens, ids 1, 2,
+3, ... in order, consecutive sequences of different parity, each longer than a
+window but the last of a row), and of any order of such runs. The plan of the
+windows (:func:`_plan`: each window's ids, the windows of two ids) is made once per
+public call, from the ids alone.
 
 Any other ids (the layout allows any id on any token) take the exact
 *compare-and-reduce*: ``Σ_t [id_t = k] x_t`` for ``k = 1..K`` as
@@ -51,18 +56,18 @@ fallback branch reduces in blocks (``_compare_reduce(lean=True)``), since a prog
 allocates its largest branch's scratch memory on every call.
 
 Measured (``policy_loss`` forward + backward, mis.yaml, ``K = 8``, packed / padded
-time per valid token): the compare-and-reduce alone 3.3-4.7, the windowed path
-with its check 1.5-1.8 (unchecked 1.45-1.7). Alternatives measured against the
-compare-and-reduce: a one-hot ``einsum`` 1.7-2.5x (XLA:CPU writes the ``[..., T,
-K]`` indicator), ``jax.ops.segment_sum`` over flattened (row, segment) ids 3-8x (a
-serial scatter-add over every token), one fused loop per (column, segment)
-0.7-1.5x; for the windowed path, gathering the windows that hold several ids (any
-ids, at most ``K + 1`` such windows a row) instead of the two slots wrote every
-column out for the gather (90 MB of temporaries at ``[39, 18432]``). The gather
-back is a chain of ``K`` selects, fused into whatever elementwise pass consumes it
-(``take_along_axis`` per token was 3x slower); on the windowed path
-(:meth:`Packed.broadcast` after the check) two lookups per window and two selects
-per token.
+time per valid token): the compare-and-reduce alone 3.3-4.7; the windowed path 1.4-1.5
+(it was 1.6-1.9 when every window was reduced in both slots, which doubled the
+columns and so the fused loops, each re-reading the inputs). Alternatives measured
+against the compare-and-reduce: a one-hot ``einsum`` 1.7-2.5x (XLA:CPU writes the
+``[..., T, K]`` indicator), ``jax.ops.segment_sum`` over flattened (row, segment) ids
+3-8x (a serial scatter-add over every token), one fused loop per (column, segment)
+0.7-1.5x. The windows of two ids are listed without a cumulative sum or ``top_k``
+(a quadratic ``reduce-window`` and a sort on XLA:CPU, 0.5 and 1.5 ms at ``[39,
+18432]``). The gather back is a chain of ``K`` selects, fused into whatever
+elementwise pass consumes it (``take_along_axis`` per token was 3x slower); on the
+windowed path (:meth:`Packed.broadcast` after the check) two lookups per window and
+two selects per token.
 
 Gradients: a segment sum is linear, and its JVP is written as ``K`` plain sums of
 the tangent (on the windowed path, the two-slot windowed sum), whose transpose is the
@@ -226,40 +231,113 @@ def _window_reduce(
         group_ops = ops[group]
         strided = tuple(w.reshape(*lead, chunk, width // chunk) for w in windows[group])
         partial = _fusion._variadic_reduce(group_ops, strided, axis=-2)
-        for op, part in zip(group_ops, partial, strict=True):
-            acc = part[..., 0]
-            for j in range(1, width // chunk):
-                acc = _fusion._combine(op, acc, part[..., j])
-            out.append(acc)
+        out += [_finish_windows(op, part) for op, part in zip(group_ops, partial, strict=True)]
     return tuple(out)
 
 
-class _Plan(NamedTuple):
-    """Per window, the id of its even-id tokens and of its odd-id tokens (ids only)."""
+def _finish_windows(op: str, part: jax.Array) -> jax.Array:
+    acc = part[..., 0]
+    for j in range(1, part.shape[-1]):
+        acc = _fusion._combine(op, acc, part[..., j])
+    return acc
 
-    window: int
-    odd: jax.Array  # [..., T'] bool: the token's id is odd (T' = n · W tokens)
-    padding: jax.Array  # [..., T'] bool: the token is in no segment 1..K
+
+class _Plan(NamedTuple):
+    """Where each window's tokens go (ids only).
+
+    Made once per public call (by :func:`dispatch`, outside its ``cond``) and read by
+    every reduction and broadcast of the windowed branch, forward and backward.
+    """
+
+    slot: jax.Array  # [..., T'] int8: 0 padding, 1 even id, 2 odd id (T' = n · W)
     even_ids: jax.Array  # [..., n] the window's even id (0: none)
     odd_ids: jax.Array  # [..., n] the window's odd id (0: none)
-    tail: jax.Array  # [..., T mod W] ids after the last whole window
-    ok: jax.Array  # bool scalar: no window holds two even or two odd ids
+    mixed: jax.Array  # [..., K] the window where sequence k ends with another one (0: none)
+    second_ids: jax.Array  # [..., n + 2K + T mod W] the ids of the second level's values
+    # bool scalar: no window holds two even or two odd ids, no sequence ends in two
+    # windows of two ids
+    ok: jax.Array
+
+    @property
+    def odd(self) -> jax.Array:
+        return self.slot == 2
+
+    @property
+    def window(self) -> int:
+        return self.slot.shape[-1] // self.even_ids.shape[-1]
+
+    @property
+    def tail(self) -> jax.Array:
+        """``[..., T mod W]`` the ids of the tokens after the last whole window."""
+        return self.second_ids[..., self.even_ids.shape[-1] + 2 * self.mixed.shape[-1] :]
+
+
+_ID_INIT = {"min": np.iinfo(np.int32).max, "max": 0}
+
+
+def _window_extremes(windows: tuple[jax.Array, ...], ops: tuple[str, ...]) -> list[jax.Array]:
+    """Each int32 ``[..., n, W]`` operand's min or max over its windows, ``[..., n]``:
+    one fused loop over the strided ``[..., n, _CHUNK, W / _CHUNK]`` view (as
+    :func:`_window_reduce`), then one over the ``W / _CHUNK`` lanes. A plain ``max``
+    over ``W`` becomes a select written out and a ``reduce-window`` on XLA:CPU,
+    about 5x slower; lanes combined by elementwise ops would be fused into every
+    consumer, and run again for each of the ``K`` segments the plan compares with."""
+    chunk = _fusion._CHUNK
+    *lead, n, width = windows[0].shape
+    strided = tuple(w.reshape(*lead, n, chunk, width // chunk) for w in windows)
+    inits = tuple(jnp.array(_ID_INIT[op], jnp.int32) for op in ops)
+
+    def combine(acc, x):
+        return tuple(_fusion._combine(op, a, b) for op, a, b in zip(ops, acc, x, strict=True))
+
+    partial = jax.lax.reduce(strided, inits, combine, (len(lead) + 1,))
+    return list(jax.lax.reduce(tuple(partial), inits, combine, (len(lead) + 1,)))
 
 
 def _plan(segment_ids: jax.Array, window: int, num_segments: int) -> _Plan:
     lead = segment_ids.shape[:-1]
     n = segment_ids.shape[-1] // window
-    ids = jnp.where(in_segment(segment_ids, num_segments), segment_ids, 0)
-    body = ids[..., : n * window]
-    windows = body.reshape(*lead, n, window)
-    odd = windows % 2 == 1
-    even_ids = jnp.max(jnp.where(odd, 0, windows), axis=-1)
-    odd_ids = jnp.max(jnp.where(odd, windows, 0), axis=-1)
-    label = jnp.where(odd, odd_ids[..., None], even_ids[..., None])
-    ok = _all((windows == 0) | (windows == label))
-    odd_tokens = body % 2 == 1
-    padding = body == 0
-    return _Plan(window, odd_tokens, padding, even_ids, odd_ids, ids[..., n * window :], ok)
+    ids = segment_ids.astype(jnp.int32)
+    inside = in_segment(ids, num_segments)
+    body, body_inside = ids[..., : n * window], inside[..., : n * window]
+    odd = (body % 2) == 1
+    slot = jnp.where(body_inside, jnp.where(odd, 2, 1), 0).astype(jnp.int8)
+    # Per window and parity, the largest and the smallest id (one id of each parity
+    # at most when they agree; 0 / int32 max for a parity the window lacks) and the
+    # first position.
+    position = jnp.arange(n * window, dtype=jnp.int32)
+    parts = []
+    for parity in (~odd, odd):
+        here = body_inside & parity
+        parts += [
+            jnp.where(here, body, _ID_INIT["max"]),
+            jnp.where(here, body, _ID_INIT["min"]),
+            jnp.where(here, position, _ID_INIT["min"]),
+        ]
+    even_hi, even_lo, even_at, odd_hi, odd_lo, odd_at = _window_extremes(
+        tuple(x.reshape(*lead, n, window) for x in parts), ("max", "min", "min") * 2
+    )
+    one_each = ((even_hi == 0) | (even_hi == even_lo)) & ((odd_hi == 0) | (odd_hi == odd_lo))
+    # The windows across a boundary, listed by the sequence that ends there (its id
+    # on the left of the boundary): one window each when every sequence of a row is
+    # one run of tokens, as packing lays them out; checked.
+    two = (even_hi > 0) & (odd_hi > 0)
+    left = jnp.where(even_at < odd_at, even_hi, odd_hi)
+    ends = two[..., None, :] & (left[..., None, :] == jnp.arange(1, num_segments + 1)[:, None])
+    mixed = jnp.sum(jnp.where(ends, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
+    listed = jnp.any(ends, axis=-1)
+    ok = _all(one_each) & _all(jnp.sum(ends.astype(jnp.int32), axis=-1) <= 1)
+    tail = jnp.where(inside[..., n * window :], ids[..., n * window :], 0)
+    second_ids = jnp.concatenate(
+        [
+            jnp.where(two, 0, jnp.maximum(even_hi, odd_hi)),  # a window of one id
+            jnp.where(listed, jnp.take_along_axis(even_hi, mixed, axis=-1), 0),
+            jnp.where(listed, jnp.take_along_axis(odd_hi, mixed, axis=-1), 0),
+            tail,
+        ],
+        axis=-1,
+    )
+    return _Plan(slot, even_hi, odd_hi, mixed, second_ids, ok)
 
 
 def _windows_plan(segment_ids: jax.Array, num_segments: int) -> _Plan:
@@ -280,7 +358,7 @@ def _window_broadcast(values: jax.Array, segment_ids: jax.Array, plan: _Plan, fi
     odd = jnp.take_along_axis(table, plan.odd_ids, axis=-1, mode="promise_in_bounds")
     shape = (*lead, n, plan.window)
     tokens = jnp.where(plan.odd.reshape(shape), odd[..., None], even[..., None])
-    tokens = jnp.where(plan.padding.reshape(shape), fill, tokens).reshape(*lead, body)
+    tokens = jnp.where((plan.slot == 0).reshape(shape), fill, tokens).reshape(*lead, body)
     if body == segment_ids.shape[-1]:
         return tokens
     tail = _broadcast(values, segment_ids[..., body:], fill)
@@ -312,38 +390,41 @@ def _windowed(
 ) -> tuple[jax.Array, ...]:
     """Two-level per-segment reduction, exact when ``plan.ok``.
 
-    Level 1: every operand reduced over windows of ``W`` tokens into two slots, its
-    tokens with an even id and those with an odd id, by the fast
-    one-sequence-per-row loop on ``[..., T / W, W]``: two selects per token and
-    column on the token's own id, each column's expression evaluated once.
-    Consecutive segments have ids of different parity, so a window across a
-    boundary still holds one segment per slot (``plan.ok`` checks it; padding,
-    id 0, adds nothing to any sum). Level 2: a scatter of these ``2 T / W`` slot
-    results and of the ``T mod W`` tokens after the last window into the ``K``
-    segments. No column is ever written out as a ``[..., T]`` array.
+    Level 1: every operand reduced over windows of ``W`` tokens by the fast
+    one-sequence-per-row loop on ``[..., T / W, W]`` (:func:`_window_reduce`: as
+    many columns per loop as a row reduction, each column's expression evaluated
+    once, nothing written out as ``[..., T]``). The ``M`` windows of a row that
+    hold two sequences (one per boundary) are gathered, ``[..., M, W]``, and
+    reduced again in two slots, their tokens with an even id and those with an odd
+    id: consecutive sequences have ids of different parity (``plan.ok`` checks it;
+    padding, id 0, adds nothing). Level 2: a scatter of the ``T / W`` window
+    results (those of two ids dropped), the ``2 M`` slot results and the ``T mod W``
+    tokens after the last window into the ``K`` segments.
     """
     lead = plan.even_ids.shape[:-1]
     n = plan.even_ids.shape[-1]
     body = n * plan.window
-    slot_ops, slot_costs, slots = [], [], []
-    for op, cost, v in zip(ops, costs, values, strict=True):
+    shape = (*lead, n, plan.window)
+    whole = _window_reduce(ops, costs, tuple(v[..., :body].reshape(shape) for v in values))
+    odd = _gather_windows(plan.odd.reshape(shape), plan.mixed)
+    slot_ops, slots = [], []
+    for op, v in zip(ops, values, strict=True):
+        mixed = _gather_windows(v[..., :body].reshape(shape), plan.mixed)
         slot_ops += [op, op]
-        slot_costs += [cost, 1]
-        # Padding (id 0) joins the even slot, where its value is the op's identity:
-        # populations are 0 outside the segments (see segment_reduce). Keeping it out
-        # with a test of its own cost the packed step 45%.
-        slots += [
-            jnp.where(plan.odd, _INIT[op], v[..., :body]),
-            jnp.where(plan.odd, v[..., :body], _INIT[op]),
-        ]
-    windows = tuple(x.reshape(*lead, n, plan.window) for x in slots)
-    per_slot = _window_reduce(tuple(slot_ops), tuple(slot_costs), windows)
-    ids = jnp.concatenate([plan.even_ids, plan.odd_ids, plan.tail], axis=-1)
-    second = tuple(
-        jnp.concatenate([per_slot[2 * i], per_slot[2 * i + 1], v[..., body:]], axis=-1)
-        for i, v in enumerate(values)
-    )
-    return _scatter(ops, num_segments, second, ids)
+        slots += [jnp.where(odd, _INIT[op], mixed), jnp.where(odd, mixed, _INIT[op])]
+    split = _fusion._variadic_reduce(tuple(slot_ops), tuple(slots))
+    second = [
+        jnp.concatenate([w, split[2 * i], split[2 * i + 1], v[..., body:]], axis=-1)
+        for i, (v, w) in enumerate(zip(values, whole, strict=True))
+    ]
+    return _scatter(ops, num_segments, tuple(second), plan.second_ids)
+
+
+def _gather_windows(windows: jax.Array, index: jax.Array) -> jax.Array:
+    """``windows[..., index, :]``: ``[..., n, W]``, ``[..., M]`` -> ``[..., M, W]``. XLA
+    fuses the code computing a column into this gather (``M W`` tokens a row), where
+    gathering single tokens would write the column out."""
+    return jnp.take_along_axis(windows, index[..., None], axis=-2)
 
 
 def _scatter(
@@ -410,18 +491,21 @@ def _segment_fused(
     contiguous: bool | None,
     values: tuple[jax.Array, ...],
     segment_ids,
+    plan: _Plan | None,
 ) -> tuple[jax.Array, ...]:
     """Each ``[..., T]`` operand reduced by its op over each segment: ``[..., K]``.
 
-    ``contiguous``: True when the caller has checked that no row has more than ``M``
-    windows holding several ids (:func:`dispatch`), False to compare, None to check
-    here (a ``cond``: see the module docstring for its price).
+    ``contiguous``: True when the caller has checked that no window holds two even or
+    two odd ids (:func:`dispatch`, which passes its ``plan``; made here when None),
+    False to compare, None to check here (a ``cond``: see the module docstring for
+    its price).
     """
     if contiguous is False:  # dispatch's fallback branch
         return _compare_reduce(ops, num_segments, values, segment_ids, lean=True)
     if not _use_windows(values[0], num_segments):
         return _compare_reduce(ops, num_segments, values, segment_ids)
-    plan = _windows_plan(segment_ids, num_segments)
+    if plan is None:
+        plan = _windows_plan(segment_ids, num_segments)
     if contiguous:
         return _windowed(ops, costs, num_segments, values, plan)
     return jax.lax.cond(
@@ -434,11 +518,12 @@ def _segment_fused(
 
 
 def _segment_fused_jvp(ops, costs, num_segments, contiguous, primals, tangents):
-    values, segment_ids = primals
-    dvalues, _ = tangents
-    out = _segment_fused(ops, costs, num_segments, contiguous, values, segment_ids)
-    plan = None
-    if contiguous and _use_windows(values[0], num_segments):
+    values, segment_ids, plan = primals
+    dvalues, _, _ = tangents
+    out = _segment_fused(ops, costs, num_segments, contiguous, values, segment_ids, plan)
+    if not (contiguous and _use_windows(values[0], num_segments)):
+        plan = None
+    elif plan is None:
         plan = _windows_plan(segment_ids, num_segments)
     dout = []
     for op, value, dvalue, primal in zip(ops, values, dvalues, out, strict=True):
@@ -468,6 +553,7 @@ def segment_reduce(
     num_segments: int,
     axes: MeshAxes,
     contiguous: bool | None = None,
+    plan: _Plan | None = None,
 ) -> dict[ColumnKey, jax.Array]:
     """Every column's per-segment reduction, ``[..., T] -> [..., K]``, computed together.
 
@@ -489,9 +575,10 @@ def segment_reduce(
         else is padding.
       num_segments: ``K``, static.
       axes: mesh axes to combine over inside ``shard_map``.
-      contiguous: static; True: the ids are known (by :func:`dispatch`) to change
-        at most ``K + 1`` times a row, the windowed path runs without a check;
+      contiguous: static; True: the ids are known (by :func:`dispatch`) to suit the
+        windowed path (:func:`contiguous_rows`), which runs without a check;
         False: the compare-and-reduce; None: the windowed path, checked by a ``cond``.
+      plan: the windows of these ids, when the caller has made them (:func:`dispatch`).
 
     Returns:
       name -> ``[..., K]`` per-segment result.
@@ -509,7 +596,11 @@ def segment_reduce(
     values = tuple(_reduce._operand(columns[n], shape) for n in names)
     ids = jnp.broadcast_to(segment_ids, shape)
     results = dict(
-        zip(names, _segment_fused(ops, costs, num_segments, contiguous, values, ids), strict=True)
+        zip(
+            names,
+            _segment_fused(ops, costs, num_segments, contiguous, values, ids, plan),
+            strict=True,
+        )
     )
     if axes.token:
         for op, collective in _COLLECTIVE.items():
@@ -582,6 +673,8 @@ class Packed(Rows):
       segment_ids: int32 ``[..., T]``; 1..K name the sequences of a row.
       num_segments: ``K``, static.
       contiguous: static, see :func:`segment_reduce` (set by :func:`dispatch`).
+      plan: the windows of ``segment_ids`` (set by :func:`dispatch` with
+        ``contiguous=True``), made once for every reduction and broadcast.
     """
 
     # A default only because the inherited ``axes`` has one; :func:`layout` always
@@ -589,6 +682,7 @@ class Packed(Rows):
     segment_ids: jax.Array | None = None
     num_segments: int = 1
     contiguous: bool | None = None
+    plan: _Plan | None = None
 
     @property
     def ids(self) -> jax.Array:
@@ -597,11 +691,16 @@ class Packed(Rows):
             raise TypeError("Packed layout constructed without segment_ids")
         return self.segment_ids
 
-    def reduce(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
+    def reduce_columns(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
         """Every column's per-segment reduction, ``[..., T] -> [..., K]`` (see
         :func:`segment_reduce`)."""
         return segment_reduce(
-            columns, self.ids, self.num_segments, self.axes, contiguous=self.contiguous
+            columns,
+            self.ids,
+            self.num_segments,
+            self.axes,
+            contiguous=self.contiguous,
+            plan=self.plan,
         )
 
     def broadcast(self, per_seq: jax.Array) -> jax.Array:
@@ -610,7 +709,7 @@ class Packed(Rows):
         values = jnp.asarray(per_seq)
         if not (self.contiguous and _use_windows(self.ids, self.num_segments)):
             return segment_broadcast(values, self.ids)
-        plan = _windows_plan(self.ids, self.num_segments)
+        plan = self.plan if self.plan is not None else _windows_plan(self.ids, self.num_segments)
         if values.dtype == jnp.bool_:
             return _window_broadcast(values.astype(jnp.int8), self.ids, plan, 0).astype(bool)
         return _window_broadcast(values, self.ids, plan, 0.0)
@@ -622,13 +721,15 @@ def layout(axes: MeshAxes, segment_ids, num_segments, shape: tuple[int, ...]) ->
     ids = check_segments(segment_ids, num_segments, shape)
     if ids is None:
         return Rows(axes)
-    return Packed(axes, ids, int(num_segments), _CONTIGUOUS.get())
+    contiguous, plan = _CONTIGUOUS.get()
+    return Packed(axes, ids, int(num_segments), contiguous, plan)
 
 
 # Set while :func:`dispatch` traces one of its two branches: every packed layout
-# built meanwhile (by :func:`layout`) takes that branch's path.
-_CONTIGUOUS: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "offpolicy_jax_segments_contiguous", default=None
+# built meanwhile (by :func:`layout`) takes that branch's path (and the windowed
+# branch, the plan that dispatch made outside its cond).
+_CONTIGUOUS: contextvars.ContextVar[tuple[bool | None, _Plan | None]] = contextvars.ContextVar(
+    "offpolicy_jax_segments_contiguous", default=(None, None)
 )
 
 
@@ -636,16 +737,17 @@ def contiguous_rows(
     segment_ids: jax.Array, num_segments: int, axes: MeshAxes = MeshAxes()
 ) -> jax.Array:
     """Bool scalar: the windowed path is exact for these ids (no window holds two
-    different even ids or two different odd ids, as in the layout of
-    :func:`~offpolicy_jax.pack_sequences`); True where the windowed path does not
-    apply. Under ``vmap``, over the whole mapped batch; inside
-    ``shard_map``, over every device of ``axes`` (all must take the same branch of a
-    :func:`dispatch` whose branches hold collectives)."""
+    different even ids or two different odd ids, and no sequence ends in two windows
+    that hold two ids, as in the layout of :func:`~offpolicy_jax.pack_sequences`);
+    True where the windowed path does not apply. Under ``vmap``, over the whole
+    mapped batch; inside ``shard_map``, over every device of ``axes`` (all must take
+    the same branch of a :func:`dispatch` whose branches hold collectives)."""
     ids = jnp.asarray(segment_ids)
-    if not _use_windows(ids, num_segments):
-        ok = jnp.asarray(True)
-    else:
-        ok = _plan(ids, _window_size(ids.shape[-1]), num_segments).ok
+    ok = _windows_plan(ids, num_segments).ok if _use_windows(ids, num_segments) else True
+    return _everywhere(jnp.asarray(ok), axes)
+
+
+def _everywhere(ok: jax.Array, axes: MeshAxes) -> jax.Array:
     names = axes.batch + axes.token
     if names:
         ok = jax.lax.pmin(ok.astype(jnp.int32), names) > 0
@@ -673,9 +775,13 @@ def dispatch(fn, segment_ids, num_segments, *args, axes: MeshAxes = MeshAxes()):
     if segment_ids is None or not _use_windows(jnp.asarray(segment_ids), num_segments):
         return fn(*args)  # one path only: nothing to choose
 
+    # The windows are made once, outside the cond: both the check and every
+    # reduction and broadcast of the windowed branch (forward and backward) read them.
+    plan = _windows_plan(jnp.asarray(segment_ids).astype(jnp.int32), num_segments)
+
     def branch(flag):
         def run(*a):
-            token = _CONTIGUOUS.set(flag)
+            token = _CONTIGUOUS.set((flag, plan if flag else None))
             try:
                 return fn(*a)
             finally:
@@ -683,7 +789,7 @@ def dispatch(fn, segment_ids, num_segments, *args, axes: MeshAxes = MeshAxes()):
 
         return run
 
-    ok = contiguous_rows(segment_ids, num_segments, axes)
+    ok = _everywhere(plan.ok, axes)
     windowed, exact = (
         jax.checkpoint(branch(flag), policy=_keep_reductions) for flag in (True, False)
     )

@@ -82,18 +82,26 @@ def correction_stages(config: CorrectionConfig) -> list[stages.Stage]:
     return chain
 
 
-def correction_parts(old, rollout, mask, config: CorrectionConfig, *, reduction, layout):
+def correction_parts(
+    old, rollout, mask, config: CorrectionConfig, *, reduction, layout, also_over_final=()
+):
     """:func:`compute_correction` on validated float32 inputs: ``(w, m', metric parts)``.
 
     ``old`` is whatever plays π_old (``sg(logp)`` in REINFORCE-IS); ``w`` is the IS
     weight on kept tokens, 0 elsewhere, not yet multiplied by the mask value.
+    ``also_over_final``: see :func:`~offpolicy_jax.stages.run` (with ``use_tis``,
+    whose ``m'`` this returns).
     """
     tokens = stages.Tokens(
         old, rollout, ratios.log_ratio(old, rollout, mask > 0), mask, layout, reduction
     )
     norm = normalize.normalizer_reduction(config.tis_level) if config.tis_batch_normalize else None
     weights, final, parts = stages.run(
-        correction_stages(config), tokens, weight_stats=config.use_tis, batch_normalize=norm
+        correction_stages(config),
+        tokens,
+        weight_stats=config.use_tis,
+        batch_normalize=norm,
+        also_over_final=also_over_final if config.use_tis else (),
     )
     if not config.use_tis:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts

@@ -229,15 +229,24 @@ def _precomputed(name, result, shape):
     return jax.lax.stop_gradient(_reduce.safe_divide(weights, final)), final
 
 
-def _correct(config, old, rollout, mask, reduction, layout, precomputed):
-    """IS weights (unmasked), final mask and metric parts of the configured correction."""
+def _correct(config, old, rollout, mask, reduction, layout, precomputed, also_over_final=()):
+    """IS weights (unmasked), final mask and metric parts of the configured correction
+    (``also_over_final``: see :func:`~offpolicy_jax.correction.correction_parts`)."""
     correction = config.correction
     if precomputed is not None:
         # Its metrics describe the whole batch and live in precomputed.metrics;
         # repeating them here would count them once per micro-batch when pooled.
         return (*_precomputed("correction_result", precomputed, mask.shape), {})
     if isinstance(correction, CorrectionConfig):
-        return correction_parts(old, rollout, mask, correction, reduction=reduction, layout=layout)
+        return correction_parts(
+            old,
+            rollout,
+            mask,
+            correction,
+            reduction=reduction,
+            layout=layout,
+            also_over_final=also_over_final,
+        )
     if isinstance(correction, VanillaTIS):
         clip_low, clip = correction.clip_low, correction.clip
         weights, parts = vanilla_tis(
@@ -417,12 +426,28 @@ def _policy_loss_terms(
     # π_old for the IS ratio and the mismatch metrics: sg(θ) where it is absent.
     proxy_old = old if old is not None else theta_sg
 
+    sg = jax.lax.stop_gradient
+    abs_diff = None
+    if algorithm != "reinforce_is" and rollout is not None:
+        # D8b: in bypass mode π_old is sg(θ); the reference reports 0 here.
+        source = theta_sg if algorithm == "bypass_ppo" else old
+        assert source is not None  # ppo / decoupled_ppo require old_logp
+        diff = jnp.abs(source - rollout)
+        abs_diff = sg(jnp.where(jnp.isfinite(diff), diff, 0.0))
+
     parts: dict[str, MeanParts | jax.Array] = {}
     if config.reweights:
         # In reinforce_is (and a rejection-only bypass_ppo) π_old is sg(θ).
         is_numerator = theta_sg if algorithm in ("reinforce_is", "bypass_ppo") else old
         weights, final_mask, correction_metrics = _correct(
-            config, is_numerator, rollout, mask, reduction, layout, correction_result
+            config,
+            is_numerator,
+            rollout,
+            mask,
+            reduction,
+            layout,
+            correction_result,
+            also_over_final=() if abs_diff is None else (abs_diff,),
         )
         parts.update(correction_metrics)
     else:
@@ -454,7 +479,6 @@ def _policy_loss_terms(
     # The loss and its metrics are per-sequence sums of per-token terms: one pass
     # (layout.reduce) takes them all, and its backward is one elementwise pass.
     kept = final_mask > 0
-    sg = jax.lax.stop_gradient
     columns = {
         "count": _reduce.count(final_mask),
         "mask_count": _reduce.count(mask),
@@ -508,14 +532,11 @@ def _policy_loss_terms(
         # exp(θ − d) as the surrogate takes it for its ratio (one exponential for both).
         ois_token = metric_exp(-terms.log_ratio)
     if algorithm != "reinforce_is":
-        if rollout is not None:
-            # D8b: in bypass mode π_old is sg(θ); the reference reports 0 here.
-            source = theta_sg if algorithm == "bypass_ppo" else old
-            assert source is not None  # ppo / decoupled_ppo require old_logp
-            diff = jnp.abs(source - rollout)
-            columns["train_rollout_logprob_abs_diff"] = _reduce.total(
-                sg(jnp.where(jnp.isfinite(diff), diff, 0.0)), final_mask, cost=1
-            )
+        if abs_diff is not None:
+            # Taken in the correction's second pass when its final mask is this one
+            # (the layout then finds it done): it reads `rollout`, which nothing else
+            # of this pass reads, and with it this pass's loop left vector code.
+            columns["train_rollout_logprob_abs_diff"] = _reduce.total(abs_diff, final_mask, cost=1)
         if config.correction is not None or config.get_mismatch_metrics:
             # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
             # divergence it exists to show; capped like every metric exponential.

@@ -210,6 +210,7 @@ def run(
     *,
     weight_stats: bool,
     batch_normalize: str | None,
+    also_over_final: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, jax.Array, dict[str, MeanParts]]:
     """Runs the stages (see the module docstring).
 
@@ -219,6 +220,9 @@ def run(
       weight_stats: emit ``mis_is_ratio_*`` and ``mis_nonfinite_seq_fraction`` (use_tis).
       batch_normalize: None, or the reduction ``μ`` is averaged with (``"token"`` /
         ``"sequence"``); ``mis_batch_norm_factor`` is emitted whenever ``weight_stats``.
+      also_over_final: per-token values whose per-sequence sums over the final mask the
+        caller will take (``t.layout.reduce`` of ``total(x, m', cost=1)``): taken here,
+        in the second pass, the caller's reduction finds them done.
 
     Returns:
       ``(w, m', parts)``: the weights on kept tokens (0 elsewhere, not multiplied by the
@@ -294,6 +298,8 @@ def run(
             pass2_columns["w2"] = _reduce.total(weights * weights, final, cost=1)
             pass2_columns["lo"] = _reduce.minimum(weights, final)
             pass2_columns["hi"] = _reduce.maximum(weights, final)
+    for i, value in enumerate(also_over_final):
+        pass2_columns[("also", i)] = _reduce.total(value, final, cost=1)
     pass2 = layout.reduce(pass2_columns)
 
     def count(p):
