@@ -84,7 +84,7 @@ import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -376,9 +376,9 @@ def _window_segment_sum(value: jax.Array, plan: _Plan, num_segments: int) -> jax
     windows = value[..., :body].reshape(shape)
     even_sums = jnp.sum(jnp.where(odd, 0.0, windows), axis=-1)
     odd_sums = jnp.sum(jnp.where(odd, windows, 0.0), axis=-1)
-    second = jnp.concatenate([even_sums, odd_sums, value[..., body:]], axis=-1)
+    pieces = [(even_sums,), (odd_sums,), (value[..., body:],)]
     ids = jnp.concatenate([plan.even_ids, plan.odd_ids, plan.tail], axis=-1)
-    return _scatter(("sum",), num_segments, (second,), ids)[0]
+    return _scatter(("sum",), num_segments, pieces, ids)[0]
 
 
 def _windowed(
@@ -407,17 +407,15 @@ def _windowed(
     shape = (*lead, n, plan.window)
     whole = _window_reduce(ops, costs, tuple(v[..., :body].reshape(shape) for v in values))
     odd = _gather_windows(plan.odd.reshape(shape), plan.mixed)
-    slot_ops, slots = [], []
-    for op, v in zip(ops, values, strict=True):
+    slot_ops, slot_costs, slots = [], [], []
+    for op, cost, v in zip(ops, costs, values, strict=True):
         mixed = _gather_windows(v[..., :body].reshape(shape), plan.mixed)
         slot_ops += [op, op]
+        slot_costs += [cost, 1]
         slots += [jnp.where(odd, _INIT[op], mixed), jnp.where(odd, mixed, _INIT[op])]
-    split = _fusion._variadic_reduce(tuple(slot_ops), tuple(slots))
-    second = [
-        jnp.concatenate([w, split[2 * i], split[2 * i + 1], v[..., body:]], axis=-1)
-        for i, (v, w) in enumerate(zip(values, whole, strict=True))
-    ]
-    return _scatter(ops, num_segments, tuple(second), plan.second_ids)
+    split = _window_reduce(tuple(slot_ops), tuple(slot_costs), tuple(slots))
+    pieces = [whole, split[0::2], split[1::2], tuple(v[..., body:] for v in values)]
+    return _scatter(ops, num_segments, pieces, plan.second_ids)
 
 
 def _gather_windows(windows: jax.Array, index: jax.Array) -> jax.Array:
@@ -428,11 +426,19 @@ def _gather_windows(windows: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def _scatter(
-    ops: tuple[str, ...], num_segments: int, values: tuple[jax.Array, ...], segment_ids
+    ops: tuple[str, ...],
+    num_segments: int,
+    pieces: Sequence[tuple[jax.Array, ...]],
+    segment_ids,
 ) -> tuple[jax.Array, ...]:
     """Per-segment reduction of a few values per row by scatter: the columns of one op
     stacked on a minor axis, one scatter per op; id 0 lands in a bucket dropped after
-    (a select, never a product, so NaN there reaches nothing)."""
+    (a select, never a product, so NaN there reaches nothing).
+
+    ``pieces``: each a tuple of every column's ``[..., L_i]`` values; the values of a
+    column are its pieces end to end, ``[..., L]``, the length of ``segment_ids``.
+    Stacked piece by piece, so that XLA builds each op's stack in one fusion.
+    """
     lead = segment_ids.shape[:-1]
     rows = math.prod(lead)
     length = segment_ids.shape[-1]
@@ -444,7 +450,9 @@ def _scatter(
         group = [i for i, o in enumerate(ops) if o == op]
         if not group:
             continue
-        stacked = jnp.stack([values[i] for i in group], axis=-1).reshape(rows * length, -1)
+        stacked = jnp.concatenate(
+            [jnp.stack([piece[i] for i in group], axis=-1) for piece in pieces], axis=-2
+        ).reshape(rows * length, -1)
         at = jnp.full((rows * buckets, len(group)), _INIT[op], stacked.dtype).at[index]
         if op == "sum":
             reduced = at.add(stacked, mode="promise_in_bounds")
