@@ -147,3 +147,17 @@ def test_odd_lengths_needs_the_aligned_neighbour():
     assert pairs("8x4093,8x4096,8x128") == [((8, 4093), (8, 4096))]
     with pytest.raises(ValueError, match="no aligned neighbour"):
         pairs("8x4093")
+
+
+@pytest.mark.slow
+def test_packing_benchmark_reports_the_paired_ratio(tmp_path):
+    proc = _run_module(
+        "benchmarks.packing", "--sizes", "8x256", "--repeats", "4", "--warmup", "1", out=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "packing_results.json").read_text())
+    # the same sequences in both layouts: the same loss
+    assert row["loss_packed"] == pytest.approx(row["loss_padded"], rel=1e-5, abs=1e-7)
+    assert row["paired_ratio"] > 0 and len(row["paired_quartiles"]) == 2
+    assert row["packed"]["compile_s"] > 0 and row["packed"]["temp_mb"] is not None
+    assert "packed / padded, paired" in (tmp_path / "packing_results.md").read_text()
