@@ -245,3 +245,44 @@ def test_cpu_loops_respect_the_budget_with_as_few_loops_as_possible(costs, want)
     for s in loops:
         if s.stop - s.start > 1:
             assert sum(costs[s]) <= _fusion._BUDGET and s.stop - s.start <= _fusion._MAX_COLUMNS
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_column_asked_again_is_reduced_once(monkeypatch, packed):
+    """A layout reduces each distinct column (same op, same arrays) once per call: the
+    loss asks again for the counts the correction's passes took, and one column too
+    many can cost a whole fused loop."""
+    from offpolicy_jax import _segments
+
+    rng = np.random.default_rng(4)
+    values, population = _inputs(rng, (4, 64), 2)
+    ids = jnp.asarray(np.repeat(np.array([[1, 2]], np.int32), 32, axis=-1).repeat(4, 0))
+
+    def new_layout():
+        return _segments.Packed(MeshAxes(), ids, 2) if packed else _reduce.Rows(MeshAxes())
+
+    layout = new_layout()
+    asked = []
+    plain = type(layout).reduce_columns
+
+    def recording(self, columns):
+        asked.append(sorted(columns))
+        return plain(self, columns)
+
+    x, p = jnp.asarray(values[0]), jnp.asarray(population)
+    with monkeypatch.context() as patch:
+        patch.setattr(type(layout), "reduce_columns", recording)
+        first = layout.reduce({"n": _reduce.count(p), "s": _reduce.total(x, p)})
+        again = layout.reduce(
+            {"count": _reduce.count(p), "sum": _reduce.total(x, p), "max": _reduce.maximum(x, p)}
+        )
+        assert asked == [["n", "s"], ["max"]]
+        assert again["count"] is first["n"] and again["sum"] is first["s"]
+        # another array, even of equal values, is another column; so is another layout
+        layout.reduce({"copy": _reduce.total(x + 0.0, p), "scaled": _reduce.count(p * 1)})
+        assert asked[-1] == ["copy", "scaled"]
+        new_layout().reduce({"n": _reduce.count(p)})
+        assert asked[-1] == ["n"]
+    alone = new_layout().reduce({"max": _reduce.maximum(x, p), "n": _reduce.count(p)})
+    np.testing.assert_array_equal(again["max"], alone["max"])
+    np.testing.assert_array_equal(again["count"], alone["n"])
