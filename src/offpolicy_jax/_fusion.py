@@ -113,8 +113,9 @@ def _split(value: jax.Array) -> _Split:
 def _variadic_reduce(
     ops: tuple[str, ...], values: tuple[jax.Array, ...], axis: int = -1
 ) -> tuple[jax.Array, ...]:
-    """One loop reducing every operand over ``axis`` (XLA's own, not a library kernel)."""
-    inits = tuple(jnp.array(INIT[op], v.dtype) for op, v in zip(ops, values, strict=True))
+    """One loop reducing every operand over ``axis`` (XLA's own, not a library kernel);
+    float or integer operands."""
+    inits = tuple(_identity(op, v.dtype) for op, v in zip(ops, values, strict=True))
     return tuple(
         jax.lax.reduce(
             values,
@@ -123,6 +124,14 @@ def _variadic_reduce(
             (axis % values[0].ndim,),
         )
     )
+
+
+def _identity(op: str, dtype) -> jax.Array:
+    """The op's identity in ``dtype`` (the extreme integers stand for ``±inf``)."""
+    if op != "sum" and jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return jnp.array(info.max if op == "min" else info.min, dtype)
+    return jnp.array(INIT[op], dtype)
 
 
 def _chunked_reduce(

@@ -287,13 +287,8 @@ def _window_extremes(windows: tuple[jax.Array, ...], ops: tuple[str, ...]) -> li
     chunk = _fusion._CHUNK
     *lead, n, width = windows[0].shape
     strided = tuple(w.reshape(*lead, n, chunk, width // chunk) for w in windows)
-    inits = tuple(jnp.array(_ID_INIT[op], jnp.int32) for op in ops)
-
-    def combine(acc, x):
-        return tuple(_fusion._combine(op, a, b) for op, a, b in zip(ops, acc, x, strict=True))
-
-    partial = jax.lax.reduce(strided, inits, combine, (len(lead) + 1,))
-    return list(jax.lax.reduce(tuple(partial), inits, combine, (len(lead) + 1,)))
+    partial = _fusion._variadic_reduce(ops, strided, axis=-2)
+    return list(_fusion._variadic_reduce(ops, partial, axis=-1))
 
 
 def _plan(segment_ids: jax.Array, window: int, num_segments: int) -> _Plan:
@@ -395,12 +390,12 @@ def _windowed(
     Level 1: every operand reduced over windows of ``W`` tokens by the fast
     one-sequence-per-row loop on ``[..., T / W, W]`` (:func:`_window_reduce`: as
     many columns per loop as a row reduction, each column's expression evaluated
-    once, nothing written out as ``[..., T]``). The ``M`` windows of a row that
-    hold two sequences (one per boundary) are gathered, ``[..., M, W]``, and
+    once, nothing written out as ``[..., T]``). The windows of a row that hold two
+    sequences (one per boundary, ``K`` slots) are gathered, ``[..., K, W]``, and
     reduced again in two slots, their tokens with an even id and those with an odd
     id: consecutive sequences have ids of different parity (``plan.ok`` checks it;
     padding, id 0, adds nothing). Level 2: a scatter of the ``T / W`` window
-    results (those of two ids dropped), the ``2 M`` slot results and the ``T mod W``
+    results (those of two ids dropped), the ``2 K`` slot results and the ``T mod W``
     tokens after the last window into the ``K`` segments.
     """
     lead = plan.even_ids.shape[:-1]
@@ -421,8 +416,8 @@ def _windowed(
 
 
 def _gather_windows(windows: jax.Array, index: jax.Array) -> jax.Array:
-    """``windows[..., index, :]``: ``[..., n, W]``, ``[..., M]`` -> ``[..., M, W]``. XLA
-    fuses the code computing a column into this gather (``M W`` tokens a row), where
+    """``windows[..., index, :]``: ``[..., n, W]``, ``[..., K]`` -> ``[..., K, W]``. XLA
+    fuses the code computing a column into this gather (``K W`` tokens a row), where
     gathering single tokens would write the column out."""
     return jnp.take_along_axis(windows, index[..., None], axis=-2)
 
@@ -505,10 +500,10 @@ def _segment_fused(
 ) -> tuple[jax.Array, ...]:
     """Each ``[..., T]`` operand reduced by its op over each segment: ``[..., K]``.
 
-    ``contiguous``: True when the caller has checked that no window holds two even or
-    two odd ids (:func:`dispatch`, which passes its ``plan``; made here when None),
-    False to compare, None to check here (a ``cond``: see the module docstring for
-    its price).
+    ``contiguous``: True when the caller has checked that the ids suit the windowed
+    path (:func:`contiguous_rows`; :func:`dispatch` passes its ``plan``, made here when
+    None), False to compare, None to check here (a ``cond``: see the module docstring
+    for its price).
     """
     if contiguous is False:  # dispatch's fallback branch
         return _compare_reduce(ops, num_segments, values, segment_ids, lean=True)
