@@ -140,7 +140,7 @@ def check_segments(segment_ids, num_segments, shape: tuple[int, ...]) -> jax.Arr
             f"have shape {tuple(shape)}; segment_ids must be [..., T] alike"
         )
     _validation.check_int32_ids("segment_ids", segment_ids)
-    _validation.check_segment_ids_at_most(segment_ids, num_segments)
+    _validation.check_segment_ids_at_most(segment_ids, int(num_segments))
     ids = jnp.asarray(segment_ids)
     if ids.dtype.itemsize > 4 or ids.dtype == jnp.uint32:
         # Traced wide ids (x64 on): out-of-range ones to padding before the cast can wrap them.

@@ -160,7 +160,7 @@ def check_split_over(axis_names: tuple[str, ...], **arrays) -> None:
 def is_concrete(x) -> bool:
     """True when ``x``'s values can be read now without tracing (not a tracer, and every
     shard addressable from this process)."""
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, jax.core.Tracer):  # pyright: ignore[reportAttributeAccessIssue]
         return False
     if isinstance(x, jax.Array):
         return x.is_fully_addressable
