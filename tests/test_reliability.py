@@ -7,6 +7,7 @@ caught each class are in tests/test_campaign.py.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -54,3 +55,24 @@ def test_int64_segment_ids_beyond_int32_raise_instead_of_wrapping():
     wide[:, -2:] = 2**32 + 1  # would wrap to segment 1 in int32
     with pytest.raises(ValueError, match="segment_ids holds ids outside int32"):
         opj.compute_correction(old, rollout, mask, MIS, segment_ids=wide, num_segments=3)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("bad", [2, 255, -1])
+def test_integer_mask_other_than_0_1_raises_naming_mask(bad):
+    logp, old, rollout, adv, mask, _ = _packed_batch()
+    ints = mask.astype(np.int32)
+    ints[0, 1] = bad
+    config = opj.LossConfig(algorithm="decoupled_ppo", correction=MIS)
+    with pytest.raises(ValueError, match="mask is an integer mask holding"):
+        opj.policy_loss(logp, old, rollout, adv, ints, config)
+    with pytest.raises(ValueError, match="mask"):
+        opj.compute_correction(old, rollout, jnp.asarray(ints), MIS)
+    # Float values are documented weights: a weighted mean (numerator and denominator).
+    weights = np.where(mask, 1.0, 0.0).astype(np.float32)
+    weights[0, :6] = 0.5
+    got = opj.aggregate(adv, weights, weights, "token_mean").value()
+    np.testing.assert_allclose(float(got), np.sum(adv * weights) / np.sum(weights), rtol=1e-6)
+

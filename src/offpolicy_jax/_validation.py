@@ -55,10 +55,11 @@ def as_float_logp(name: str, x) -> jax.Array:
 def as_float_mask(name: str, mask) -> jax.Array:
     """Checks a mask and returns float32 weights (docs/semantics.md §0, issue 17 #3).
 
-    An entry that is not > 0 (0, negative, NaN) is padding and becomes 0. A bool or
-    integer entry > 0 is a member with weight exactly 1 (a mask of 2 or 255 scales
-    nothing). A float entry > 0 is a member whose value weights its token in every
-    sum (use 0/1 floats for a plain mask).
+    An entry that is not > 0 (0, negative, NaN) is padding and becomes 0. A bool entry
+    is 0/1; an integer mask must be 0/1 (a concrete one holding another value raises,
+    :func:`check_mask_values`; a traced entry > 0 is a member with weight exactly 1). A
+    float entry > 0 is a member whose value weights its token in every sum (use 0/1
+    floats for a plain mask).
     """
     if mask is None:
         raise ValueError(f"{name} is required but got None")
@@ -70,6 +71,7 @@ def as_float_mask(name: str, mask) -> jax.Array:
         or dtype == jnp.bool_
     ):
         raise TypeError(f"{name} must be a bool, integer or float array, got dtype {dtype}")
+    check_mask_values(name, mask)
     mask = jnp.asarray(mask)
     if mask.ndim < 1:
         raise ValueError(f"{name} must have shape [..., T] (rank >= 1), got a scalar")
