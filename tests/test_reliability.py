@@ -6,6 +6,8 @@ caught each class are in tests/test_campaign.py.
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,3 +169,27 @@ def test_coefficients_that_are_not_normal_float32_raise(fields):
     key = next(k for k in fields if k not in ("policy_loss", "aggregation"))
     with pytest.raises(ValueError, match=f"{key} = .* in float32"):
         opj.LossConfig(**fields)
+
+
+def test_one_verl_threshold_for_several_criteria_is_shared_like_verl_and_documented():
+    # verl's _parse_rollout_rs_thresholds repeats a single threshold for every option.
+    shared = opj.CorrectionConfig.from_verl(
+        {"rollout_is": None, "rollout_rs": "seq_max_k2,seq_mean_k3", "rollout_rs_threshold": "2.5"}
+    )
+    assert shared.rs_criteria == ("seq_max_k2:2.5", "seq_mean_k3:2.5")
+    k1 = opj.CorrectionConfig.from_verl(
+        {"rollout_rs": "token_k1,seq_sum_k1", "rollout_rs_threshold": 2.0}
+    )
+    assert k1.rs_criteria == ("token_k1:0.5_2.0", "seq_sum_k1:0.5_2.0")  # hi alone: [1/hi, hi]
+    with pytest.raises(ValueError, match="rollout_rs_threshold"):  # two for three options
+        opj.CorrectionConfig.from_verl(
+            {"rollout_rs": "token_k1,token_k2,token_k3", "rollout_rs_threshold": "2,3"}
+        )
+    with pytest.raises(ValueError, match="rollout_rs_threshold"):  # lo_hi shared with a k3
+        opj.CorrectionConfig.from_verl(
+            {"rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "0.5_2.0"}
+        )
+    # ... and it is documented where a verl user looks.
+    assert "shared by every criterion" in (opj.CorrectionConfig.from_verl.__doc__ or "")
+    semantics = (pathlib.Path(__file__).parents[1] / "docs" / "semantics.md").read_text()
+    assert "a single entry shared\nby every criterion" in semantics
