@@ -193,3 +193,49 @@ def test_one_verl_threshold_for_several_criteria_is_shared_like_verl_and_documen
     assert "shared by every criterion" in (opj.CorrectionConfig.from_verl.__doc__ or "")
     semantics = (pathlib.Path(__file__).parents[1] / "docs" / "semantics.md").read_text()
     assert "a single entry shared\nby every criterion" in semantics
+
+
+# --------------------------------------------------------------------------- token_logprobs
+
+_LOGITS = jnp.log(jnp.array([[[0.5, 0.3, 0.2]]]))
+_TOKEN = jnp.array([[1]])
+
+
+def test_array_top_k_top_p_temperature_follow_vllm_or_refuse():
+    off = float(opj.token_logprobs(_LOGITS, _TOKEN)[0, 0])  # -1.204
+    for k in (0, -1):  # vLLM's "off" per request: was read as top-1 (-inf)
+        got = opj.token_logprobs(_LOGITS, _TOKEN, top_k=jnp.array([[k]]))
+        np.testing.assert_allclose(float(got[0, 0]), off, rtol=1e-6)
+    for p in (0.0, np.nan, 1.5):  # was silently the top-1 support
+        with pytest.raises(ValueError, match="top_p"):
+            opj.token_logprobs(_LOGITS, _TOKEN, top_p=jnp.array([[p]], jnp.float32))
+        traced = jax.jit(lambda p: opj.token_logprobs(_LOGITS, _TOKEN, top_p=p))
+        assert np.isnan(float(traced(jnp.array([[p]], jnp.float32))[0, 0]))
+    for t in (0.0, -1.0, np.nan, np.inf):
+        with pytest.raises(ValueError, match="temperature"):
+            opj.token_logprobs(_LOGITS, _TOKEN, temperature=jnp.array([[t]], jnp.float32))
+        traced = jax.jit(lambda t: opj.token_logprobs(_LOGITS, _TOKEN, temperature=t))
+        assert np.isnan(float(traced(jnp.array([[t]], jnp.float32))[0, 0]))
+
+
+def test_finite_logits_at_small_temperature_do_not_overflow():
+    logits = jnp.array([[[3e38, 1.0, 0.0]]])
+    logp, entropy = opj.token_logprobs(
+        logits, jnp.array([[0]]), temperature=0.5, return_entropy=True
+    )
+    assert float(logp[0, 0]) == 0.0 and float(entropy[0, 0]) == 0.0  # was NaN
+    rng = np.random.default_rng(0)
+    normal = jnp.asarray(rng.normal(0.0, 2.0, (2, 3, 50)), jnp.float32)
+    tokens = jnp.argmax(normal, -1)
+    got = opj.token_logprobs(normal, tokens, temperature=2e-38)
+    np.testing.assert_array_equal(np.asarray(got), 0.0)  # the argmax token, T -> 0
+    with pytest.raises(ValueError, match="temperature"):  # subnormal: flushed to 0
+        opj.token_logprobs(normal, tokens, temperature=1e-38)
+    grad = jax.grad(lambda x: jnp.sum(opj.token_logprobs(x, tokens, temperature=0.5)))(normal)
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
+def test_int64_token_ids_beyond_int32_raise_instead_of_wrapping():
+    wide = np.array([[2**32 + 1]], np.int64)  # wrapped to 1: -1.204 instead of NaN
+    with pytest.raises(ValueError, match="tokens holds ids outside int32"):
+        opj.token_logprobs(_LOGITS, wide)
