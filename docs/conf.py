@@ -32,7 +32,7 @@ extensions = [
     "sphinx.ext.viewcode",
 ]
 
-exclude_patterns = ["_build", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_templates", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
 
 # Markdown (MyST): $…$ math, ::: fences, and anchors for headings down to ###, so that
 # pages link to sections as [text](page.md#heading-slug).
@@ -44,12 +44,16 @@ nb_execution_mode = "off"
 
 # API reference: one page per public name, documented from its Google-style docstring.
 autosummary_generate = True
+templates_path = ["_templates"]
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+# "Attributes:" sections as fields of the class, so that autodoc's own entries for the
+# same attributes are not a second description of them.
+napoleon_use_ivar = True
 
 html_theme = "sphinx_book_theme"
 html_title = f"offpolicy-jax {release}"
