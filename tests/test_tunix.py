@@ -256,14 +256,35 @@ def test_correction_packed_equals_policy_loss(model, example):
     config = _config(
         otx.OffPolicyGRPOConfig,
         correction=opj.CorrectionConfig.preset("mis"),
-        max_segments_per_row=3,  # one sequence too many: counted, never silent
+        max_segments_per_row=4,
     )
     loss, aux, grads = _loss_and_grads(otx.offpolicy_policy_loss, model, packed, config)
-    ref_loss, _, ref_grads = _reference(model, packed, config.offpolicy_loss_config, 3)
+    ref_loss, _, ref_grads = _reference(model, packed, config.offpolicy_loss_config, 4)
     _assert_rel(loss, ref_loss, 1e-6)
     _assert_rel(grads, ref_grads, 1e-6)
-    assert float(aux["opj/segment_overflow_fraction"]) == pytest.approx(5 / 15)
+    assert float(aux["opj/segment_overflow_fraction"]) == 0.0
     assert set(otx.metric_keys(config.offpolicy_loss_config, packed=True)) <= set(aux)
+
+
+def test_too_few_segments_is_never_silent(model, example):
+    """max_segments_per_row below the packer's count: the library refuses concrete ids;
+    inside tunix's jitted step (traced ids) the dropped share is a metric."""
+    packed = _packed(example)
+    config = _config(
+        otx.OffPolicyGRPOConfig,
+        correction=opj.CorrectionConfig.preset("mis"),
+        max_segments_per_row=3,
+    )
+    with pytest.raises(ValueError, match="num_segments"):
+        otx.offpolicy_policy_loss(model, packed, config, PAD, EOS)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def aux_of(state, packed):
+        return otx.offpolicy_policy_loss(nnx.merge(graphdef, state), packed, config, PAD, EOS)[1]
+
+    aux = aux_of(state, packed)
+    assert float(aux["opj/segment_overflow_fraction"]) == pytest.approx(5 / 15)
 
 
 def test_logps_from_hidden_matches_logits_path(model, example):

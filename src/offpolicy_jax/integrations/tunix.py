@@ -606,25 +606,28 @@ def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[s
     keys). Found with ``jax.eval_shape`` on a tiny batch.
     """
     shape = (2, 4)
-    zeros = jnp.zeros(shape, jnp.float32)
-    example = cast(Any, grpo_learner.TrainExample)(
-        prompt_ids=jnp.zeros((2, 0), jnp.int32),
-        prompt_mask=jnp.zeros((2, 0), bool),
-        completion_ids=jnp.zeros(shape, jnp.int32),
-        completion_mask=jnp.ones(shape, bool),
-        advantages=zeros,
-        ref_per_token_logps=zeros,
-        old_per_token_logps=zeros,
-        segment_ids=jnp.ones(shape, jnp.int32) if packed else None,
-    )
+    # Abstract inputs (eval_shape arguments): nothing is computed or checked on values.
+    zeros = jax.ShapeDtypeStruct(shape, jnp.float32)
+    ints = jax.ShapeDtypeStruct(shape, jnp.int32)
+    mask = jax.ShapeDtypeStruct(shape, jnp.bool_)
 
-    def run():
+    def run(zeros, ints, mask):
+        example = cast(Any, grpo_learner.TrainExample)(
+            prompt_ids=ints[:, :0],
+            prompt_mask=mask[:, :0],
+            completion_ids=ints,
+            completion_mask=mask,
+            advantages=zeros,
+            ref_per_token_logps=zeros,
+            old_per_token_logps=zeros,
+            segment_ids=ints if packed else None,
+        )
         loss, metrics = opj.policy_loss(
             zeros,
             zeros,
             zeros if _needs_rollout_logps(loss_config) else None,
             zeros if packed else zeros[:, 0],
-            example.completion_mask,
+            mask,
             loss_config,
             segment_ids=example.segment_ids,
             num_segments=1 if packed else None,
@@ -633,7 +636,7 @@ def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[s
         )
         return _aux(metrics, example, 1 if packed else None)
 
-    return tuple(sorted(jax.eval_shape(run)))
+    return tuple(sorted(jax.eval_shape(run, zeros, ints, mask)))
 
 
 # --------------------------------------------------------------------------- the learner
