@@ -193,6 +193,37 @@ def test_correction_off_packed_equals_tunix_grpo(model, example):
     assert float(aux["opj/segment_overflow_fraction"]) == 0.0
 
 
+def _ppo_example(example):
+    from tunix.rl.ppo import ppo_learner
+
+    fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
+    fields.pop("rollout_per_token_logps")
+    shape = example.completion_ids.shape  # GAE advantages are per token
+    fields["advantages"] = example.advantages[:, None] * jnp.linspace(0.5, 1.5, shape[1])
+    plain = ppo_learner.TrainExample(**fields)
+    tokens, logps = _rollout_output(example)
+    return otx.with_rollout_logps(plain, logps, tokens)
+
+
+def test_correction_off_equals_tunix_ppo(model, example):
+    """tunix's ``ppo`` loss (token-mean, temperature 1, dual clip, entropy bonus)."""
+    from tunix.rl.ppo import ppo_learner
+
+    ppo_example = _ppo_example(example)
+    assert isinstance(ppo_example, otx.OffPolicyPPOTrainExample)
+    kwargs = dict(epsilon=0.2, epsilon_high=0.28, epsilon_c=3.0, entropy_coef=0.01)
+    tunix_config = ppo_learner.PPOConfig(**kwargs)
+    ours = otx.OffPolicyPPOConfig(correction=opj.CorrectionConfig(use_tis=False), **kwargs)
+    tunix_loss, tunix_aux, tunix_grads = _loss_and_grads(
+        algo_core.ppo_policy_loss_fn, model, ppo_example, tunix_config
+    )
+    loss, aux, grads = _loss_and_grads(otx.offpolicy_policy_loss, model, ppo_example, ours)
+    assert float(tunix_aux["pg_clipfrac"]) > 0
+    _assert_rel(loss, tunix_loss, 1e-6)
+    _assert_rel(grads, tunix_grads, 1e-6)
+    assert "opj/mis_k3_kl" in aux and "opj/entropy" in aux
+
+
 # --------------------------------------------------------------------------- correction on
 
 
