@@ -1,4 +1,4 @@
-"""tunix integration: rollout correction inside tunix's GRPO learner.
+"""tunix integration: rollout correction inside tunix's GRPO and PPO learners.
 
 `tunix <https://github.com/google/tunix>`_ (``google-tunix``) computes a policy loss as
 ``fn(model, train_example, algo_config, pad_id, eos_id)``, registered by name with
@@ -21,7 +21,9 @@ What tunix 0.1.7 lacks, as small pieces:
   per-token log-probs (``RolloutOutput.logprobs``, with
   ``RolloutConfig(return_logprobs=True)``) checked against the completion tokens and
   right-padded like ``completion_ids``, in a ``TrainExample`` field.
-* :class:`OffPolicyGRPOLearner`: tunix's ``GRPOLearner`` that puts them there.
+* :class:`OffPolicyGRPOLearner`: tunix's ``GRPOLearner`` that puts them there;
+  :class:`OffPolicyPPOConfig`, :class:`OffPolicyPPOLearner` and
+  :class:`OffPolicyPPOTrainExample` do the same for tunix's PPO.
 * ``logps_from_hidden=True``: θ's log-probs from the last hidden states and the
   unembedding with :func:`~offpolicy_jax.token_logprobs_from_hidden`, so the
   ``[B, T, V]`` logits of tunix's log-prob pass are never built.
