@@ -44,9 +44,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 PHASE_1 = "7737661"
 
 
-def load_commit(
-    commit: str, workdir: pathlib.Path, suffix: str = ""
-) -> tuple[ModuleType, str]:
+def load_commit(commit: str, workdir: pathlib.Path, suffix: str = "") -> tuple[ModuleType, str]:
     """``src/offpolicy_jax`` at ``commit`` as an importable package (imports renamed);
     ``suffix`` tells apart two copies of one commit loaded into one process."""
     sha = subprocess.run(

@@ -179,7 +179,9 @@ def main(argv: list[str] | None = None) -> None:
         ours = steps(fused, inputs, packed, num_segments)
         theirs = steps(plain, inputs, packed, num_segments)
         rows = [
-            measure(key, {"fused": ours[key], "plain": theirs[key]}, args.repeats, args.compile_repeats)
+            measure(
+                key, {"fused": ours[key], "plain": theirs[key]}, args.repeats, args.compile_repeats
+            )
             for key in ours
         ]
     report = {

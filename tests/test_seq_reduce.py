@@ -14,8 +14,8 @@ import numpy_reference as ref
 import pytest
 
 import offpolicy_jax as opj
-from offpolicy_jax import _reduce
-from offpolicy_jax._reduce import MeshAxes
+from offpolicy_jax import reduction as _reduce
+from offpolicy_jax.reduction import MeshAxes
 
 OPS = ("sum", "min", "max")
 
@@ -209,7 +209,7 @@ def test_unsplit_cpu_path_with_ragged_lengths(length):
     count: inside a one-device mesh nothing may split the token axis."""
     from jax.sharding import AxisType
 
-    from offpolicy_jax import _fusion
+    from offpolicy_jax.reduction import fused_cpu as _fusion
 
     rng = np.random.default_rng(length)
     values, population = _inputs(rng, (64, length), 9)
@@ -236,7 +236,7 @@ def test_unsplit_cpu_path_with_ragged_lengths(length):
     ],
 )
 def test_cpu_loops_respect_the_budget_with_as_few_loops_as_possible(costs, want):
-    from offpolicy_jax import _fusion
+    from offpolicy_jax.reduction import fused_cpu as _fusion
 
     loops = _fusion._loops(costs)
     assert [s.stop - s.start for s in loops] == want
@@ -252,14 +252,13 @@ def test_a_column_asked_again_is_reduced_once(monkeypatch, packed):
     """A layout reduces each distinct column (same op, same arrays) once per call: the
     loss asks again for the counts the correction's passes took, and one column too
     many can cost a whole fused loop."""
-    from offpolicy_jax import _segments
 
     rng = np.random.default_rng(4)
     values, population = _inputs(rng, (4, 64), 2)
     ids = jnp.asarray(np.repeat(np.array([[1, 2]], np.int32), 32, axis=-1).repeat(4, 0))
 
     def new_layout():
-        return _segments.Packed(MeshAxes(), ids, 2) if packed else _reduce.Rows(MeshAxes())
+        return _reduce.Packed(MeshAxes(), ids, 2) if packed else _reduce.Rows(MeshAxes())
 
     layout = new_layout()
     asked = []
