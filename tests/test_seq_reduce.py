@@ -223,28 +223,24 @@ def test_unsplit_cpu_path_with_ragged_lengths(length):
 
 
 @pytest.mark.parametrize(
-    "costs, want",
+    "count, want",
     [
-        ((1,) * 8, [8]),  # the correction's first pass: one loop
-        ((1, 1, 1, 1, 1, 2, 1, 1), [8]),  # cost 9, eight columns: still one loop
-        ((1,) * 9, [4, 5]),  # nine columns: two loops, never 8 + 1
-        ((1, 1, 1, 1, 1, 2, 1, 2), [5, 3]),  # cost 10: two loops
-        ((2,) * 8, [4, 4]),  # no costs given: the old four columns per loop
-        ((1,) * 17, [5, 6, 6]),
-        ((2,) * 17, [3, 3, 3, 4, 4]),
-        ((12, 1, 1), [1, 1, 1]),  # a column over the budget runs alone
+        (1, [1]),
+        (8, [8]),  # the correction's first pass: one loop
+        (9, [4, 5]),  # nine columns: two loops, never 8 + 1
+        (10, [5, 5]),
+        (16, [8, 8]),
+        (17, [5, 6, 6]),
     ],
 )
-def test_cpu_loops_respect_the_budget_with_as_few_loops_as_possible(costs, want):
+def test_cpu_loops_take_as_few_even_groups_as_possible(count, want):
     from offpolicy_jax.reduction import fused_cpu as _fusion
 
-    loops = _fusion._loops(costs)
+    loops = _fusion._loops(count)
     assert [s.stop - s.start for s in loops] == want
-    assert loops[0].start == 0 and loops[-1].stop == len(costs)
+    assert loops[0].start == 0 and loops[-1].stop == count
     assert all(a.stop == b.start for a, b in zip(loops, loops[1:], strict=False))
-    for s in loops:
-        if s.stop - s.start > 1:
-            assert sum(costs[s]) <= _fusion._BUDGET and s.stop - s.start <= _fusion._MAX_COLUMNS
+    assert all(s.stop - s.start <= _fusion._MAX_COLUMNS for s in loops)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -45,12 +45,10 @@ def implementation() -> Literal["plain", "fused"]:
     return choice  # type: ignore[return-value]
 
 
-def reduce_rows(
-    ops: tuple[str, ...], values: tuple[jax.Array, ...], light: tuple[bool, ...]
-) -> tuple[jax.Array, ...]:
+def reduce_rows(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """Each ``[..., T]`` operand reduced over its last axis by its op: ``[...]``."""
     if implementation() == "fused":
-        return fused_cpu.reduce_columns(ops, values, light)
+        return fused_cpu.reduce_columns(ops, values)
     return plain.reduce_columns(ops, values)
 
 
@@ -69,7 +67,6 @@ def windows_plan(
 
 def reduce_segments(
     ops: tuple[str, ...],
-    light: tuple[bool, ...],
     num_segments: int,
     values: tuple[jax.Array, ...],
     segment_ids: jax.Array,
@@ -78,5 +75,5 @@ def reduce_segments(
     """Each ``[..., T]`` operand reduced by its op over each segment ``1..K``: ``[..., K]``
     (``plan``: :func:`windows_plan`)."""
     if implementation() == "fused":
-        return fused_cpu.reduce_segments(ops, light, num_segments, values, segment_ids, plan)
+        return fused_cpu.reduce_segments(ops, num_segments, values, segment_ids, plan)
     return plain.reduce_segments(ops, num_segments, values, segment_ids)

@@ -27,15 +27,12 @@ class Column(NamedTuple):
     ``op`` is ``"sum"`` (``Σ_t x_t p_t``, with ``x`` taken as 0 where ``p_t = 0``),
     ``"min"`` or ``"max"`` (over the tokens with ``p_t > 0``; ``±inf`` for an empty
     sequence). ``value`` broadcasts against ``population``, ``[..., T]`` float
-    weights that are 0 outside the population. ``light`` is set by the constructors
-    below for values that are a constant or a select (counts, min/max of a value
-    computed anyway); the engine may reduce more of them together.
+    weights that are 0 outside the population.
     """
 
     op: Literal["sum", "min", "max"]
     value: jax.Array | float
     population: jax.Array
-    light: bool = False
 
 
 def total(x: jax.Array | float, population: jax.Array) -> Column:
@@ -45,22 +42,22 @@ def total(x: jax.Array | float, population: jax.Array) -> Column:
 
 def count(population: jax.Array) -> Column:
     """``N = Σ_t p_t``."""
-    return Column("sum", 1.0, population, True)
+    return Column("sum", 1.0, population)
 
 
 def count_where(condition: jax.Array, population: jax.Array) -> Column:
     """``Σ_t [condition_t] p_t``: the population weight where ``condition`` holds."""
-    return Column("sum", jnp.where(condition, 1.0, 0.0), population, True)
+    return Column("sum", jnp.where(condition, 1.0, 0.0), population)
 
 
 def minimum(x: jax.Array, population: jax.Array) -> Column:
     """``min_t x_t`` over the population (``+inf`` when it is empty)."""
-    return Column("min", x, population, True)
+    return Column("min", x, population)
 
 
 def maximum(x: jax.Array, population: jax.Array) -> Column:
     """``max_t x_t`` over the population (``−inf`` when it is empty)."""
-    return Column("max", x, population, True)
+    return Column("max", x, population)
 
 
 def operand(column: Column, shape: tuple[int, ...]) -> jax.Array:

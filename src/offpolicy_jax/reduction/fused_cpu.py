@@ -16,10 +16,8 @@ expression in registers. XLA:CPU vectorises that loop only when LLVM fully unrol
 its inner reduction loop, which bounds the work per loop: so the loop adds only
 ``_CHUNK`` tokens per result (writing ``[..., T / _CHUNK]`` partial results, then
 finished by the library kernel; see :func:`_chunked_reduce` for the two views of the
-token axis), and a loop takes at most ``_MAX_COLUMNS`` columns and only up to a
-budget of ``_BUDGET`` cost units: 1 for a light column (``Column.light``: a count, a
-select, a min/max), 2 for any other. Larger sets of columns run as several such
-loops (:func:`_loops`). A length that is not a multiple of ``_CHUNK`` is reduced as
+token axis), and a loop takes at most ``_MAX_COLUMNS`` columns; larger sets run as
+several such loops of as even sizes as possible (:func:`_loops`). A length that is not a multiple of ``_CHUNK`` is reduced as
 its chunked prefix plus a short remainder loop. The numbers were measured with
 ``benchmarks/`` on jax 0.10.2.
 
@@ -71,7 +69,6 @@ from offpolicy_jax.reduction.plain import (
 _COMBINE = {"sum": jnp.add, "min": jnp.minimum, "max": jnp.maximum}
 
 _CHUNK = 4
-_BUDGET = 9
 _MAX_COLUMNS = 8
 # Below this many values in total (columns x elements, e.g. the per-sequence terms of
 # all the metrics), one scalar loop over every column is cheaper than a kernel each.
@@ -169,47 +166,24 @@ def _chunked_reduce(
     return [plain_reduce(op, p) for op, p in zip(ops, partial, strict=True)]
 
 
-def _loops(costs: tuple[int, ...]) -> list[slice]:
-    """Consecutive groups of columns, each within ``_BUDGET`` and ``_MAX_COLUMNS``.
+def _loops(count: int) -> list[slice]:
+    """Consecutive groups of ``count`` columns, at most ``_MAX_COLUMNS`` each: as few
+    groups as that allows, as even as possible, the smaller ones first (17 columns run
+    as 5 + 6 + 6, never as 8 + 8 + 1: a lone column would go back to the
+    write-then-reduce path). Order is kept, so that columns that share a subexpression
+    (k3 and χ²'s ``exp``) stay in one loop when they are declared side by side.
 
-    As few groups as the limits allow, as even as possible (the largest group's cost
-    smallest): 17 light columns run as 5 + 6 + 6, never as 8 + 8 + 1 (a lone light
-    column would go back to the write-then-reduce path). Order is kept so that
-    columns that share a subexpression (k3 and χ²'s ``exp``) stay in one loop.
+    Measured (issue 25): on the library's workloads this gives the same loops as the
+    per-column cost budgets it replaces (``benchmarks/compare_results.md``).
     """
-    size = len(costs)
-
-    @functools.cache
-    def best(start: int, groups: int) -> tuple[tuple[int, int, int], tuple[int, ...]] | None:
-        # ((largest cost, largest count, −smallest count), cut points) of columns[start:]
-        # in `groups` loops, the smallest such key.
-        if groups == 1:
-            cost, count = sum(costs[start:]), size - start
-            if cost > _BUDGET or count > _MAX_COLUMNS:
-                return None
-            return (cost, count, -count), ()
-        options = []
-        for stop in range(start + 1, size - groups + 2):
-            cost, count = sum(costs[start:stop]), stop - start
-            if cost > _BUDGET or count > _MAX_COLUMNS:
-                break
-            rest = best(stop, groups - 1)
-            if rest is not None:
-                worst = (max(cost, rest[0][0]), max(count, rest[0][1]), max(-count, rest[0][2]))
-                options.append((worst, (stop, *rest[1])))
-        return min(options) if options else None
-
-    for groups in range(1, size + 1):
-        found = best(0, groups)
-        if found is not None:
-            cuts = (0, *found[1], size)
-            return [slice(a, b) for a, b in itertools.pairwise(cuts)]
-    return [slice(i, i + 1) for i in range(size)]  # a single column over the budget
+    groups = max(1, -(-count // _MAX_COLUMNS))
+    small, larger = divmod(count, groups)
+    sizes = [small] * (groups - larger) + [small + 1] * larger
+    cuts = [0, *itertools.accumulate(sizes)]
+    return [slice(a, b) for a, b in itertools.pairwise(cuts)]
 
 
-def _cpu_reduce(
-    ops: tuple[str, ...], values: tuple[jax.Array, ...], costs: tuple[int, ...]
-) -> tuple[jax.Array, ...]:
+def _cpu_reduce(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     split = _split(values[0])
     length = values[0].shape[-1]
     if values[0].size * len(values) <= _SMALL and split.explicit * split.free == 1:
@@ -226,7 +200,7 @@ def _cpu_reduce(
         body -= _CHUNK
     prefix = tuple(v[..., :body] for v in values) if body < length else values
     out: list[jax.Array] = []
-    for group in _loops(costs):
+    for group in _loops(len(ops)):
         out += _chunked_reduce(ops[group], prefix[group], split.spec, unsplit)
     if body < length:
         rest = _variadic_reduce(ops, tuple(v[..., body:] for v in values))
@@ -234,39 +208,23 @@ def _cpu_reduce(
     return tuple(out)
 
 
-def costs_of(light: Sequence[bool]) -> tuple[int, ...]:
-    """Each column's share of a loop's budget: 1 if light, else 2."""
-    return tuple(1 if x else 2 for x in light)
-
-
-def reduce_columns(
-    ops: tuple[str, ...], values: tuple[jax.Array, ...], light: tuple[bool, ...] | None = None
-) -> tuple[jax.Array, ...]:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def reduce_columns(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """Reduces each ``[..., T]`` operand over its last axis by its op (sum/min/max), in
-    few fused loops (see the module docstring); ``light``: static, one per operand
-    (default: none light). Differentiable: a sum's tangent is the plain sum of the
-    tangents."""
-    if light is None:
-        light = (False,) * len(values)
-    return _reduce_columns(ops, costs_of(light), values)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _reduce_columns(
-    ops: tuple[str, ...], costs: tuple[int, ...], values: tuple[jax.Array, ...]
-) -> tuple[jax.Array, ...]:
+    few fused loops (see the module docstring). Differentiable: a sum's tangent is the
+    plain sum of the tangents."""
     if len(values) == 1:
         return (plain_reduce(ops[0], values[0]),)
-    return _cpu_reduce(ops, values, costs)
+    return _cpu_reduce(ops, values)
 
 
-def _reduce_columns_jvp(ops, costs, primals, tangents):
+def _reduce_columns_jvp(ops, primals, tangents):
     (values,), (dvalues,) = primals, tangents
-    out = _reduce_columns(ops, costs, values)
+    out = reduce_columns(ops, values)
     return out, linear_jvp(ops, values, dvalues, out, lambda d: jnp.sum(d, axis=-1), plain_reduce)
 
 
-_reduce_columns.defjvp(_reduce_columns_jvp, symbolic_zeros=True)
+reduce_columns.defjvp(_reduce_columns_jvp, symbolic_zeros=True)
 
 
 # --------------------------------------------------------------------------- packed rows
@@ -281,12 +239,10 @@ def _window_size(length: int) -> int:
     return int(min(64, max(16, 2 ** round(math.log2(max(best, 1.0))))))
 
 
-def _window_reduce(
-    ops: tuple[str, ...], costs: tuple[int, ...], windows: tuple[jax.Array, ...]
-) -> tuple[jax.Array, ...]:
+def _window_reduce(ops: tuple[str, ...], windows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """Every ``[..., n, W]`` operand reduced over its windows, ``[..., n]``.
 
-    The variadic loop (grouped by cost like a row
+    The variadic loop (grouped like a row
     reduction), each window viewed as ``[_CHUNK, W / _CHUNK]`` and reduced over its
     leading axis (the strided view of ``_chunked_reduce``), writes ``[..., n,
     W / _CHUNK]``; these are then combined by ``W / _CHUNK − 1`` elementwise ops, one
@@ -297,7 +253,7 @@ def _window_reduce(
     lead = windows[0].shape[:-1]
     width = windows[0].shape[-1]
     out: list[jax.Array] = []
-    for group in _loops(costs):
+    for group in _loops(len(ops)):
         group_ops = ops[group]
         strided = tuple(w.reshape(*lead, chunk, width // chunk) for w in windows[group])
         partial = _variadic_reduce(group_ops, strided, axis=-2)
@@ -450,7 +406,6 @@ def _window_segment_sum(value: jax.Array, plan: Plan, num_segments: int) -> jax.
 
 def _windowed(
     ops: tuple[str, ...],
-    costs: tuple[int, ...],
     num_segments: int,
     values: tuple[jax.Array, ...],
     plan: Plan,
@@ -472,15 +427,14 @@ def _windowed(
     n = plan.even_ids.shape[-1]
     body = n * plan.window
     shape = (*lead, n, plan.window)
-    whole = _window_reduce(ops, costs, tuple(v[..., :body].reshape(shape) for v in values))
+    whole = _window_reduce(ops, tuple(v[..., :body].reshape(shape) for v in values))
     odd = _gather_windows(plan.odd.reshape(shape), plan.mixed)
-    slot_ops, slot_costs, slots = [], [], []
-    for op, cost, v in zip(ops, costs, values, strict=True):
+    slot_ops, slots = [], []
+    for op, v in zip(ops, values, strict=True):
         mixed = _gather_windows(v[..., :body].reshape(shape), plan.mixed)
         slot_ops += [op, op]
-        slot_costs += [cost, 1]
         slots += [jnp.where(odd, INIT[op], mixed), jnp.where(odd, mixed, INIT[op])]
-    split = _window_reduce(tuple(slot_ops), tuple(slot_costs), tuple(slots))
+    split = _window_reduce(tuple(slot_ops), tuple(slots))
     pieces = [whole, split[0::2], split[1::2], tuple(v[..., body:] for v in values)]
     return _scatter(ops, num_segments, pieces, plan.second_ids)
 
@@ -545,10 +499,9 @@ def use_windows(value: jax.Array, num_segments: int) -> bool:
     return split.explicit * split.free == 1
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def reduce_segments(
     ops: tuple[str, ...],
-    light: tuple[bool, ...],
     num_segments: int,
     values: tuple[jax.Array, ...],
     segment_ids,
@@ -562,13 +515,13 @@ def reduce_segments(
     """
     if plan is None:
         operands = compare_operands(ops, num_segments, values, segment_ids)
-        return reduce_columns(ops, operands, light)
-    return _windowed(ops, costs_of(light), num_segments, values, plan)
+        return reduce_columns(ops, operands)
+    return _windowed(ops, num_segments, values, plan)
 
 
-def _reduce_segments_jvp(ops, light, num_segments, primals, tangents):
+def _reduce_segments_jvp(ops, num_segments, primals, tangents):
     values, segment_ids, plan = primals
-    out = reduce_segments(ops, light, num_segments, values, segment_ids, plan)
+    out = reduce_segments(ops, num_segments, values, segment_ids, plan)
 
     def sum_tangent(d):
         if plan is None:

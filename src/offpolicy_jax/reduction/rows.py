@@ -96,7 +96,6 @@ class Rows:
         results = backend.reduce_rows(
             tuple(columns[n].op for n in names),
             tuple(operand(columns[n], shape) for n in names),
-            tuple(columns[n].light for n in names),
         )
         return combine_over(dict(zip(names, results, strict=True)), columns, self.axes.token)
 
@@ -116,7 +115,7 @@ class Rows:
             jnp.broadcast_arrays(*(t for m in means.values() for t in (m.numerator, m.denominator)))
         )
         while totals[0].ndim:  # one leading axis at a time
-            totals = backend.reduce_rows(("sum",) * len(totals), totals, (False,) * len(totals))
+            totals = backend.reduce_rows(("sum",) * len(totals), totals)
         if self.axes.batch:
             totals = jax.lax.psum(totals, self.axes.batch)
         return {key: MeanParts(*totals[2 * i : 2 * i + 2]) for i, key in enumerate(means)}

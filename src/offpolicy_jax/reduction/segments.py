@@ -203,7 +203,6 @@ class Packed(Rows):
         shape = broadcast_shape(columns.values(), self.ids.shape)
         results = backend.reduce_segments(
             tuple(columns[n].op for n in names),
-            tuple(columns[n].light for n in names),
             self.num_segments,
             tuple(operand(columns[n], shape) for n in names),
             jnp.broadcast_to(self.ids, shape),
