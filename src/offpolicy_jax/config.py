@@ -845,14 +845,14 @@ class LossConfig:
     ) -> LossConfig:
         """Maps the reference's command-line flags to a :class:`LossConfig`.
 
-        ==========================  =========  ==================
+        ==========================  ===========  ==========================
         ``use_rollout_logprobs``    ``use_tis``  algorithm
-        ==========================  =========  ==================
-        False                       False      ``ppo``
-        True                        False      ``bypass_ppo``
-        False                       True       ``decoupled_ppo``
-        True                        True       ``reinforce_is`` (D9)
-        ==========================  =========  ==================
+        ==========================  ===========  ==========================
+        False                       False        ``ppo``
+        True                        False        ``bypass_ppo``
+        False                       True         ``decoupled_ppo``
+        True                        True         ``reinforce_is`` (D9)
+        ==========================  ===========  ==========================
 
         With ``use_tis`` the correction is the YAML at ``custom_config_path`` (the
         reference ``mis.yaml``) or, without one, the built-in
