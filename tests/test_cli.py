@@ -76,6 +76,18 @@ def test_diagnose_help_with_its_extra_alone(monkeypatch, capsys):
     assert "usage: offpolicy-jax diagnose" in capsys.readouterr().out
 
 
+def test_command_help_without_any_extra(monkeypatch, capsys):
+    """diagnose lists its options without its extra; the demo's options need the demo
+    (its presets), so its --help names the extra instead of a traceback."""
+    _without(monkeypatch, *EXTRA_PACKAGES)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["diagnose", "--help"])
+    assert e.value.code == 0 and "usage: offpolicy-jax diagnose" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--help"])
+    assert e.value.code == 2 and "[demo]" in capsys.readouterr().err
+
+
 def test_python_dash_m_entry_points():
     for module, args in (("offpolicy_jax", ["--version"]), ("offpolicy_jax.diagnose", ["--help"])):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
