@@ -31,6 +31,11 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def _without(monkeypatch, *names: str) -> None:
     for name in names:
         monkeypatch.setitem(sys.modules, name, None)
+    # A subcommand imported by an earlier test in this process would hide the missing extra.
+    for module in [
+        m for m in sys.modules if m.startswith(("offpolicy_jax.demo", "offpolicy_jax.diagnose"))
+    ]:
+        monkeypatch.delitem(sys.modules, module)
 
 
 def test_import_pulls_in_no_extra():
