@@ -124,7 +124,8 @@ VETO = 1e-4
 # verl's IcePop preset (decoupled_token_icepop, rollout_is_threshold "0.5_5.0").
 ICEPOP_BOUNDS = (0.5, 5.0)
 # Trust Region Masking (verl rollout_rs "seq_max_k2,seq_mean_k3"): the per-sequence mean
-# k3 at verl's decoupled_k3_rs* preset threshold, the max token k2 at README's 2.5.
+# k3 at verl's decoupled_k3_rs* preset threshold, the max token k2 at the 2.5 of the
+# Trust Region Masking example in docs/guide/configuration.md.
 TRM_MAX_K2 = 2.5
 TRM_MEAN_K3 = 0.01
 
