@@ -126,6 +126,7 @@ def _check_temperature(temperature, batch_shape, *, scalar_only: bool) -> jax.Ar
     return temperature
 
 
+@_validation.read_now
 def _refuse_concrete(name: str, x, invalid, rule: str) -> None:
     """Raises ``ValueError`` naming ``name`` if a concrete array ``x`` has an entry for
     which ``invalid`` holds; under jit (a tracer) such an entry gives NaN instead."""
