@@ -36,8 +36,10 @@ from offpolicy_jax._validation import (
 )
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, correction_parts
+from offpolicy_jax.policy_losses import safe_log_ratio
 from offpolicy_jax.ratios import metric_exp
-from offpolicy_jax.surrogates import ppo_surrogate, reinforce_term, vanilla_tis
+from offpolicy_jax.registry import SurrogateInput
+from offpolicy_jax.surrogates import reinforce_term, vanilla_tis
 
 METRICS_ONLY = CorrectionConfig()
 """The default correction: §4 mismatch metrics only (non-finite sequences left out)."""
@@ -496,55 +498,27 @@ def _policy_loss_terms(
             bad_logp = bad_logp | ~jnp.isfinite(x)
         columns["bad_logp"] = _reduce.count_where(bad_logp, mask)
     ratio_denominator = rollout if algorithm == "bypass_ppo" else old
-    ratio_columns: dict[str, _reduce.Column] = {}
-    ois_token = None
     if algorithm == "reinforce_is":
         assert weights is not None  # reinforce_is always reweights (LossConfig.reweights)
         per_token = reinforce_term(jnp.where(kept, theta, 0.0), adv, weights)
-    elif config.policy_loss != "ppo_clip":
+    else:
         # _check_inputs: ppo / decoupled_ppo require old_logp, bypass_ppo rollout_logp.
         assert ratio_denominator is not None
+        log_ratio = safe_log_ratio(theta, ratio_denominator, valid)
         surrogate = _objective.surrogate_columns(
-            config, theta, ratio_denominator, adv, valid, final_mask, weights, layout
+            config,
+            SurrogateInput(
+                theta, log_ratio, ratio_denominator, adv, valid, final_mask, weights, layout
+            ),
         )
         per_token = surrogate.loss
         columns.update(surrogate.columns)
-    else:
-        assert ratio_denominator is not None  # as above
-        terms = ppo_surrogate(
-            theta,
-            ratio_denominator,
-            adv,
-            where=valid,
-            clip_eps=config.clip_eps,
-            clip_eps_high=config.upper_clip_eps,
-            dual_clip_c=config.dual_clip_c,
-        )
-        per_token = terms.loss if weights is None else jnp.where(kept, weights, 0.0) * terms.loss
-        # Added after the other columns, beside "loss": the columns that read the ratio
-        # r then share one fused loop, and r is never written out (_fusion's loops).
-        ratio_columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, final_mask)
-        if terms.clipped_lower is not None:
-            ratio_columns["pg_clipfrac_lower"] = _reduce.count_where(
-                terms.clipped_lower, final_mask
-            )
-        columns["ppo_kl"] = _reduce.total(sg(terms.log_ratio), final_mask, cost=1)
-        # exp(θ − d) as the surrogate takes it for its ratio (one exponential for both).
-        ois_token = metric_exp(-terms.log_ratio)
-    if algorithm != "reinforce_is":
         if abs_diff is not None:
-            # Taken in the correction's second pass when its final mask is this one
-            # (the layout then finds it done): it reads `rollout`, which nothing else
-            # of this pass reads, and with it this pass's loop left vector code.
-            columns["train_rollout_logprob_abs_diff"] = _reduce.total(abs_diff, final_mask, cost=1)
+            columns["train_rollout_logprob_abs_diff"] = _reduce.total(abs_diff, final_mask)
         if config.correction is not None or config.get_mismatch_metrics:
             # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
             # divergence it exists to show; capped like every metric exponential.
-            assert ratio_denominator is not None  # only reinforce_is may lack it
-            if ois_token is None:
-                raw = jnp.where(valid, theta_sg - sg(ratio_denominator), 0.0)
-                ois_token = metric_exp(jnp.where(jnp.isnan(raw), 0.0, raw))
-            columns["ois"] = _reduce.total(ois_token, mask)
+            columns["ois"] = _reduce.total(metric_exp(sg(log_ratio)), mask)
     # KL-to-reference and entropy join the policy term per token: one sum, one
     # aggregation, the same final mask.
     regularisers = _objective.regulariser_terms(config, theta, ratio_denominator, valid, ref, ent)
@@ -559,7 +533,6 @@ def _policy_loss_terms(
             per_token = per_token - config.entropy_coef * regularisers["entropy"]
     if per_token is not pg_per_token:
         columns["pg_loss"] = _reduce.total(pg_per_token, final_mask)
-    columns.update(ratio_columns)
     columns["loss"] = _reduce.total(per_token, final_mask)
     sums = layout.reduce(columns)
 
