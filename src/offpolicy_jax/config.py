@@ -20,13 +20,14 @@ import numpy as np
 import yaml
 
 from offpolicy_jax import registry
+from offpolicy_jax.algorithms import ALGORITHMS as ALGORITHM_SPECS
 
 Level = Literal["token", "sequence", "geometric"]
 Mode = Literal["truncate", "clip", "mask", "band", "none"]
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 MODES: tuple[str, ...] = ("truncate", "clip", "mask", "band", "none")
-ALGORITHMS: tuple[str, ...] = ("ppo", "bypass_ppo", "decoupled_ppo", "reinforce_is")
+ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_SPECS)
 AGGREGATIONS: tuple[str, ...] = (
     "sequence_mean",
     "token_mean",
@@ -624,7 +625,7 @@ class LossConfig:
             )
 
     def _check_correction(self) -> None:
-        correction, algorithm = self.correction, self.algorithm
+        correction = self.correction
         if isinstance(correction, Mapping):
             raise ValueError(
                 "LossConfig.correction must be a CorrectionConfig, VanillaTIS or callable, got a "
@@ -637,21 +638,21 @@ class LossConfig:
                 "LossConfig.correction must be a CorrectionConfig, VanillaTIS, callable or None, "
                 f"got {type(correction).__name__}"
             )
-        weights_on = self.reweights
-        if algorithm in ("decoupled_ppo", "reinforce_is") and not weights_on:
+        algo = ALGORITHM_SPECS[self.algorithm]
+        if algo.weighted and not self.reweights:
             what = "None" if correction is None else "a CorrectionConfig with use_tis: false"
             raise ValueError(
-                f"LossConfig.correction: algorithm {algorithm!r} needs importance weights "
+                f"LossConfig.correction: algorithm {algo.name!r} needs importance weights "
                 f"(a CorrectionConfig with use_tis: true, a VanillaTIS or a callable), got {what}"
             )
         # bypass_ppo takes a rejection-only correction (tis_mode "none", weights 1): its
         # mask, decided on sg(π_θ)/π_rollout, is verl's bypass PPO-clip with rollout_rs.
-        rejects_only = algorithm == "bypass_ppo" and self.rejects_only
-        if algorithm in ("ppo", "bypass_ppo") and weights_on and not rejects_only:
-            instead = "decoupled_ppo" if algorithm == "ppo" else "reinforce_is"
+        allowed = algo.rejection_only and self.rejects_only
+        if not algo.weighted and self.reweights and not allowed:
             raise ValueError(
-                f"LossConfig.correction: algorithm {algorithm!r} does not apply importance "
-                f"weights, but the correction enables them; use algorithm={instead!r}, or a "
+                f"LossConfig.correction: algorithm {algo.name!r} does not apply importance "
+                f"weights, but the correction enables them; use "
+                f"algorithm={algo.weighted_variant!r}, or a "
                 "CorrectionConfig with use_tis: false for mismatch metrics only"
             )
 
