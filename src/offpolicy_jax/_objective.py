@@ -9,23 +9,7 @@ the KL-to-reference and entropy terms. Surrogates that need a per-sequence quant
 first (GSPO's sequence ratio, GMPO's geometric means) take it through the layout, so
 packed sequences (several per row) work unchanged.
 
-==============  ================================================  =====================
-``policy_loss`` hyperparameters (defaults)                        formula
-==============  ================================================  =====================
-``ppo_clip``    ``clip_eps=0.2``, ``clip_eps_high=None``,         :func:`~offpolicy_jax.ppo_surrogate`
-                ``dual_clip_c=None``
-``gspo``        ``clip_eps=0.2``, ``clip_eps_high=None``           :func:`.policy_losses.gspo`
-``gspo_token``  ``clip_eps=0.2``, ``clip_eps_high=None``           :func:`.policy_losses.gspo`
-``cispo``       ``clip_eps=0.2``, ``clip_eps_high=None``           :func:`.policy_losses.cispo`
-``gmpo``        ``clip_eps=0.2``, ``clip_eps_high=None``           :func:`.policy_losses.gmpo_sequence_loss`
-``sapo``        ``tau_pos=1.0``, ``tau_neg=1.05``                  :func:`.policy_losses.sapo`
-``gpg``         none                                              :func:`.policy_losses.gpg`
-``dppo_tv``     ``clip_eps=0.2``, ``clip_eps_high=None``,         :func:`.policy_losses.dppo`
-                ``dppo_ratio_cap=20.0``
-``dppo_kl``     as ``dppo_tv``                                    :func:`.policy_losses.dppo`
-``dro``         ``dro_beta=0.1``                                  :func:`.policy_losses.dro`
-==============  ================================================  =====================
-"""
+==============  ================================================  =============="""
 
 from __future__ import annotations
 
@@ -36,18 +20,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import _reduce
 from offpolicy_jax import policy_losses as pl
-from offpolicy_jax._reduce import Column
+from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.config import (
     _F32,
     LossConfig,
     _check_number,
     _check_positive,
     _f32,
+    check_f32_coefficient,
 )
-from offpolicy_jax.policy_losses import SurrogateTerms
-from offpolicy_jax.registry import NoParams, SurrogateInput, lookup, register_surrogate
+from offpolicy_jax.reduction import Column
+from offpolicy_jax.registry import (
+    NoParams,
+    SurrogateInput,
+    SurrogateTerms,
+    lookup,
+    register_surrogate,
+)
 from offpolicy_jax.surrogates import ppo_surrogate
 
 PG_METRICS: tuple[str, ...] = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
@@ -60,6 +50,7 @@ def _number(params, key: str, *, positive: bool = False) -> None:
     object.__setattr__(params, key, value)
     if positive:
         _check_positive(_OWNER, key, value)
+        check_f32_coefficient(_OWNER, key, value)
 
 
 # --------------------------------------------------------------------------- hyperparameters

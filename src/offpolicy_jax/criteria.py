@@ -29,13 +29,14 @@ that apply them live in :mod:`offpolicy_jax.rules`.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from offpolicy_jax._messages import close_match, shown
 
 LOG_RATIO_CLAMP = 20.0  # S, as ratios.LOG_RATIO_CLAMP (verl's SAFETY_BOUND)
 
@@ -63,7 +64,8 @@ class Criterion(NamedTuple):
 
     Attributes:
       name: e.g. ``"seq_max_k2"``.
-      aggregate: ``"token"``, ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"``.
+      aggregate: ``"token"``, ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"``; ``"rule"``
+        for a registered rule (:data:`RULES`), whose threshold is ``upper`` / ``hi``.
       estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
       lower: bound on the statistic (``log lo`` for k1), None for one-sided k2/k3.
       upper: bound on the statistic (``log hi`` for k1).
@@ -87,27 +89,40 @@ class Criterion(NamedTuple):
 
 
 def _hint(value: str, allowed: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(value, allowed, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    close = [c for c in [close_match(value, allowed)] if c]
+    return f" (did you mean {shown(close[0])}?)" if close else ""
+
+
+RULES: dict[str, Callable[[float], object]] = {}
+"""Rejection rules registered by name (:func:`offpolicy_jax.rules.register_rule`): name ->
+``factory(threshold)`` returning the rule's pipeline stage. ``rs_criteria`` entries
+``"name:threshold"`` take these names beside :data:`KL_CRITERIA`."""
 
 
 def check_criterion_name(name: object, key: str) -> str:
-    """``name`` if it is one of :data:`KL_CRITERIA`, else ``ValueError`` naming ``key``."""
-    if isinstance(name, str) and name in KL_CRITERIA:
+    """``name`` if it is one of :data:`KL_CRITERIA` or a registered rule (:data:`RULES`),
+    else ``ValueError`` naming ``key``."""
+    if isinstance(name, str) and (name in KL_CRITERIA or name in RULES):
         return name
-    hint = _hint(name, KL_CRITERIA) if isinstance(name, str) else ""
+    allowed = (*KL_CRITERIA, *RULES)
+    hint = _hint(name, allowed) if isinstance(name, str) else ""
     raise ValueError(
-        f"{key}: unknown rejection criterion {name!r}{hint}; must be one of {list(KL_CRITERIA)}"
+        f"{key}: unknown rejection criterion {shown(name)}{hint}; must be one of {list(allowed)}"
     )
 
 
 def _number(text: str, key: str, what: str) -> float:
+    if "_" in text:  # float() reads "2_0" as 20.0; in a threshold "_" separates bounds
+        raise ValueError(
+            f"{key}: malformed threshold {shown(what)}: a threshold is 'upper' or "
+            "'lower_upper' (one '_', no digit separators)"
+        )
     try:
         value = float(text)
     except (TypeError, ValueError):
-        raise ValueError(f"{key}: malformed threshold {what!r} (not a number)") from None
+        raise ValueError(f"{key}: malformed threshold {shown(what)} (not a number)") from None
     if not math.isfinite(value):
-        raise ValueError(f"{key}: threshold {what!r} must be finite")
+        raise ValueError(f"{key}: threshold {shown(what)} must be finite")
     return value
 
 
@@ -125,7 +140,7 @@ def parse_threshold(name: str, threshold: object, key: str) -> Criterion:
     """
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
         raise ValueError(
-            f"{key}: threshold of {name!r} must be a number or string, got {threshold!r}"
+            f"{key}: threshold of {shown(name)} must be a number or string, got {shown(threshold)}"
         )
     text = str(threshold).strip()
     aggregate, estimator = name.rsplit("_", 1)
@@ -137,17 +152,21 @@ def parse_threshold(name: str, threshold: object, key: str) -> Criterion:
             hi = _number(text, key, text)
             lo = 1.0 / hi if hi > 0 else hi
         if lo <= 0 or hi <= 0:
-            raise ValueError(f"{key}: thresholds of {name!r} must be positive, got {text!r}")
+            raise ValueError(
+                f"{key}: thresholds of {shown(name)} must be positive, got {shown(text)}"
+            )
         if lo > hi:
-            raise ValueError(f"{key}: thresholds of {name!r} must be lower <= upper, got {text!r}")
+            raise ValueError(
+                f"{key}: thresholds of {shown(name)} must be lower <= upper, got {shown(text)}"
+            )
         return Criterion(name, aggregate, estimator, math.log(lo), math.log(hi), lo, hi)
     if "_" in text:
         raise ValueError(
-            f"{key}: {name!r} takes a single upper bound without '_' (it is >= 0), got {text!r}"
+            f"{key}: {shown(name)} takes a single upper bound without '_' (it is >= 0), got {shown(text)}"
         )
     hi = _number(text, key, text)
     if hi <= 0:
-        raise ValueError(f"{key}: threshold of {name!r} must be positive, got {text!r}")
+        raise ValueError(f"{key}: threshold of {shown(name)} must be positive, got {shown(text)}")
     return Criterion(name, aggregate, estimator, None, hi, None, hi)
 
 
@@ -156,10 +175,14 @@ def parse_spec(spec: object, key: str) -> Criterion:
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(
             f"{key}: each entry must be a string 'criterion:threshold' such as "
-            f"'seq_max_k2:2.5' or 'token_k1:0.5_2.0', got {spec!r}"
+            f"'seq_max_k2:2.5' or 'token_k1:0.5_2.0', got {shown(spec)}"
         )
     name, threshold = (part.strip() for part in spec.split(":", 1))
-    return parse_threshold(check_criterion_name(name, key), threshold, key)
+    name = check_criterion_name(name, key)
+    if name in RULES:  # a registered rule: one finite threshold, the rule's own meaning
+        value = _number(threshold, key, threshold)
+        return Criterion(name, "rule", "", None, value, None, value)
+    return parse_threshold(name, threshold, key)
 
 
 # --------------------------------------------------------------------------- formulas
@@ -182,7 +205,7 @@ def kl_statistic(delta: jax.Array, estimator: str) -> jax.Array:
         return 0.5 * lam * lam
     if estimator == "k3":
         return jnp.exp(lam) - 1.0 - lam
-    raise ValueError(f"unknown KL estimator {estimator!r}; must be one of {list(ESTIMATORS)}")
+    raise ValueError(f"unknown KL estimator {shown(estimator)}; must be one of {list(ESTIMATORS)}")
 
 
 MULT_PROB_LOG_CAP = 50.0
@@ -210,41 +233,20 @@ def js_divergence(old_logp: jax.Array, rollout_logp: jax.Array) -> jax.Array:
     return probability_errors(old_logp - rollout_logp)[1]
 
 
-# log cosh y = Σ_k c_k y^{2k}, the integral of tanh's series: up to y¹⁶ it is exact to
-# float32 for y < ½ (truncation < 2e-9 relative); beyond, log((e^{2y} + 1)/2) − y
-# cancels by less than a factor 5.
-_LOG_COSH_SERIES_BOUND = 0.5
-_LOG_COSH_COEFFICIENTS = (
-    1 / 2,
-    -1 / 12,
-    1 / 45,
-    -17 / 2520,
-    31 / 14175,
-    -691 / 935550,
-    10922 / 42567525,
-    -929569 / 10216206000,
-)
-
-
 def probability_errors(delta: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(exp|δ|, log cosh(δ/2))``: :func:`mult_prob_error` and :func:`js_divergence`
-    from one ``exp`` and one ``log`` per token.
+    of one ``δ`` per token.
 
     With ``y = |δ|/2`` (``|δ|`` capped at :data:`MULT_PROB_LOG_CAP`): ``exp|δ| = e^{2y}``
-    and ``log cosh y = log((e^{2y} + 1)/2) − y``, which cancels near ``δ = 0``, so for
-    ``y < ½`` the Taylor series of ``log cosh`` is used instead. Only ``exp``, ``log``,
-    multiplications and selects: ``expm1`` / ``log1p`` inside XLA:CPU's fused loops
-    stop it from vectorising them (``ratios.k3``).
+    and, written for accuracy near ``δ = 0`` (where ``log((e^{2y} + 1)/2) − y``
+    cancels), ``log cosh y = log1p(2 sinh²(y/2))`` with ``sinh z = u (u + 2) / (2 (u +
+    1))``, ``u = expm1(z)``: every term positive, a few ulp everywhere.
     """
     y = 0.5 * jnp.minimum(jnp.abs(delta), MULT_PROB_LOG_CAP)
     mult = jnp.exp(2.0 * y)
-    small = y < _LOG_COSH_SERIES_BOUND
-    z = jnp.square(jnp.where(small, y, 0.0))
-    series = jnp.full_like(z, _LOG_COSH_COEFFICIENTS[-1])
-    for c in reversed(_LOG_COSH_COEFFICIENTS[:-1]):
-        series = c + z * series
-    js = jnp.where(small, z * series, jnp.log((mult + 1.0) * 0.5) - y)
-    return mult, js
+    u = jnp.expm1(0.5 * y)
+    sinh = u * (u + 2.0) / (2.0 * (u + 1.0))
+    return mult, jnp.log1p(2.0 * sinh * sinh)
 
 
 def effective_sample_size(sum_w: jax.Array, sum_w2: jax.Array, n: jax.Array) -> jax.Array:

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _objective, _reduce, _segments, metrics, ratios, rules, stages
-from offpolicy_jax._reduce import AxisNames, MeanParts, Reduction
+from offpolicy_jax import _objective, metrics, ratios, rules, stages
+from offpolicy_jax import reduction as _reduce
 from offpolicy_jax._validation import (
     as_array,
     as_float_logp,
@@ -40,6 +40,7 @@ from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, correction_parts
 from offpolicy_jax.policy_losses import safe_log_ratio
 from offpolicy_jax.ratios import metric_exp
+from offpolicy_jax.reduction import AxisNames, MeanParts, Reduction
 from offpolicy_jax.registry import SurrogateInput
 from offpolicy_jax.surrogates import reinforce_term, vanilla_tis
 
@@ -105,11 +106,11 @@ def aggregate(
     raw_final, raw_denominator = final_mask, denominator_mask
     final_mask = as_float_mask("final_mask", final_mask)
     denominator_mask = as_float_mask("denominator_mask", denominator_mask)
-    layout = _segments.layout(
+    layout = _reduce.layout(
         _reduce.as_mesh_axes(axis_names), segment_ids, num_segments, final_mask.shape
     )
-    final_mask = _segments.only_segments(layout, final_mask, raw=raw_final)
-    denominator_mask = _segments.only_segments(layout, denominator_mask, raw=raw_denominator)
+    final_mask = _reduce.only_segments(layout, final_mask, raw=raw_final)
+    denominator_mask = _reduce.only_segments(layout, denominator_mask, raw=raw_denominator)
     sums = layout.reduce(
         {
             "loss": _reduce.total(per_token_loss, final_mask),
@@ -194,6 +195,7 @@ def policy_loss_terms(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
 ) -> PolicyLossTerms:
@@ -233,24 +235,14 @@ def policy_loss_terms(
         ref_logp,
         entropy,
     )
-    return _terms(inputs, config, axis_names, num_segments)
+    return _terms(inputs, config, axis_names, num_segments, contiguous_segments)
 
 
-def _terms(inputs: LossInputs, config: LossConfig, axis_names, num_segments) -> PolicyLossTerms:
+def _terms(
+    inputs: LossInputs, config: LossConfig, axis_names, num_segments, contiguous_segments
+) -> PolicyLossTerms:
     axes = _reduce.as_mesh_axes(axis_names)
-    if inputs.segment_ids is not None:
-        # Packed rows: the arguments checked here, so that errors name them, before the
-        # ids are read to choose the path (num_segments alone is refused further on).
-        shape = as_float_logp("logp", inputs.logp).shape
-        _segments.check_segments(inputs.segment_ids, num_segments, shape)
-    # The whole computation under one check of the ids (plainly called without them).
-    return _segments.dispatch(
-        lambda inputs: _pipeline(inputs, config, axes, num_segments),
-        inputs.segment_ids,
-        num_segments,
-        inputs,
-        axes=axes,
-    )
+    return _pipeline(inputs, config, axes, (num_segments, contiguous_segments))
 
 
 class LossInputs(NamedTuple):
@@ -301,16 +293,18 @@ class _Batch:
         return {"old": self.old, "rollout": self.rollout, "theta": self.theta_sg}[name]
 
 
-def _prepare(inputs: LossInputs, config: LossConfig, axes, num_segments) -> _Batch:
-    """Checks the arguments (errors name them) and builds the layout."""
+def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
+    """Checks the arguments (errors name them) and builds the layout; ``packing`` is
+    the static ``(num_segments, contiguous_segments)``."""
     theta, old, rollout, adv, mask = _check_inputs(config, inputs)
-    layout = _segments.layout(axes, inputs.segment_ids, num_segments, theta.shape)
+    num_segments, contiguous = packing
+    layout = _reduce.layout(axes, inputs.segment_ids, num_segments, theta.shape, contiguous)
     if inputs.segment_ids is not None and jnp.shape(inputs.advantages) != theta.shape:
         raise ValueError(
             f"advantages has shape {jnp.shape(inputs.advantages)}; with segment_ids they must "
             f"be per token, {theta.shape} (give each token its sequence's advantage)"
         )
-    mask = _segments.only_segments(layout, mask, raw=inputs.mask)
+    mask = _reduce.only_segments(layout, mask, raw=inputs.mask)
     ref, ent = _check_regularisers(config, theta, inputs.ref_logp, inputs.entropy)
     if inputs.correction_result is not None and not config.reweights:
         raise ValueError(
@@ -451,7 +445,7 @@ def _correct(config: LossConfig, old, b: _Batch, precomputed) -> _Corrected:
         mask,
         reduction=b.reduction,
         axis_names=layout.axes,
-        **_segments.segment_arguments(layout),
+        **_reduce.segment_arguments(layout),
     )
     parts = dict(result.metrics)
     weights, final = _precomputed("config.correction's result", result, mask.shape)
@@ -527,8 +521,8 @@ def _policy_term(
     return out.loss, columns
 
 
-def _pipeline(inputs: LossInputs, config: LossConfig, axes, num_segments) -> PolicyLossTerms:
-    b = _prepare(inputs, config, axes, num_segments)
+def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLossTerms:
+    b = _prepare(inputs, config, axes, packing)
     algo = ALGORITHMS[config.algorithm]
     c = _corrected(b, config, algo, inputs.correction_result)
     per_token, columns = _policy_term(b, config, algo, c)
@@ -623,6 +617,7 @@ def policy_loss_parts(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
@@ -661,7 +656,7 @@ def policy_loss_parts(
         ref_logp,
         entropy,
     )
-    terms = _terms(inputs, config, axis_names, num_segments)
+    terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
     return terms.parts, terms.metrics
 
 
@@ -677,6 +672,7 @@ def policy_loss(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -698,7 +694,10 @@ def policy_loss(
       rollout_logp: ``[..., T]`` log π_rollout from the inference engine (may be
         None only for plain ``ppo`` without correction or mismatch metrics).
       advantages: ``[..., T]`` per token or ``[...]`` per sequence.
-      mask: ``[..., T]`` bool or 0/1 float; 1 = token is trained on.
+      mask: ``[..., T]`` bool, 0/1 integers, or floats; > 0 = token is trained on. A
+        float value is the token's weight in every sum (so a uniform 0.5 mask gives the
+        same mean losses as 1); an integer mask must be 0/1 (a concrete one holding
+        another value raises ``ValueError``); docs/semantics.md §0.
       config: a :class:`LossConfig` (static: hashable).
       axis_names: mesh axes to ``psum`` over inside ``shard_map`` (see
         :func:`~offpolicy_jax.compute_correction`).
@@ -711,6 +710,9 @@ def policy_loss(
         sequence per row.
       num_segments: ``K``, a static int, the most sequences a row may hold; given
         exactly when ``segment_ids`` is.
+      contiguous_segments: static; the promise that every row is laid out as
+        :func:`~offpolicy_jax.pack_sequences` does (see
+        :func:`~offpolicy_jax.compute_correction`): a faster exact path on CPU.
       ref_logp: ``[..., T]`` log π_ref of the sampled tokens (stop-gradient), for the
         KL-to-reference term (``config.kl_coef``, ``kl_estimator``, ``kl_off_policy``;
         docs/semantics.md §5.2); required when ``kl_coef > 0``, else it only adds the
@@ -750,6 +752,6 @@ def policy_loss(
         ref_logp,
         entropy,
     )
-    terms = _terms(inputs, config, axis_names, num_segments)
+    terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
     loss, parts = terms.parts, terms.metrics
     return loss.value().astype(jnp.float32), metrics.finalize(parts)

@@ -26,12 +26,13 @@ ratio denominator, aggregation, metrics, packing, sharding) is the same for all.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+
+from offpolicy_jax._messages import close_match, shown
 
 __all__ = [
     "NoParams",
@@ -77,7 +78,7 @@ class SurrogateInput(NamedTuple):
         with ``applies_weights=True`` (then it folds them in itself, as GMPO does).
       layout: the per-sequence seam: ``layout.reduce({name: Column})`` gives
         per-sequence sums (rows, or packed segments), ``layout.broadcast`` maps them
-        back to tokens; see :mod:`offpolicy_jax._reduce`.
+        back to tokens; see :mod:`offpolicy_jax.reduction`.
     """
 
     logp: jax.Array
@@ -151,7 +152,9 @@ def register_surrogate(
         with defaults, or whose names clash with ``LossConfig``'s fields.
     """
     if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"register_surrogate: name must be an identifier string, got {name!r}")
+        raise ValueError(
+            f"register_surrogate: name must be an identifier string, got {shown(name)}"
+        )
     if name in _REGISTRY and not replace:
         raise ValueError(
             f"register_surrogate: {name!r} is already registered; pass replace=True to replace it"
@@ -205,9 +208,9 @@ def lookup(name: Any, owner: str = "LossConfig.policy_loss") -> Surrogate:
     hint = ""
     if isinstance(name, str):
         close = [k for k in known if k.startswith(name)] if name else []
-        close = close or difflib.get_close_matches(name, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"{owner} must be one of {known}, got {name!r}{hint}")
+        close = close or [c for c in [close_match(name, known)] if c]
+        hint = f" (did you mean {shown(close[0])}?)" if close else ""
+    raise ValueError(f"{owner} must be one of {known}, got {shown(name)}{hint}")
 
 
 def hyperparameter_owners() -> dict[str, tuple[str, ...]]:
@@ -240,8 +243,9 @@ def build_params(name: str, values: Mapping[str, Any], base: Any = None) -> Any:
       An instance of the surrogate's params class (validated by it).
 
     Raises:
-      ValueError: a hyperparameter of another surrogate, an unknown keyword (with a
-        did-you-mean hint), or a bad value (from the params class).
+      ValueError: a hyperparameter of another surrogate, or a bad value (from the
+        params class).
+      TypeError: an unknown keyword (with a did-you-mean hint).
     """
     entry = lookup(name)
     values = dict(values)
@@ -271,11 +275,13 @@ def build_params(name: str, values: Mapping[str, Any], base: Any = None) -> Any:
                     f"{name!r}; leave it None"
                 )
         else:
-            allowed = sorted(set(_RESERVED) | set(owners) | set(UNIVERSAL_KEYS))
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(
-                f"unknown LossConfig key {key!r}{hint} (allowed keys: {', '.join(allowed)})"
+            # As Python's own error for an unknown keyword (configs' keyword_hints).
+            allowed = sorted(set(_RESERVED) - {"params"} | set(owners) | set(UNIVERSAL_KEYS))
+            close = close_match(str(key), allowed)
+            hint = f"; did you mean {shown(close)}?" if close else ""
+            raise TypeError(
+                f"LossConfig() got an unexpected keyword argument {shown(key)}{hint} "
+                f"(allowed: {', '.join(allowed)})"
             )
     return entry.params(**start)
 

@@ -49,7 +49,8 @@ def diagnose(
     """Analyses a log-prob dump; returns the report dict and writes it to ``out`` if given.
 
     Args:
-      inputs: file paths or globs (``.npz``, ``.parquet``, ``.jsonl``).
+      inputs: file paths or globs (``.npz``, ``.parquet``, ``.jsonl``), or dump folders
+        (the demo's ``--dump-logprobs`` folder or its ``index.json``: the files listed).
       out: output directory for ``report.md``, ``report.json``, ``recommended.yaml`` and
         the PNG plots; None writes nothing.
       old_col, rollout_col, mask_col: Parquet/JSONL column names.
@@ -98,7 +99,29 @@ def diagnose(
     finally:
         if bar is not None:
             bar.close()
+    _check_something_to_diagnose(acc.totals)
     result = report.build(acc, [str(p) for p in paths])
+    locators = {str(p): readers.row_locator(p) for p in paths}
+    for item in result["worst_sequences"] + result["worst_tokens"]:
+        item.update(locators[item["file"]](item["row"]))  # step and row, not a flat row
     if out is not None:
         report.write(result, Path(out))
     return result
+
+
+def _check_something_to_diagnose(totals: dict[str, int]) -> None:
+    """A dump without one valid sequence (every one empty, or with a NaN/inf log-prob at
+    a valid token) has metrics of 0, which read as "no mismatch": refuse to recommend."""
+    valid = totals["sequences"] - totals["nonfinite_sequences"]
+    if valid > 0:
+        return
+    if totals["sequences"] == 0:
+        raise DiagnoseError(
+            "nothing to diagnose: every sequence is empty (no token has mask > 0); check "
+            "--mask-col and the mask values"
+        )
+    raise DiagnoseError(
+        f"nothing to diagnose: all {totals['sequences']:,} non-empty sequences have NaN/inf "
+        f"log-probs at valid tokens ({totals['nonfinite_tokens']:,} tokens); the dump's "
+        "log-probs are broken, not mismatched"
+    )
