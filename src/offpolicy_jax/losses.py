@@ -525,8 +525,8 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
     b = _prepare(inputs, config, axes, packing)
     algo = ALGORITHMS[config.algorithm]
     c = _corrected(b, config, algo, inputs.correction_result)
-    per_token, columns = _policy_term(b, config, algo, c)
-    columns |= {
+    per_token, policy_columns = _policy_term(b, config, algo, c)
+    columns = {
         "count": _reduce.count(c.mask),
         "mask_count": _reduce.count(b.mask),
         "bad_model": _reduce.count_where(b.bad_model, b.mask),
@@ -539,6 +539,9 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
             if x is not None:
                 bad_logp = bad_logp | ~jnp.isfinite(x)
         columns["bad_logp"] = _reduce.count_where(bad_logp, b.mask)
+    # The clip indicators are taken beside "loss" (below): both read the ratio.
+    clip_keys = ("pg_clipfrac", "pg_clipfrac_lower")
+    columns |= {k: v for k, v in policy_columns.items() if k not in clip_keys}
     # KL-to-reference and entropy join the policy term per token: one sum, one
     # aggregation, the same final mask.
     kl_denominator = b.policy(algo.ratio or "old")
@@ -556,6 +559,7 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
             per_token = per_token - config.entropy_coef * regularisers["entropy"]
     if per_token is not pg_per_token:
         columns["pg_loss"] = _reduce.total(pg_per_token, c.mask)
+    columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
     columns["loss"] = _reduce.total(per_token, c.mask)
     return _aggregated(b, config, per_token, c, b.layout.reduce(columns))
 
