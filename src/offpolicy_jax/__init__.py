@@ -22,6 +22,7 @@ from offpolicy_jax.metrics import finalize as finalize_metrics
 from offpolicy_jax.packing import PackedSequences, pack_sequences, unpack_sequences
 from offpolicy_jax.ratios import METRIC_LOG_CAP
 from offpolicy_jax.reduction import MeanParts, MeshAxes
+from offpolicy_jax.registry import SurrogateInput, SurrogateTerms, register_surrogate
 from offpolicy_jax.surrogates import PPOTerms, ppo_surrogate
 
 __version__ = "0.1.0"
@@ -37,6 +38,8 @@ __all__ = [
     "PPOTerms",
     "PolicyLossTerms",
     "PackedSequences",
+    "SurrogateInput",
+    "SurrogateTerms",
     "VanillaTIS",
     "aggregate",
     "compute_correction",
@@ -46,6 +49,7 @@ __all__ = [
     "policy_loss_parts",
     "policy_loss_terms",
     "ppo_surrogate",
+    "register_surrogate",
     "token_logprobs",
     "token_logprobs_from_hidden",
     "unpack_sequences",

@@ -143,7 +143,7 @@ def row(name: str) -> Algorithm:
     algo = ALGORITHMS[base]
     if not overrides:
         return algo
-    fields = [f.name for f in dataclasses.fields(opj.LossConfig)]
+    fields = list(opj.LossConfig.keys())  # its fields and every surrogate's hyperparameters
     changes: dict = {}
     for item in overrides:
         key, eq, text = item.partition("=")
