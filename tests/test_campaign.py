@@ -555,12 +555,26 @@ def test_masks_other_than_0_1(batch, config, values, scale):
         loss_vg(logp, old, rollout, adv, values, config=config),
         loss_vg(logp, old, rollout, adv, members.astype(np.int32), config=config),
     )
-    # A float mask weights its tokens: a uniform scale leaves every mean unchanged.
-    if config.aggregation in ("token_mean", "sequence_mean", "row_mean"):
+    # A float mask weights its tokens in every sum: a uniform scale leaves every mean
+    # unchanged, but not a sum (the sequence-level log-ratio Σ δ m, seq_sum_* criteria).
+    if config.aggregation in ("token_mean", "sequence_mean", "row_mean") and not _sums_mask(
+        config.correction
+    ):
         ones = members.astype(np.float32)
         (loss, _), _ = loss_vg(logp, old, rollout, adv, ones, config=config)
         (scaled, _), _ = loss_vg(logp, old, rollout, adv, ones * scale, config=config)
         assert_close(scaled, loss, rtol=1e-5, atol=1e-6)
+
+
+def _sums_mask(correction) -> bool:
+    """Whether a correction decides on a mask-weighted sum (docs/semantics.md §0)."""
+    if not isinstance(correction, opj.CorrectionConfig) or not correction.use_tis:
+        return False
+    return (
+        correction.tis_level == "sequence"
+        or (correction.use_rs and correction.rs_level == "sequence")
+        or any(spec.startswith("seq_sum_") for spec in correction.rs_criteria)
+    )
 
 
 VERL_OPTIONS = (*criteria.KL_CRITERIA, "binary_kl", "seq_max_k1", "token_k4", "")
