@@ -57,6 +57,8 @@ def test_int64_segment_ids_beyond_int32_raise_instead_of_wrapping():
     wide[:, -2:] = 2**32 + 1  # would wrap to segment 1 in int32
     with pytest.raises(ValueError, match="segment_ids holds ids outside int32"):
         opj.compute_correction(old, rollout, mask, MIS, segment_ids=wide, num_segments=3)
+    with pytest.raises(ValueError, match="segment_ids holds ids outside int32"):  # a list
+        opj.compute_correction(old, rollout, mask, MIS, segment_ids=wide.tolist(), num_segments=3)
 
 
 # --------------------------------------------------------------------------- masks
@@ -239,6 +241,8 @@ def test_int64_token_ids_beyond_int32_raise_instead_of_wrapping():
     wide = np.array([[2**32 + 1]], np.int64)  # wrapped to 1: -1.204 instead of NaN
     with pytest.raises(ValueError, match="tokens holds ids outside int32"):
         opj.token_logprobs(_LOGITS, wide)
+    with pytest.raises(ValueError, match="tokens holds ids outside int32"):  # a list
+        opj.token_logprobs(_LOGITS, wide.tolist())
 
 
 # --------------------------------------------------------------------------- diagnose

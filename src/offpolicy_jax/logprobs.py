@@ -64,6 +64,7 @@ DEFAULT_CHUNK_SIZE = 512
 
 
 def _check_tokens(tokens, batch_shape, logits_name: str) -> jax.Array:
+    tokens = _validation.as_array("tokens", tokens)  # a list: named errors, int64 checked
     dtype = jnp.result_type(tokens)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"tokens must be an integer array of token ids, got dtype {dtype}")
