@@ -22,6 +22,7 @@ from offpolicy_jax.losses import (
 from offpolicy_jax.metrics import finalize as finalize_metrics
 from offpolicy_jax.packing import PackedSequences, pack_sequences, unpack_sequences
 from offpolicy_jax.ratios import METRIC_LOG_CAP
+from offpolicy_jax.sampling_support import support_from_csr
 from offpolicy_jax.surrogates import PPOTerms, ppo_surrogate
 
 __version__ = "0.1.0"
@@ -46,6 +47,7 @@ __all__ = [
     "policy_loss_parts",
     "policy_loss_terms",
     "ppo_surrogate",
+    "support_from_csr",
     "token_logprobs",
     "token_logprobs_from_hidden",
     "unpack_sequences",
