@@ -91,7 +91,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import _fusion, _reduce
+from offpolicy_jax import _fusion, _reduce, _validation
 from offpolicy_jax._fusion import INIT as _INIT
 from offpolicy_jax._reduce import _COLLECTIVE, Column, ColumnKey, MeshAxes, Rows
 
@@ -139,7 +139,13 @@ def check_segments(segment_ids, num_segments, shape: tuple[int, ...]) -> jax.Arr
             f"segment_ids has shape {tuple(np.shape(segment_ids))} but the per-token inputs "
             f"have shape {tuple(shape)}; segment_ids must be [..., T] alike"
         )
-    return jnp.asarray(segment_ids).astype(jnp.int32)
+    _validation.check_int32_ids("segment_ids", segment_ids)
+    _validation.check_segment_ids_at_most(segment_ids, int(num_segments))
+    ids = jnp.asarray(segment_ids)
+    if ids.dtype.itemsize > 4 or ids.dtype == jnp.uint32:
+        # Traced wide ids (x64 on): out-of-range ones to padding before the cast can wrap them.
+        ids = jnp.where((ids >= 1) & (ids <= num_segments), ids, 0)
+    return ids.astype(jnp.int32)
 
 
 def in_segment(segment_ids: jax.Array, num_segments: int) -> jax.Array:

@@ -55,10 +55,11 @@ def as_float_logp(name: str, x) -> jax.Array:
 def as_float_mask(name: str, mask) -> jax.Array:
     """Checks a mask and returns float32 weights (docs/semantics.md §0, issue 17 #3).
 
-    An entry that is not > 0 (0, negative, NaN) is padding and becomes 0. A bool or
-    integer entry > 0 is a member with weight exactly 1 (a mask of 2 or 255 scales
-    nothing). A float entry > 0 is a member whose value weights its token in every
-    sum (use 0/1 floats for a plain mask).
+    An entry that is not > 0 (0, negative, NaN) is padding and becomes 0. A bool entry
+    is 0/1; an integer mask must be 0/1 (a concrete one holding another value raises,
+    :func:`check_mask_values`; a traced entry > 0 is a member with weight exactly 1). A
+    float entry > 0 is a member whose value weights its token in every sum (use 0/1
+    floats for a plain mask).
     """
     if mask is None:
         raise ValueError(f"{name} is required but got None")
@@ -70,6 +71,7 @@ def as_float_mask(name: str, mask) -> jax.Array:
         or dtype == jnp.bool_
     ):
         raise TypeError(f"{name} must be a bool, integer or float array, got dtype {dtype}")
+    check_mask_values(name, mask)
     mask = jnp.asarray(mask)
     if mask.ndim < 1:
         raise ValueError(f"{name} must have shape [..., T] (rank >= 1), got a scalar")
@@ -147,3 +149,98 @@ def check_split_over(axis_names: tuple[str, ...], **arrays) -> None:
                 "device of those axes. Name only the axes the batch (or its tokens) is "
                 "sharded over in shard_map's in_specs."
             )
+
+
+# --------------------------------------------------------------- values known eagerly
+#
+# A value check needs the values: under jax.jit they are tracers, and reading them would
+# be a host sync (or impossible). These helpers check what is concrete (NumPy data, a
+# list, an eager jax.Array) and let tracers through; each caller documents what a bad
+# value means under jit.
+
+
+def is_concrete(x) -> bool:
+    """True when ``x``'s values can be read now without tracing (not a tracer, and every
+    shard addressable from this process)."""
+    if isinstance(x, jax.core.Tracer):  # pyright: ignore[reportAttributeAccessIssue]
+        return False
+    if isinstance(x, jax.Array):
+        return x.is_fully_addressable
+    return True
+
+
+def _any(condition) -> bool:
+    """``any(condition)``, reduced on the array's own device: one scalar comes back."""
+    if isinstance(condition, jax.Array):
+        return bool(jnp.any(condition))
+    return bool(np.any(condition))
+
+
+def _xp(x):
+    return jnp if isinstance(x, jax.Array) else np
+
+
+INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
+
+def check_int32_ids(name: str, x) -> None:
+    """Raises ``ValueError`` naming ``name`` if integer ids do not fit in int32.
+
+    The library computes ids in int32 (and JAX, with x64 off, converts int64 data to
+    int32 by wrapping: 2**32 + 1 becomes 1, a silently different id). Only concrete
+    values of a wider integer dtype are read.
+    """
+    dtype = np.dtype(jnp.result_type(x)) if not hasattr(x, "dtype") else np.dtype(x.dtype)
+    if dtype.kind not in "iu" or dtype.itemsize < 4 or dtype == np.int32 or not is_concrete(x):
+        return
+    values = x if isinstance(x, (jax.Array, np.ndarray)) else np.asarray(x)
+    if _any(
+        (values > INT32_MAX) | (values < INT32_MIN) if dtype.kind == "i" else values > INT32_MAX
+    ):
+        raise ValueError(
+            f"{name} holds ids outside int32 [{INT32_MIN}, {INT32_MAX}] (dtype {dtype}); the "
+            "library computes ids in int32, where they would wrap to other ids silently"
+        )
+
+
+def check_mask_values(name: str, mask) -> None:
+    """Raises ``ValueError`` naming ``name`` if a concrete integer mask holds a value other
+    than 0 or 1 (docs/semantics.md §0).
+
+    An integer mask is membership only; a 2 or 255 would read as 1, which is the
+    silent answer to a caller who meant a weight. Bool masks cannot be wrong and float
+    masks are per-token weights (documented); traced masks are not read (under jit an
+    integer entry > 0 is a member with weight 1).
+    """
+    dtype = np.dtype(mask.dtype) if hasattr(mask, "dtype") else np.asarray(mask).dtype
+    if dtype.kind not in "iu" or not is_concrete(mask):
+        return
+    values = mask if isinstance(mask, (jax.Array, np.ndarray)) else np.asarray(mask)
+    if _any((values != 0) & (values != 1)):
+        xp = _xp(values)
+        bad = xp.where((values != 0) & (values != 1), values, 0)
+        example = int(xp.max(bad)) if _any(bad > 0) else int(xp.min(bad))
+        raise ValueError(
+            f"{name} is an integer mask holding {example}: an integer mask must be 0/1 (or "
+            "bool). For per-token loss weights pass a float mask (docs/semantics.md §0)."
+        )
+
+
+def check_segment_ids_at_most(segment_ids, num_segments: int) -> None:
+    """Raises ``ValueError`` if concrete ``segment_ids`` hold an id above ``num_segments``.
+
+    Such an id is padding (docs/semantics.md §10), but a caller who wrote it almost
+    always passed too small a ``num_segments``: the tokens of the last sequences would
+    silently leave the loss. Traced ids are not read: under jit they stay padding.
+    """
+    if not is_concrete(segment_ids):
+        return
+    values = segment_ids if isinstance(segment_ids, (jax.Array, np.ndarray)) else None
+    values = np.asarray(segment_ids) if values is None else values
+    if values.size and _any(values > num_segments):
+        highest = int(_xp(values).max(values))
+        raise ValueError(
+            f"segment_ids holds id {highest} but num_segments is {num_segments}: ids above "
+            "num_segments would be padding, silently leaving the loss. Pass num_segments >= "
+            "the largest id (use 0 or a negative id for padding)."
+        )

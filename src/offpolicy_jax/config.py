@@ -8,16 +8,18 @@ array is touched, with a ``ValueError`` that names the key.
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import functools
 import math
 import os
 import pathlib
 from collections.abc import Callable, Mapping
 from importlib import resources
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import yaml
+
+from offpolicy_jax._messages import close_match, shown
 
 Level = Literal["token", "sequence", "geometric"]
 Mode = Literal["truncate", "clip", "mask", "band", "none"]
@@ -57,7 +59,7 @@ def _check_bool(owner: str, key: str, value: Any) -> bool:
     # silently reading "false" as truthy is exactly the bug this check prevents.
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return bool(value)
-    raise ValueError(f"{owner}.{key} must be true or false, got {value!r}")
+    raise ValueError(f"{owner}.{key} must be true or false, got {shown(value)}")
 
 
 def _check_choice(owner: str, key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -66,9 +68,9 @@ def _check_choice(owner: str, key: str, value: Any, allowed: tuple[str, ...]) ->
     hint = ""
     if isinstance(value, str):
         close = [a for a in allowed if a.startswith(value)] if value else []
-        close = close or difflib.get_close_matches(value, allowed, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"{owner}.{key} must be one of {list(allowed)}, got {value!r}{hint}")
+        close = close or [c for c in [close_match(value, allowed)] if c]
+        hint = f" (did you mean {shown(close[0])}?)" if close else ""
+    raise ValueError(f"{owner}.{key} must be one of {list(allowed)}, got {shown(value)}{hint}")
 
 
 def _check_number(owner: str, key: str, value: Any, *, optional: bool) -> float | None:
@@ -78,24 +80,29 @@ def _check_number(owner: str, key: str, value: Any, *, optional: bool) -> float 
             return None
         raise ValueError(f"{owner}.{key} must be a number, got None")
     if isinstance(value, bool):
-        raise ValueError(f"{owner}.{key} must be a number, got {value!r}")
+        raise ValueError(f"{owner}.{key} must be a number, got {shown(value)}")
     if isinstance(value, str):
+        # float() accepts Python's digit separators ("2_0" is 20.0): not a number here.
+        if "_" in value:
+            raise ValueError(f"{owner}.{key} must be a number, got {shown(value)}")
         try:
             value = float(value)
         except ValueError:
-            raise ValueError(f"{owner}.{key} must be a number, got {value!r}") from None
+            raise ValueError(f"{owner}.{key} must be a number, got {shown(value)}") from None
     try:
         number = float(value)
+    except OverflowError:  # an int beyond float's range (a 401-digit bound)
+        raise ValueError(f"{owner}.{key} must be finite, got {shown(value)}") from None
     except (TypeError, ValueError):
-        raise ValueError(f"{owner}.{key} must be a number, got {value!r}") from None
+        raise ValueError(f"{owner}.{key} must be a number, got {shown(value)}") from None
     if not math.isfinite(number):
-        raise ValueError(f"{owner}.{key} must be finite, got {value!r}")
+        raise ValueError(f"{owner}.{key} must be finite, got {shown(value)}")
     return number
 
 
 def _check_positive(owner: str, key: str, value: float | None) -> None:
     if value is not None and value <= 0:
-        raise ValueError(f"{owner}.{key} must be > 0, got {value!r}")
+        raise ValueError(f"{owner}.{key} must be > 0, got {shown(value)}")
 
 
 # The library computes in float32: a config value is checked as the float32 it becomes,
@@ -109,11 +116,11 @@ def _f32(value: float) -> float:
 
 
 def _check_f32_ratio(
-    owner: str, key: str, value: float | None, *, shown: str | None = None
+    owner: str, key: str, value: float | None, *, label: str | None = None
 ) -> None:
     """A ratio bound must be a normal, finite float32: not 0 (underflow), subnormal or inf.
 
-    Its log is then within ±88.8, representable too. ``shown`` names a derived value
+    Its log is then within ±88.8, representable too. ``label`` names a derived value
     (``1 / tis_upper_bound``) in the message.
     """
     if value is None:
@@ -121,8 +128,27 @@ def _check_f32_ratio(
     as_f32 = _f32(value)
     if not (_F32.tiny <= as_f32 <= _F32.max):
         raise ValueError(
-            f"{owner}.{key}: {shown or key} = {value!r} is {as_f32!r} in float32, the library's "
+            f"{owner}.{key}: {label or key} = {shown(value)} is {as_f32!r} in float32, the library's "
             f"compute dtype; ratio bounds must lie in [{float(_F32.tiny):.4g}, "
+            f"{float(_F32.max):.4g}] (a normal, finite float32)"
+        )
+
+
+def check_f32_coefficient(owner: str, key: str, value: float | None) -> None:
+    """A loss coefficient must be 0 or a normal, finite float32 in magnitude.
+
+    ``1e39`` is ``inf`` in float32 (``inf · 0`` is a NaN gradient) and ``1e-39`` a
+    subnormal that XLA flushes to 0 (a divisor of 0 returned the un-normalised sum):
+    either makes the loss non-finite or wrong on finite inputs. Reusable by every
+    surrogate's hyperparameters.
+    """
+    if value is None or value == 0:
+        return
+    as_f32 = abs(_f32(value))
+    if not (_F32.tiny <= as_f32 <= _F32.max):
+        raise ValueError(
+            f"{owner}.{key} = {shown(value)} is {_f32(value)!r} in float32, the library's "
+            f"compute dtype; it must be 0 or have magnitude in [{float(_F32.tiny):.4g}, "
             f"{float(_F32.max):.4g}] (a normal, finite float32)"
         )
 
@@ -133,35 +159,104 @@ def _check_f32_less(owner: str, message: str, lower: float, upper: float) -> Non
         raise ValueError(f"{owner}: {message} (compared in float32, the compute dtype)")
 
 
+_Config = TypeVar("_Config")
+
+
+def keyword_hints(cls: type[_Config]) -> type[_Config]:
+    """Class decorator for a config dataclass: an unknown keyword argument raises
+    ``TypeError`` with a did-you-mean hint, as the YAML / dict path does, instead of
+    Python's bare ``__init__() got an unexpected keyword argument``.
+
+    Reusable for any dataclass (apply it above ``@dataclasses.dataclass``).
+    """
+    init = cls.__init__
+    allowed = tuple(f.name for f in dataclasses.fields(cls))  # pyright: ignore[reportArgumentType]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for key in kwargs:
+            if key not in allowed:
+                close = close_match(key, allowed)
+                hint = f"; did you mean {close!r}?" if close else ""
+                raise TypeError(
+                    f"{cls.__name__}() got an unexpected keyword argument {shown(key)}{hint} "
+                    f"(allowed: {', '.join(allowed)})"
+                )
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # pyright: ignore[reportAttributeAccessIssue]
+    return cls
+
+
 def _reject_unknown_keys(owner: str, data: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
     for key in data:
         if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = [c for c in [close_match(str(key), allowed)] if c]
+            hint = f"; did you mean {shown(close[0])}?" if close else ""
             raise ValueError(
-                f"unknown {owner} key {key!r}{hint} (allowed keys: {', '.join(allowed)})"
+                f"unknown {owner} key {shown(key)}{hint} (allowed keys: {', '.join(allowed)})"
             )
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (``safe_load``
+    keeps the last silently: a config that says two things means one of them)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)  # pyright: ignore[reportArgumentType]
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: construct_mapping reports it
+                    continue
+                if first is not key_node:
+                    raise ValueError(
+                        f"duplicate YAML key {shown(key)} (line {first.start_mark.line + 1} and "
+                        f"line {key_node.start_mark.line + 1}); give each key once"
+                    )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse_yaml(text: str, owner: str, origin: str) -> Any:
+    """``yaml.safe_load`` with duplicate keys refused and every failure a ``ValueError``."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except ValueError as err:
+        raise ValueError(f"{owner} YAML {origin}: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{owner} YAML {origin} is nested too deeply to be a config") from None
+    except yaml.YAMLError as err:
+        reason = " ".join(str(err).split())
+        raise ValueError(f"{owner} YAML {origin} is not valid YAML: {shown(reason)}") from None
+
+
+def _read_yaml_file(path: pathlib.Path, owner: str) -> str:
+    if path.is_dir():
+        raise IsADirectoryError(f"{owner} YAML path is a directory, not a file: {shown(str(path))}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{owner} YAML file not found: {shown(str(path))}")
+    return path.read_text()
+
+
 def _load_yaml_mapping(source: str | os.PathLike[str], owner: str) -> dict[str, Any]:
-    """Reads a YAML mapping from a path or from YAML text, with ``yaml.safe_load``."""
+    """Reads a YAML mapping from a path or from YAML text (``yaml.safe_load``, with
+    duplicate keys refused)."""
     if isinstance(source, os.PathLike):
-        text = pathlib.Path(source).read_text()
+        text = _read_yaml_file(pathlib.Path(source), owner)
         origin = os.fspath(source)
     elif isinstance(source, str):
         looks_like_text = "\n" in source or ":" in source.split("/")[-1] or "{" in source
         if not looks_like_text or os.path.isfile(source):
-            path = pathlib.Path(source)
-            if not path.is_file():
-                raise FileNotFoundError(f"{owner} YAML file not found: {source!r}")
-            text, origin = path.read_text(), source
+            text, origin = _read_yaml_file(pathlib.Path(source), owner), source
         else:
             text, origin = source, "<yaml text>"
     else:
         raise TypeError(
             f"{owner}.from_yaml expects a path or YAML text, got {type(source).__name__}"
         )
-    data = yaml.safe_load(text)
+    data = _parse_yaml(text, owner, shown(origin) if origin != "<yaml text>" else origin)
     if not isinstance(data, dict):
         raise ValueError(
             f"{owner} YAML {origin} must be a mapping of keys to values, got {type(data).__name__}"
@@ -172,6 +267,7 @@ def _load_yaml_mapping(source: str | os.PathLike[str], owner: str) -> dict[str, 
 # --------------------------------------------------------------------------- correction
 
 
+@keyword_hints
 @dataclasses.dataclass(frozen=True)
 class CorrectionConfig:
     """Rollout-correction settings: the keys of the reference ``mis.yaml``.
@@ -257,13 +353,13 @@ class CorrectionConfig:
         )
         if lower_used and self.tis_lower_bound is None:
             _check_f32_ratio(
-                owner, "tis_upper_bound", self.lower_bound, shown="1 / tis_upper_bound"
+                owner, "tis_upper_bound", self.lower_bound, label="1 / tis_upper_bound"
             )
         self._check_rules(owner)
         if self.tis_mode == "band" and self.lower_bound > self.upper_bound:
             raise ValueError(
                 f"{owner}: tis_lower_bound must be <= tis_upper_bound for tis_mode='band', "
-                f"got {self.lower_bound!r} > tis_upper_bound = {self.upper_bound!r}"
+                f"got {shown(self.lower_bound)} > tis_upper_bound = {shown(self.upper_bound)}"
             )
         if self.tis_mode in ("clip", "mask"):
             source = (
@@ -271,8 +367,8 @@ class CorrectionConfig:
             )
             _check_f32_less(
                 owner,
-                f"tis_lower_bound must be < tis_upper_bound for tis_mode={self.tis_mode!r}, got "
-                f"{source} = {self.lower_bound!r} >= tis_upper_bound = {self.upper_bound!r}",
+                f"tis_lower_bound must be < tis_upper_bound for tis_mode={shown(self.tis_mode)}, got "
+                f"{source} = {shown(self.lower_bound)} >= tis_upper_bound = {shown(self.upper_bound)}",
                 self.lower_bound,
                 self.upper_bound,
             )
@@ -283,7 +379,7 @@ class CorrectionConfig:
             _check_f32_less(
                 owner,
                 f"rs_lower_bound must be < rs_upper_bound, got resolved rs_lower_bound = "
-                f"{self.rs_lower!r} >= rs_upper_bound = {self.rs_upper!r}",
+                f"{shown(self.rs_lower)} >= rs_upper_bound = {shown(self.rs_upper)}",
                 self.rs_lower,
                 self.rs_upper,
             )
@@ -298,17 +394,18 @@ class CorrectionConfig:
             specs = (specs,)
         if not isinstance(specs, (tuple, list)):
             raise ValueError(
-                f"{key} must be a list of 'criterion:threshold' strings, got {specs!r}"
+                f"{key} must be a list of 'criterion:threshold' strings, got {shown(specs)}"
             )
         parsed = [criteria.parse_spec(spec, key) for spec in specs]
         names = [c.name for c in parsed]
         for name in names:
             if names.count(name) > 1:
-                raise ValueError(f"{key} lists {name!r} twice; give each criterion once")
+                raise ValueError(f"{key} lists {shown(name)} twice; give each criterion once")
         object.__setattr__(self, "rs_criteria", tuple(c.spec for c in parsed))
         for name in ("seq_logprob_error_threshold", "m2po_tau"):
             value = _check_number(owner, name, getattr(self, name), optional=True)
             _check_positive(owner, name, value)
+            check_f32_coefficient(owner, name, value)
             object.__setattr__(self, name, value)
         if not self.use_tis:
             for name in ("rs_criteria", "seq_logprob_error_threshold", "m2po_tau"):
@@ -322,7 +419,7 @@ class CorrectionConfig:
         if threshold is not None and threshold < 1.0:
             raise ValueError(
                 f"{owner}.seq_logprob_error_threshold must be >= 1 (exp|δ| >= 1, so a smaller "
-                f"threshold rejects every sequence), got {threshold!r}"
+                f"threshold rejects every sequence), got {shown(threshold)}"
             )
 
     @property
@@ -423,14 +520,15 @@ class CorrectionConfig:
         if name in verl.VERL_PRESETS:
             return cls.from_verl(verl.preset_block(name))
         known = shipped + sorted(verl.VERL_PRESETS)
-        close = difflib.get_close_matches(str(name), known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"preset must be one of {known}, got {name!r}{hint}")
+        close = [c for c in [close_match(str(name), known)] if c]
+        hint = f" (did you mean {shown(close[0])}?)" if close else ""
+        raise ValueError(f"preset must be one of {known}, got {shown(name)}{hint}")
 
 
 # --------------------------------------------------------------------------- VanillaTIS
 
 
+@keyword_hints
 @dataclasses.dataclass(frozen=True)
 class VanillaTIS:
     """The reference's built-in truncated IS: ``w = clip(exp(o - b), clip_low, clip)``.
@@ -451,14 +549,17 @@ class VanillaTIS:
         assert low is not None and high is not None  # optional=False never returns None
         if not 0 <= low < high:
             raise ValueError(
-                f"VanillaTIS requires 0 <= clip_low < clip, got clip_low={low!r}, clip={high!r}"
+                f"VanillaTIS requires 0 <= clip_low < clip, got clip_low={shown(low)}, clip={shown(high)}"
             )
         if not no_cap:
             _check_f32_ratio("VanillaTIS", "clip", high)
         if low != 0:
             _check_f32_ratio("VanillaTIS", "clip_low", low)
         _check_f32_less(
-            "VanillaTIS", f"clip_low must be < clip, got clip_low={low!r}, clip={high!r}", low, high
+            "VanillaTIS",
+            f"clip_low must be < clip, got clip_low={shown(low)}, clip={shown(high)}",
+            low,
+            high,
         )
         object.__setattr__(self, "clip_low", low)
         object.__setattr__(self, "clip", high)
@@ -471,6 +572,7 @@ Correction = CorrectionConfig | VanillaTIS | CorrectionFn | None
 # --------------------------------------------------------------------------- losses
 
 
+@keyword_hints
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """Settings of :func:`~offpolicy_jax.policy_loss` (docs/semantics.md §5).
@@ -573,19 +675,19 @@ class LossConfig:
         if not (0 < self.clip_eps < 1 and 0 < np.float32(one - eps) < one < np.float32(one + eps)):
             raise ValueError(
                 f"{owner}.clip_eps must be in (0, 1), with 0 < 1 - clip_eps < 1 < 1 + clip_eps "
-                f"in float32, got {self.clip_eps!r}"
+                f"in float32, got {shown(self.clip_eps)}"
             )
         if self.clip_eps_high is not None and not (
             self.clip_eps_high > 0 and one < _f32(1 + self.clip_eps_high) <= _F32.max
         ):
             raise ValueError(
                 f"{owner}.clip_eps_high must be > 0 with 1 < 1 + clip_eps_high < inf in float32, "
-                f"got {self.clip_eps_high!r}"
+                f"got {shown(self.clip_eps_high)}"
             )
         if self.dual_clip_c is not None and not one < _f32(self.dual_clip_c) <= _F32.max:
             raise ValueError(
                 f"{owner}.dual_clip_c must be > 1 and finite in float32 (or None), got "
-                f"{self.dual_clip_c!r}"
+                f"{shown(self.dual_clip_c)}"
             )
         self._check_policy_loss()
         self._check_correction()
@@ -601,7 +703,9 @@ class LossConfig:
         for key in ("kl_coef", "entropy_coef"):
             set_(key, _check_number(owner, key, getattr(self, key), optional=False))
         if self.kl_coef < 0:
-            raise ValueError(f"{owner}.kl_coef must be >= 0, got {self.kl_coef!r}")
+            raise ValueError(f"{owner}.kl_coef must be >= 0, got {shown(self.kl_coef)}")
+        for key in ("kl_coef", "entropy_coef", "opsm_delta"):
+            check_f32_coefficient(owner, key, getattr(self, key))
         # A hyperparameter of another surrogate would be silently ignored: refuse it.
         used_by = {
             "tau_pos": ("sapo",),
@@ -625,24 +729,26 @@ class LossConfig:
             if value is not None and loss not in losses:
                 raise ValueError(
                     f"{owner}.{key} is a hyperparameter of policy_loss "
-                    f"{' / '.join(repr(x) for x in losses)}, not of {loss!r}; leave it None"
+                    f"{' / '.join(repr(x) for x in losses)}, not of {shown(loss)}; leave it None"
                 )
             if key != "dual_clip_c":
                 _check_positive(owner, key, value)
+                check_f32_coefficient(owner, key, value)
         set_(
             "loss_scale_factor",
             _check_number(owner, "loss_scale_factor", self.loss_scale_factor, optional=True),
         )
         _check_positive(owner, "loss_scale_factor", self.loss_scale_factor)
+        check_f32_coefficient(owner, "loss_scale_factor", self.loss_scale_factor)
         if self.loss_scale_factor is not None and self.aggregation != "sequence_sum_norm":
             raise ValueError(
                 f"{owner}.loss_scale_factor only applies to aggregation='sequence_sum_norm', "
-                f"not {self.aggregation!r}; leave it None"
+                f"not {shown(self.aggregation)}; leave it None"
             )
         if self.algorithm == "reinforce_is" and loss != "ppo_clip":
             raise ValueError(
                 f"{owner}.policy_loss: algorithm 'reinforce_is' has its own per-token term "
-                f"−sg(w)·A·log π_θ, so policy_loss {loss!r} does not apply; use 'gpg' with "
+                f"−sg(w)·A·log π_θ, so policy_loss {shown(loss)} does not apply; use 'gpg' with "
                 "'bypass_ppo' or 'decoupled_ppo', or leave policy_loss at 'ppo_clip'"
             )
 
@@ -664,7 +770,7 @@ class LossConfig:
         if algorithm in ("decoupled_ppo", "reinforce_is") and not weights_on:
             what = "None" if correction is None else "a CorrectionConfig with use_tis: false"
             raise ValueError(
-                f"LossConfig.correction: algorithm {algorithm!r} needs importance weights "
+                f"LossConfig.correction: algorithm {shown(algorithm)} needs importance weights "
                 f"(a CorrectionConfig with use_tis: true, a VanillaTIS or a callable), got {what}"
             )
         # bypass_ppo takes a rejection-only correction (tis_mode "none", weights 1): its
@@ -673,8 +779,8 @@ class LossConfig:
         if algorithm in ("ppo", "bypass_ppo") and weights_on and not rejects_only:
             instead = "decoupled_ppo" if algorithm == "ppo" else "reinforce_is"
             raise ValueError(
-                f"LossConfig.correction: algorithm {algorithm!r} does not apply importance "
-                f"weights, but the correction enables them; use algorithm={instead!r}, or a "
+                f"LossConfig.correction: algorithm {shown(algorithm)} does not apply importance "
+                f"weights, but the correction enables them; use algorithm={shown(instead)}, or a "
                 "CorrectionConfig with use_tis: false for mismatch metrics only"
             )
 
@@ -773,7 +879,7 @@ class LossConfig:
             if correction.use_tis != use_tis:
                 raise ValueError(
                     f"use_tis={use_tis} contradicts use_tis: {str(correction.use_tis).lower()} "
-                    f"in {os.fspath(custom_config_path)!r}: "
+                    f"in {shown(os.fspath(custom_config_path))}: "
                     + (
                         "the flag enables importance sampling but the YAML only asks for metrics"
                         if use_tis
@@ -860,8 +966,8 @@ class LossConfig:
         loss_mode = actor.get("loss_mode", policy.get("loss_mode", "vanilla"))
         if "loss_mode" in actor and "loss_mode" in policy and policy["loss_mode"] != loss_mode:
             raise ValueError(
-                f"actor.loss_mode {loss_mode!r} contradicts actor.policy_loss.loss_mode "
-                f"{policy['loss_mode']!r}"
+                f"actor.loss_mode {shown(loss_mode)} contradicts actor.policy_loss.loss_mode "
+                f"{shown(policy['loss_mode'])}"
             )
         _check_choice("actor", "loss_mode", loss_mode, tuple(_VERL_LOSS_MODES))
         agg_mode = actor.get("loss_agg_mode", "token-mean")
@@ -896,7 +1002,7 @@ class LossConfig:
         if surrogate == "ppo_clip":
             if clip_c <= 1:
                 raise ValueError(
-                    f"actor.clip_ratio_c must be > 1 (verl's dual-clip constant), got {clip_c!r}"
+                    f"actor.clip_ratio_c must be > 1 (verl's dual-clip constant), got {shown(clip_c)}"
                 )
             fields["dual_clip_c"] = clip_c
         elif surrogate in ("dppo_tv", "dppo_kl"):

@@ -131,7 +131,9 @@ def compute_correction(
       old_logp: ``[..., T]`` log π_old of the sampled tokens (training engine).
         float32, bf16 or fp16 (upcast to float32).
       rollout_logp: ``[..., T]`` log π_rollout reported by the inference engine.
-      mask: ``[..., T]`` bool or 0/1 float; 1 = token is trained on. NaN/inf at
+      mask: ``[..., T]`` bool, 0/1 integers, or floats (a float value weights its
+        token in every sum; a concrete integer mask holding a value other than 0/1
+        raises ``ValueError``; docs/semantics.md §0); > 0 = token is trained on. NaN/inf at
         masked positions of the log-probs never reach any output.
       config: a :class:`CorrectionConfig` (static: hashable).
       reduction: how metrics reduce: ``"sequence"`` (mean over non-empty sequences

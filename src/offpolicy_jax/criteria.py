@@ -29,13 +29,14 @@ that apply them live in :mod:`offpolicy_jax.rules`.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from offpolicy_jax._messages import close_match, shown
 
 LOG_RATIO_CLAMP = 20.0  # S, as ratios.LOG_RATIO_CLAMP (verl's SAFETY_BOUND)
 
@@ -87,8 +88,8 @@ class Criterion(NamedTuple):
 
 
 def _hint(value: str, allowed: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(value, allowed, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    close = [c for c in [close_match(value, allowed)] if c]
+    return f" (did you mean {shown(close[0])}?)" if close else ""
 
 
 def check_criterion_name(name: object, key: str) -> str:
@@ -97,17 +98,22 @@ def check_criterion_name(name: object, key: str) -> str:
         return name
     hint = _hint(name, KL_CRITERIA) if isinstance(name, str) else ""
     raise ValueError(
-        f"{key}: unknown rejection criterion {name!r}{hint}; must be one of {list(KL_CRITERIA)}"
+        f"{key}: unknown rejection criterion {shown(name)}{hint}; must be one of {list(KL_CRITERIA)}"
     )
 
 
 def _number(text: str, key: str, what: str) -> float:
+    if "_" in text:  # float() reads "2_0" as 20.0; in a threshold "_" separates bounds
+        raise ValueError(
+            f"{key}: malformed threshold {shown(what)}: a threshold is 'upper' or "
+            "'lower_upper' (one '_', no digit separators)"
+        )
     try:
         value = float(text)
     except (TypeError, ValueError):
-        raise ValueError(f"{key}: malformed threshold {what!r} (not a number)") from None
+        raise ValueError(f"{key}: malformed threshold {shown(what)} (not a number)") from None
     if not math.isfinite(value):
-        raise ValueError(f"{key}: threshold {what!r} must be finite")
+        raise ValueError(f"{key}: threshold {shown(what)} must be finite")
     return value
 
 
@@ -125,7 +131,7 @@ def parse_threshold(name: str, threshold: object, key: str) -> Criterion:
     """
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
         raise ValueError(
-            f"{key}: threshold of {name!r} must be a number or string, got {threshold!r}"
+            f"{key}: threshold of {shown(name)} must be a number or string, got {shown(threshold)}"
         )
     text = str(threshold).strip()
     aggregate, estimator = name.rsplit("_", 1)
@@ -137,17 +143,21 @@ def parse_threshold(name: str, threshold: object, key: str) -> Criterion:
             hi = _number(text, key, text)
             lo = 1.0 / hi if hi > 0 else hi
         if lo <= 0 or hi <= 0:
-            raise ValueError(f"{key}: thresholds of {name!r} must be positive, got {text!r}")
+            raise ValueError(
+                f"{key}: thresholds of {shown(name)} must be positive, got {shown(text)}"
+            )
         if lo > hi:
-            raise ValueError(f"{key}: thresholds of {name!r} must be lower <= upper, got {text!r}")
+            raise ValueError(
+                f"{key}: thresholds of {shown(name)} must be lower <= upper, got {shown(text)}"
+            )
         return Criterion(name, aggregate, estimator, math.log(lo), math.log(hi), lo, hi)
     if "_" in text:
         raise ValueError(
-            f"{key}: {name!r} takes a single upper bound without '_' (it is >= 0), got {text!r}"
+            f"{key}: {shown(name)} takes a single upper bound without '_' (it is >= 0), got {shown(text)}"
         )
     hi = _number(text, key, text)
     if hi <= 0:
-        raise ValueError(f"{key}: threshold of {name!r} must be positive, got {text!r}")
+        raise ValueError(f"{key}: threshold of {shown(name)} must be positive, got {shown(text)}")
     return Criterion(name, aggregate, estimator, None, hi, None, hi)
 
 
@@ -156,7 +166,7 @@ def parse_spec(spec: object, key: str) -> Criterion:
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(
             f"{key}: each entry must be a string 'criterion:threshold' such as "
-            f"'seq_max_k2:2.5' or 'token_k1:0.5_2.0', got {spec!r}"
+            f"'seq_max_k2:2.5' or 'token_k1:0.5_2.0', got {shown(spec)}"
         )
     name, threshold = (part.strip() for part in spec.split(":", 1))
     return parse_threshold(check_criterion_name(name, key), threshold, key)
@@ -182,7 +192,7 @@ def kl_statistic(delta: jax.Array, estimator: str) -> jax.Array:
         return 0.5 * lam * lam
     if estimator == "k3":
         return jnp.exp(lam) - 1.0 - lam
-    raise ValueError(f"unknown KL estimator {estimator!r}; must be one of {list(ESTIMATORS)}")
+    raise ValueError(f"unknown KL estimator {shown(estimator)}; must be one of {list(ESTIMATORS)}")
 
 
 MULT_PROB_LOG_CAP = 50.0

@@ -696,7 +696,10 @@ def policy_loss(
       rollout_logp: ``[..., T]`` log π_rollout from the inference engine (may be
         None only for plain ``ppo`` without correction or mismatch metrics).
       advantages: ``[..., T]`` per token or ``[...]`` per sequence.
-      mask: ``[..., T]`` bool or 0/1 float; 1 = token is trained on.
+      mask: ``[..., T]`` bool, 0/1 integers, or floats; > 0 = token is trained on. A
+        float value is the token's weight in every sum (so a uniform 0.5 mask gives the
+        same mean losses as 1); an integer mask must be 0/1 (a concrete one holding
+        another value raises ``ValueError``); docs/semantics.md §0.
       config: a :class:`LossConfig` (static: hashable).
       axis_names: mesh axes to ``psum`` over inside ``shard_map`` (see
         :func:`~offpolicy_jax.compute_correction`).

@@ -26,11 +26,11 @@ Every invalid value raises ``ValueError`` naming the verl key, where verl raises
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
 from offpolicy_jax import criteria
+from offpolicy_jax._messages import close_match, shown
 
 VERL_KEYS: tuple[str, ...] = (
     "rollout_is",
@@ -123,10 +123,10 @@ def _key(name: str) -> str:
 def _check_keys(block: Mapping[str, Any]) -> None:
     for key in block:
         if key not in VERL_KEYS:
-            close = difflib.get_close_matches(str(key), VERL_KEYS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = [c for c in [close_match(str(key), VERL_KEYS)] if c]
+            hint = f"; did you mean {shown(close[0])}?" if close else ""
             raise ValueError(
-                f"unknown verl {_OWNER} key {key!r}{hint} (known keys: {', '.join(VERL_KEYS)})"
+                f"unknown verl {_OWNER} key {shown(key)}{hint} (known keys: {', '.join(VERL_KEYS)})"
             )
 
 
@@ -134,11 +134,18 @@ def parse_is_threshold(threshold: Any) -> tuple[float | None, float]:
     """verl's ``rollout_is_threshold``: ``U`` (TIS) or ``"L_U"`` (IcePop) -> ``(L, U)``."""
     key = _key("rollout_is_threshold")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
-        raise ValueError(f"{key} must be a number or a 'lower_upper' string, got {threshold!r}")
+        raise ValueError(
+            f"{key} must be a number or a 'lower_upper' string, got {shown(threshold)}"
+        )
     text = str(threshold).strip()
     if not text:
         raise ValueError(f"{key} must not be an empty string")
     lower: float | None = None
+    if text.count("_") > 1:  # float() would read "2_0" in "0.5_2_0" as 20.0
+        raise ValueError(
+            f"{key}: malformed threshold {shown(threshold)}: 'upper' or 'lower_upper' (one "
+            "'_', no digit separators)"
+        )
     try:
         if "_" in text:
             lower_text, upper_text = text.split("_", 1)
@@ -146,16 +153,16 @@ def parse_is_threshold(threshold: Any) -> tuple[float | None, float]:
         else:
             upper = float(text)
     except ValueError:
-        raise ValueError(f"{key}: malformed threshold {threshold!r}") from None
+        raise ValueError(f"{key}: malformed threshold {shown(threshold)}") from None
     if not all(map(lambda x: x is None or abs(x) != float("inf") and x == x, (lower, upper))):
-        raise ValueError(f"{key}: bounds must be finite, got {threshold!r}")
+        raise ValueError(f"{key}: bounds must be finite, got {shown(threshold)}")
     if upper <= 0:
         raise ValueError(f"{key} upper bound must be positive, got {upper}")
     if lower is not None:
         if lower <= 0:
             raise ValueError(f"{key} lower bound must be positive, got {lower}")
         if lower > upper:
-            raise ValueError(f"{key} lower bound must be <= upper bound, got {threshold!r}")
+            raise ValueError(f"{key} lower bound must be <= upper bound, got {shown(threshold)}")
     return lower, upper
 
 
@@ -168,7 +175,7 @@ def parse_rs(options: Any, threshold: Any) -> tuple[str, ...]:
     rs_key, thr_key = _key("rollout_rs"), _key("rollout_rs_threshold")
     if not isinstance(options, str):
         raise ValueError(
-            f"{rs_key} must be a string (comma-separated options) or null, got {options!r}"
+            f"{rs_key} must be a string (comma-separated options) or null, got {shown(options)}"
         )
     names: list[str] = []
     for part in options.split(","):
@@ -179,24 +186,24 @@ def parse_rs(options: Any, threshold: Any) -> tuple[str, ...]:
         if name not in names:
             names.append(name)
     if not names:
-        raise ValueError(f"{rs_key} must name at least one option, got {options!r}")
+        raise ValueError(f"{rs_key} must name at least one option, got {shown(options)}")
     if threshold is None:
         raise ValueError(
             f"{thr_key} must be explicitly provided when rollout_rs is enabled "
-            f"(rollout_rs={options!r})"
+            f"(rollout_rs={shown(options)})"
         )
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
-        raise ValueError(f"{thr_key} must be a number or a string, got {threshold!r}")
+        raise ValueError(f"{thr_key} must be a number or a string, got {shown(threshold)}")
     if isinstance(threshold, str):
         specs = [part.strip() for part in threshold.split(",") if part.strip()]
     else:
         specs = [str(threshold)]
     if not specs:
-        raise ValueError(f"{thr_key} must contain at least one threshold, got {threshold!r}")
+        raise ValueError(f"{thr_key} must contain at least one threshold, got {shown(threshold)}")
     if len(specs) not in (1, len(names)):
         raise ValueError(
             f"{thr_key} expects either one threshold shared by all options or exactly "
-            f"{len(names)} thresholds to match rollout_rs={options!r}, got {threshold!r}"
+            f"{len(names)} thresholds to match rollout_rs={shown(options)}, got {shown(threshold)}"
         )
     if len(specs) == 1:
         specs = specs * len(names)
@@ -228,17 +235,17 @@ def correction_kwargs(block: Mapping[str, Any]) -> dict[str, Any]:
         if level not in IS_LEVELS:
             hint = ""
             if isinstance(level, str):
-                close = difflib.get_close_matches(level, IS_LEVELS, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                close = [c for c in [close_match(level, IS_LEVELS)] if c]
+                hint = f" (did you mean {shown(close[0])}?)" if close else ""
             raise ValueError(
-                f"{_key('rollout_is')}: invalid value {level!r}{hint}; must be one of "
+                f"{_key('rollout_is')}: invalid value {shown(level)}{hint}; must be one of "
                 f"{list(IS_LEVELS)} or null"
             )
         lower, upper = parse_is_threshold(block.get("rollout_is_threshold", 2.0))
         normalize = block.get("rollout_is_batch_normalize", False)
         if not isinstance(normalize, bool):
             raise ValueError(
-                f"{_key('rollout_is_batch_normalize')} must be true or false, got {normalize!r}"
+                f"{_key('rollout_is_batch_normalize')} must be true or false, got {shown(normalize)}"
             )
         out.update(
             use_tis=True,
@@ -263,7 +270,7 @@ def correction_kwargs(block: Mapping[str, Any]) -> dict[str, Any]:
 def preset_block(name: str) -> dict[str, Any]:
     """The ``rollout_correction`` block of verl's preset ``name`` (a copy)."""
     if name not in VERL_PRESETS:
-        close = difflib.get_close_matches(str(name), tuple(VERL_PRESETS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown verl preset {name!r}{hint}; known: {sorted(VERL_PRESETS)}")
+        close = [c for c in [close_match(str(name), tuple(VERL_PRESETS))] if c]
+        hint = f" (did you mean {shown(close[0])}?)" if close else ""
+        raise ValueError(f"unknown verl preset {shown(name)}{hint}; known: {sorted(VERL_PRESETS)}")
     return dict(VERL_PRESETS[name])

@@ -9,45 +9,20 @@ import argparse
 import shlex
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-PROG = "offpolicy-jax"
+from offpolicy_jax.cli import PROG, fail, typed
+
+_fail = fail
+_severity = typed(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+_fraction = typed(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_positive = typed(float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, no usage dump
-        _fail(message)
-
-
-def _fail(message: str, status: int = 2) -> NoReturn:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    raise SystemExit(status)
-
-
-def _typed(convert, ok, expected: str):
-    """An argparse ``type``: ``convert(text)``, rejected unless ``ok(value)``."""
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
-        return value
-
-    return parse
-
-
-_positive_int = _typed(int, lambda v: v >= 1, "a positive integer")
-_severity = _typed(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
-_fraction = _typed(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
-_positive = _typed(float, lambda v: 0 < v < float("inf"), "a positive number")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from offpolicy_jax import __version__
+def add_parser(sub, positive_int) -> argparse.ArgumentParser:
+    """Registers ``offpolicy-jax demo`` on the subparsers ``sub`` (imports the demo)."""
     from offpolicy_jax.demo.experiment import PRESETS
     from offpolicy_jax.demo.train import (
         ALGORITHMS,
@@ -56,9 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
         TRAINER_LOGPROBS,
     )
 
-    parser = _Parser(prog=PROG, description="offpolicy-jax command line.")
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
         help="train a small RL policy under a training-inference mismatch, once "
@@ -73,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         choices=tuple(PRESETS),
         help="named settings, which the other flags override: default (the comparison of "
-        "README.md's table), collapse (a setting where untruncated or uncorrected training "
-        "collapses; see README.md) (default: default)",
+        "the docs' demo table), collapse (an engine 128 updates behind and a 3x learning "
+        "rate, where mismatched training collapses, truncated IS included; see docs/demo.md) "
+        "(default: default)",
     )
     demo.add_argument(
         "--out",
@@ -83,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="output directory (created; default: demo_out)",
     )
     demo.add_argument(
-        "--steps", type=_positive_int, default=None, help="training steps per run (default 300)"
+        "--steps", type=positive_int, default=None, help="training steps per run (default 300)"
     )
-    demo.add_argument("--seeds", type=_positive_int, default=None, help="seeds per row (default 3)")
+    demo.add_argument("--seeds", type=positive_int, default=None, help="seeds per row (default 3)")
     demo.add_argument(
         "--algorithms",
         default=None,
@@ -141,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--dump-steps",
-        type=_positive_int,
+        type=positive_int,
         default=8,
         metavar="K",
         help="with --dump-logprobs: dump K steps spread evenly over the run, the last "
@@ -153,10 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a seconds-long smoke run (small model and batch, few steps)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from offpolicy_jax.diagnose.cli import add_parser as add_diagnose
-
-    add_diagnose(sub, _positive_int)
-    return parser
+    return demo
 
 
 def _check_writable(out: Path) -> None:
@@ -167,6 +137,11 @@ def _check_writable(out: Path) -> None:
     except OSError as e:
         reason = e.strerror or type(e).__name__
         _fail(f"cannot write to output directory {str(out)!r}: {reason}")
+
+
+def run(args: argparse.Namespace, fail: Callable[[str], NoReturn] = fail) -> int:
+    """Runs the subcommand; ``args.argv`` is the command line (recorded in the outputs)."""
+    return _demo(args, getattr(args, "argv", ["demo"]))
 
 
 def _demo(args: argparse.Namespace, argv: list[str]) -> int:
@@ -303,16 +278,10 @@ def write_dumps(history, directory: Path, command: str = "") -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        _fail("choose a command: demo, diagnose (see offpolicy-jax --help)")
-    if args.command == "diagnose":
-        from offpolicy_jax.diagnose.cli import run as diagnose
+    """``offpolicy-jax ARGV...`` (kept here for older callers; see :mod:`offpolicy_jax.cli`)."""
+    from offpolicy_jax.cli import main as cli_main
 
-        return diagnose(args, _fail)
-    return _demo(args, argv)
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def diagnose(
     """Analyses a log-prob dump; returns the report dict and writes it to ``out`` if given.
 
     Args:
-      inputs: file paths or globs (``.npz``, ``.parquet``, ``.jsonl``).
+      inputs: file paths or globs (``.npz``, ``.parquet``, ``.jsonl``), or dump folders
+        (the demo's ``--dump-logprobs`` folder or its ``index.json``: the files listed).
       out: output directory for ``report.md``, ``report.json``, ``recommended.yaml`` and
         the PNG plots; None writes nothing.
       old_col, rollout_col, mask_col: Parquet/JSONL column names.
@@ -99,6 +100,9 @@ def diagnose(
         if bar is not None:
             bar.close()
     result = report.build(acc, [str(p) for p in paths])
+    locators = {str(p): readers.row_locator(p) for p in paths}
+    for item in result["worst_sequences"] + result["worst_tokens"]:
+        item.update(locators[item["file"]](item["row"]))  # step and row, not a flat row
     if out is not None:
         report.write(result, Path(out))
     return result

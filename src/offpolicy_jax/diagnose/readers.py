@@ -19,12 +19,14 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+INDEX_NAME = "index.json"
+_INDEX_MAX_BYTES = 16 << 20
 DEFAULT_COLUMNS = {"old": "old_log_probs", "rollout": "rollout_log_probs", "mask": "response_mask"}
 NPZ_KEYS = {"old": "old_logp", "rollout": "rollout_logp", "mask": "mask"}
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -53,20 +55,26 @@ class Chunk:
 
 
 def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Paths and globs -> existing readable files, in the order given (globs sorted)."""
+    """Paths, globs and dump folders -> existing readable files, in the order given.
+
+    Globs are sorted. A folder stands for the files its ``index.json`` lists (the
+    demo's ``--dump-logprobs`` folder), else for every dump file in it (sorted); an
+    ``index.json`` given as a file stands for the files it lists.
+    """
     if not inputs:
         raise DiagnoseError("no input files given")
-    paths: list[Path] = []
+    groups: list[list[Path]] = []
     for item in inputs:
         text = os.fspath(item)
         if any(c in text for c in "*?["):
             matches = sorted(glob.glob(text, recursive=True))
             if not matches:
                 raise DiagnoseError(f"no file matches {text!r}")
-            paths.extend(Path(m) for m in matches)
+            groups.extend(_dump_files(Path(m)) for m in matches)
         else:
-            paths.append(Path(text))
-    for path in paths:
+            groups.append(_dump_files(Path(text)))
+    flat = [p for group in groups for p in group]
+    for path in flat:
         if path.is_dir():
             raise DiagnoseError(f"cannot read {str(path)!r}: is a directory")
         try:
@@ -74,7 +82,91 @@ def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
                 pass
         except OSError as e:
             raise DiagnoseError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
-    return paths
+    return flat
+
+
+def _dump_files(path: Path) -> list[Path]:
+    """One input -> its files: a folder or an index -> the dump files, else ``[path]``."""
+    if path.is_dir():
+        index = dump_index(path / INDEX_NAME)
+        if index is not None:
+            return _listed(path / INDEX_NAME, index)
+        files = sorted(
+            p for p in path.iterdir() if p.is_file() and _is_dump(p) and dump_index(p) is None
+        )
+        if not files:
+            raise DiagnoseError(
+                f"{str(path)!r}: no dump files in this folder (expected .npz, .parquet/.pq "
+                "or .jsonl/.json/.ndjson files, or an index.json listing them)"
+            )
+        return files
+    index = dump_index(path)
+    return [path] if index is None else _listed(path, index)
+
+
+def _is_dump(path: Path) -> bool:
+    return path.name.lower().endswith((".npz", *PARQUET_SUFFIXES, *JSONL_SUFFIXES))
+
+
+def _listed(index_path: Path, index: dict) -> list[Path]:
+    files = [index_path.parent / name for names in index["files"].values() for name in names]
+    if not files:
+        raise DiagnoseError(f"{str(index_path)!r}: lists no dump files")
+    return files
+
+
+def dump_index(path: Path) -> dict | None:
+    """The dump index at ``path`` (the demo's ``index.json``: a JSON object whose
+    ``"files"`` maps each row to file names beside it, and ``"steps"`` lists the
+    training steps along the files' first axis), or None if ``path`` is not one."""
+    try:
+        if path.suffix.lower() != ".json" or path.stat().st_size > _INDEX_MAX_BYTES:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict) or not all(
+        isinstance(v, list) and all(isinstance(n, str) for n in v) for v in files.values()
+    ):
+        return None
+    return data
+
+
+def row_locator(path: Path) -> Callable[[int], dict]:
+    """``row -> {"step": ..., "row": ...}``: where a sequence of ``path`` sits in the dump.
+
+    Readers number the sequences of a file by a flat row; an ``.npz`` array ``[K, B, T]``
+    (the demo's: K dumped steps of B sequences) is flattened to ``K·B`` rows. This maps
+    a flat row back to its training step (from the ``index.json`` beside the file, which
+    lists the file and the K steps) and its row within that step, ``{"step": 150,
+    "row": 55, "flat_row": 567}``; without such an index, to its index along the
+    leading axes, ``{"row": [4, 55], "flat_row": 567}``. A file of ``[B, T]`` arrays,
+    Parquet or JSONL keeps its row: ``{"row": 567}``.
+    """
+    shape: tuple[int, ...] = ()
+    if file_format(path) == "npz":
+        try:
+            with np.load(path) as data:
+                shape = tuple(data[NPZ_KEYS["mask"]].shape[:-1])
+        except Exception:  # unreadable: check() reports it
+            shape = ()
+    if len(shape) < 2:
+        return lambda row: {"row": int(row)}
+    index = dump_index(path.parent / INDEX_NAME)
+    steps = index.get("steps") if index is not None else None
+    listed = index is not None and any(path.name in v for v in index["files"].values())
+    if not (listed and isinstance(steps, list) and len(steps) == shape[0]):
+        steps = None
+
+    def locate(row: int) -> dict:
+        where = [int(i) for i in np.unravel_index(int(row), shape)]
+        if steps is None:  # no index: the position along each leading axis
+            return {"row": where, "flat_row": int(row)}
+        rest = where[1] if len(where) == 2 else where[1:]
+        return {"step": steps[where[0]], "row": rest, "flat_row": int(row)}
+
+    return locate
 
 
 def file_format(path: Path) -> str:

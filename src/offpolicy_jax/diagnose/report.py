@@ -252,25 +252,34 @@ def markdown(report: dict) -> str:
     lines += ["", "Quantiles are read off 20-per-decade log bins (±6% of the value)."]
     lines += ["", "## Worst sequences (by |Σ δ|)", ""]
     lines += [
-        "| file | row | tokens | Σ δ | mean δ | max abs δ |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| file | step | row | tokens | Σ δ | mean δ | max abs δ |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for s in report["worst_sequences"][:10]:
         lines.append(
-            f"| {Path(s['file']).name} | {s['row']} | {s['tokens']} | {_g(s['log_ratio'])} | "
+            f"| {Path(s['file']).name} | {_where(s)} | {s['tokens']} | {_g(s['log_ratio'])} | "
             f"{_g(s['geometric_log_ratio'])} | {_g(s['max_abs_token_log_ratio'])} |"
         )
     lines += ["", "## Worst tokens (by |δ|)", ""]
     lines += [
-        "| file | row | position | old logp | rollout logp | δ |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| file | step | row | position | old logp | rollout logp | δ |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for s in report["worst_tokens"][:10]:
         lines.append(
-            f"| {Path(s['file']).name} | {s['row']} | {s['position']} | {_g(s['old_logp'])} | "
+            f"| {Path(s['file']).name} | {_where(s)} | {s['position']} | {_g(s['old_logp'])} | "
             f"{_g(s['rollout_logp'])} | {_g(s['log_ratio'])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _where(item: dict) -> str:
+    """The step and row cells of a worst sequence or token: the training step and the
+    row within it for the demo's dumps, the row (or its index along the leading axes
+    of an ``.npz`` array) otherwise."""
+    row = item["row"]
+    row = ", ".join(map(str, row)) if isinstance(row, list) else str(row)
+    return f"{item.get('step', '–')} | {row}"
 
 
 # --------------------------------------------------------------------------- plots
