@@ -7,7 +7,7 @@ training engine, composed into PPO-family losses. Pure functions, jit/vmap/grad
 and sharding safe.
 """
 
-from offpolicy_jax._reduce import MeanParts, MeshAxes
+from offpolicy_jax._reduce import MaxParts, MeanParts, MeshAxes
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, compute_correction
 from offpolicy_jax.logprobs import token_logprobs, token_logprobs_from_hidden
@@ -32,6 +32,7 @@ __all__ = [
     "CorrectionResult",
     "LossConfig",
     "LossParts",
+    "MaxParts",
     "MeanParts",
     "METRIC_LOG_CAP",
     "MeshAxes",

@@ -139,6 +139,41 @@ class MeanParts:
         return iter((self.numerator, self.denominator))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MaxParts(MeanParts):
+    """A batch maximum kept so that it pools exactly, with ``max`` (not a mean).
+
+    ``numerator`` is the maximum, ``denominator`` how many values it is the maximum
+    of (0: none, and the value is 0). ``a + b`` keeps the larger maximum of the
+    non-empty ones and adds the counts, so micro-batches pooled with ``+`` report the
+    maximum of the whole batch. Pool a dict of metric parts with
+    ``{k: a[k] + b[k] for k in a}``: ``jax.tree.map(jnp.add, ...)`` adds leaves, which
+    would add the maxima.
+
+    Examples:
+      >>> import jax.numpy as jnp, offpolicy_jax as opj
+      >>> a = opj.MaxParts(jnp.float32(3.0), jnp.float32(4.0))
+      >>> b = opj.MaxParts(jnp.float32(5.0), jnp.float32(1.0))
+      >>> float((a + b).value())
+      5.0
+    """
+
+    def value(self) -> jax.Array:
+        return jnp.where(self.denominator > 0, self.numerator, 0.0)
+
+    def __add__(self, other: MeanParts) -> MeanParts:
+        if not isinstance(other, MaxParts):
+            return NotImplemented
+        mine, theirs = self.denominator > 0, other.denominator > 0
+        top = jnp.where(
+            mine & theirs,
+            jnp.maximum(self.numerator, other.numerator),
+            jnp.where(mine, self.numerator, other.numerator),
+        )
+        return MaxParts(top, self.denominator + other.denominator)
+
+
 def safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """``numerator / denominator`` where the denominator is non-zero, else 0.
 

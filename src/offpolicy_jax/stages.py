@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import _reduce, criteria, normalize, ratios
-from offpolicy_jax._reduce import Column, MeanParts, Reduction, Rows
+from offpolicy_jax._reduce import Column, MaxParts, MeanParts, Reduction, Rows
 
 Population = Literal["valid", "kept", "final"]
 _ESS_W, _ESS_N = "_ess_w", "_ess_n"  # batch totals taken with the metrics, then combined
@@ -342,7 +342,10 @@ def run(
             sum_w, sum_w2 = pass2["w"], pass2["w2"]
         parts[_ESS_W] = MeanParts(sum_w, sum_w2)
         parts[_ESS_N] = MeanParts(n_final, n_final)
-    parts = layout.batch_means(parts)
+    # Batch maxima are batch totals already (pmax-ed by their stage): kept as they are.
+    maxima = {k: v for k, v in parts.items() if isinstance(v, MaxParts)}
+    parts = layout.batch_means({k: v for k, v in parts.items() if k not in maxima})
+    parts.update(maxima)
     if weight_stats:
         w_parts, n_parts = parts.pop(_ESS_W), parts.pop(_ESS_N)
         parts["mis_ess"] = EffectiveSampleSize(
