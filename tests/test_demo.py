@@ -260,17 +260,16 @@ def test_console_entry_point_bad_input_has_no_traceback():
     ]
 
 
-def test_readme_results_table_has_the_default_commands_shape():
-    """README.md shows the default command's table: same header (seeds, threshold) and one
-    row per default algorithm, in order (the numbers themselves are measured, not rerun)."""
-    readme = Path(__file__).resolve().parent.parent / "README.md"
-    if not readme.exists():
-        pytest.skip("no README.md beside the tests")
-    head = "## Does it fix my training? (the demo)"
-    text = readme.read_text()
-    assert head in text
+def test_docs_results_table_has_the_default_commands_shape():
+    """docs/demo.md shows the default command's table: same header (seeds, threshold) and
+    one row per default algorithm, in order (the numbers themselves are measured, not rerun)."""
+    page = Path(__file__).resolve().parent.parent / "docs" / "demo.md"
+    if not page.exists():
+        pytest.skip("no docs/demo.md beside the tests")
+    head = "## Results of the default command"
+    text = page.read_text()
+    assert head in text and "offpolicy-jax demo --out demo_out" in text
     section = text.split(head, 1)[1].split("\n## ", 1)[0]
-    assert "offpolicy-jax demo --out demo_out" in section
 
     from offpolicy_jax.demo import report
     from offpolicy_jax.demo.experiment import DemoConfig, History
@@ -284,7 +283,7 @@ def test_readme_results_table_has_the_default_commands_shape():
     i = lines.index(header)
     names = [ln.split("|")[1].strip() for ln in lines[i + 2 : i + 2 + len(cfg.algorithms)]]
     assert names == [f"`{a}`" for a in cfg.algorithms]
-    assert (readme.parent / "docs" / "demo.png").is_file()
+    assert (page.parent / "demo.png").is_file()
 
 
 # --------------------------------------------------------------------------- presets, names

@@ -5,9 +5,7 @@ Each test failed on the code the issue was filed against.
 
 from __future__ import annotations
 
-import pathlib
-import re
-
+import doc_pages
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +13,6 @@ import pytest
 
 import offpolicy_jax as opj
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 METRICS = opj.LossConfig(get_mismatch_metrics=True)
 
 
@@ -172,7 +169,7 @@ def test_veto_without_use_tis_is_documented_as_inactive_and_is():
     np.testing.assert_array_equal(
         opj.compute_correction(old, rollout, np.ones_like(old), vetoing).mask, [[0.0, 0.0]]
     )
-    readme = README.read_text()
+    readme = doc_pages.text()  # README.md and docs/
     d1 = next(line for line in readme.splitlines() if line.startswith("| D1 |"))
     assert "use_tis" in d1, d1
     row = next(line for line in readme.splitlines() if line.startswith("| `rs_veto_threshold`"))
@@ -184,10 +181,10 @@ def test_veto_without_use_tis_is_documented_as_inactive_and_is():
 
 
 def _fp16_readme_block() -> dict:
-    blocks = re.findall(r"<!-- readme-test[^>]*-->\s*```python\n(.*?)```", README.read_text(), re.S)
+    blocks = doc_pages.marked_blocks("doc-test")
     block = next(b for b in blocks if "float16" in b)
     namespace: dict = {}
-    exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(block, "docs/guide/training_step.md", "exec"), namespace)  # noqa: S102 - our docs
     return namespace
 
 

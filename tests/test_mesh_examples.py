@@ -1,4 +1,4 @@
-"""The mesh examples run on 8 CPU devices, and README's "Running on a mesh" shows them verbatim."""
+"""The mesh examples run on 8 CPU devices, and the docs' "Running on a mesh" shows them verbatim."""
 
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ EXAMPLES = ("examples/sharded_train_step.py", "examples/shard_map_loss.py")
 pytestmark = pytest.mark.usefixtures("clear_jax_caches")
 
 
-def _readme_blocks() -> dict[str, str]:
-    text = (ROOT / "README.md").read_text()
+def _doc_blocks() -> dict[str, str]:
+    text = (ROOT / "docs" / "guide" / "mesh.md").read_text()
     return dict(re.findall(r"<!-- mesh-example: (\S+) -->\s*```python\n(.*?)```", text, flags=re.S))
 
 
 @pytest.mark.parametrize("path", EXAMPLES)
-def test_readme_shows_the_example_verbatim(path):
-    blocks = _readme_blocks()
-    assert path in blocks, f'README.md has no "<!-- mesh-example: {path} -->" block'
-    assert blocks[path] == (ROOT / path).read_text(), f"README block differs from {path}"
+def test_docs_show_the_example_verbatim(path):
+    blocks = _doc_blocks()
+    assert path in blocks, f'docs/guide/mesh.md has no "<!-- mesh-example: {path} -->" block'
+    assert blocks[path] == (ROOT / path).read_text(), f"docs block differs from {path}"
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])

@@ -744,17 +744,14 @@ def test_packed_hlo_moves_no_token_data(path):
             assert local not in shape and length not in shape, c["line"][:300]
 
 
-def test_readme_packed_example_runs():
-    import pathlib
-    import re
+def test_docs_packed_example_runs():
+    import doc_pages
 
-    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-    blocks = re.findall(
-        r"<!-- packed-example -->\s*```python\n(.*?)```", readme.read_text(), flags=re.S
-    )
+    page = doc_pages.DOCS / "guide" / "packing.md"
+    blocks = doc_pages.marked_blocks("packed-example", page)
     assert len(blocks) == 1
     namespace: dict = {}
-    exec(compile(blocks[0], str(readme), "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(blocks[0], str(page), "exec"), namespace)  # noqa: S102 - our own docs
     assert np.isfinite(float(namespace["loss"]))
     assert namespace["packed"].segment_ids.max() <= 4
 

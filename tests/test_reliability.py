@@ -6,6 +6,8 @@ caught each class are in tests/test_campaign.py.
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,3 +169,73 @@ def test_coefficients_that_are_not_normal_float32_raise(fields):
     key = next(k for k in fields if k not in ("policy_loss", "aggregation"))
     with pytest.raises(ValueError, match=f"{key} = .* in float32"):
         opj.LossConfig(**fields)
+
+
+def test_one_verl_threshold_for_several_criteria_is_shared_like_verl_and_documented():
+    # verl's _parse_rollout_rs_thresholds repeats a single threshold for every option.
+    shared = opj.CorrectionConfig.from_verl(
+        {"rollout_is": None, "rollout_rs": "seq_max_k2,seq_mean_k3", "rollout_rs_threshold": "2.5"}
+    )
+    assert shared.rs_criteria == ("seq_max_k2:2.5", "seq_mean_k3:2.5")
+    k1 = opj.CorrectionConfig.from_verl(
+        {"rollout_rs": "token_k1,seq_sum_k1", "rollout_rs_threshold": 2.0}
+    )
+    assert k1.rs_criteria == ("token_k1:0.5_2.0", "seq_sum_k1:0.5_2.0")  # hi alone: [1/hi, hi]
+    with pytest.raises(ValueError, match="rollout_rs_threshold"):  # two for three options
+        opj.CorrectionConfig.from_verl(
+            {"rollout_rs": "token_k1,token_k2,token_k3", "rollout_rs_threshold": "2,3"}
+        )
+    with pytest.raises(ValueError, match="rollout_rs_threshold"):  # lo_hi shared with a k3
+        opj.CorrectionConfig.from_verl(
+            {"rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "0.5_2.0"}
+        )
+    # ... and it is documented where a verl user looks.
+    assert "shared by every criterion" in (opj.CorrectionConfig.from_verl.__doc__ or "")
+    semantics = (pathlib.Path(__file__).parents[1] / "docs" / "semantics.md").read_text()
+    assert "a single entry shared\nby every criterion" in semantics
+
+
+# --------------------------------------------------------------------------- token_logprobs
+
+_LOGITS = jnp.log(jnp.array([[[0.5, 0.3, 0.2]]]))
+_TOKEN = jnp.array([[1]])
+
+
+def test_array_top_k_top_p_temperature_follow_vllm_or_refuse():
+    off = float(opj.token_logprobs(_LOGITS, _TOKEN)[0, 0])  # -1.204
+    for k in (0, -1):  # vLLM's "off" per request: was read as top-1 (-inf)
+        got = opj.token_logprobs(_LOGITS, _TOKEN, top_k=jnp.array([[k]]))
+        np.testing.assert_allclose(float(got[0, 0]), off, rtol=1e-6)
+    for p in (0.0, np.nan, 1.5):  # was silently the top-1 support
+        with pytest.raises(ValueError, match="top_p"):
+            opj.token_logprobs(_LOGITS, _TOKEN, top_p=jnp.array([[p]], jnp.float32))
+        traced = jax.jit(lambda p: opj.token_logprobs(_LOGITS, _TOKEN, top_p=p))
+        assert np.isnan(float(traced(jnp.array([[p]], jnp.float32))[0, 0]))
+    for t in (0.0, -1.0, np.nan, np.inf):
+        with pytest.raises(ValueError, match="temperature"):
+            opj.token_logprobs(_LOGITS, _TOKEN, temperature=jnp.array([[t]], jnp.float32))
+        traced = jax.jit(lambda t: opj.token_logprobs(_LOGITS, _TOKEN, temperature=t))
+        assert np.isnan(float(traced(jnp.array([[t]], jnp.float32))[0, 0]))
+
+
+def test_finite_logits_at_small_temperature_do_not_overflow():
+    logits = jnp.array([[[3e38, 1.0, 0.0]]])
+    logp, entropy = opj.token_logprobs(
+        logits, jnp.array([[0]]), temperature=0.5, return_entropy=True
+    )
+    assert float(logp[0, 0]) == 0.0 and float(entropy[0, 0]) == 0.0  # was NaN
+    rng = np.random.default_rng(0)
+    normal = jnp.asarray(rng.normal(0.0, 2.0, (2, 3, 50)), jnp.float32)
+    tokens = jnp.argmax(normal, -1)
+    got = opj.token_logprobs(normal, tokens, temperature=2e-38)
+    np.testing.assert_array_equal(np.asarray(got), 0.0)  # the argmax token, T -> 0
+    with pytest.raises(ValueError, match="temperature"):  # subnormal: flushed to 0
+        opj.token_logprobs(normal, tokens, temperature=1e-38)
+    grad = jax.grad(lambda x: jnp.sum(opj.token_logprobs(x, tokens, temperature=0.5)))(normal)
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
+def test_int64_token_ids_beyond_int32_raise_instead_of_wrapping():
+    wide = np.array([[2**32 + 1]], np.int64)  # wrapped to 1: -1.204 instead of NaN
+    with pytest.raises(ValueError, match="tokens holds ids outside int32"):
+        opj.token_logprobs(_LOGITS, wide)

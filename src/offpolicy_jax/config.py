@@ -545,7 +545,9 @@ class CorrectionConfig:
 
         Takes verl's own keys and values (``rollout_is``, ``rollout_is_threshold`` incl.
         ``"lo_hi"`` IcePop strings, ``rollout_is_batch_normalize``, ``rollout_rs`` incl.
-        comma lists, ``rollout_rs_threshold``); the loss-only keys ``bypass_mode`` and
+        comma lists, ``rollout_rs_threshold``: one entry per ``rollout_rs`` criterion, or a
+        single entry shared by every criterion, as verl's ``_parse_rollout_rs_thresholds``
+        does; docs/semantics.md §8); the loss-only keys ``bypass_mode`` and
         ``loss_type`` are ignored here (``LossConfig.from_verl`` reads them). The mapping
         is in :mod:`offpolicy_jax.verl`. Invalid values raise ``ValueError`` naming the
         verl key.
@@ -906,14 +908,14 @@ class LossConfig:
     ) -> LossConfig:
         """Maps the reference's command-line flags to a :class:`LossConfig`.
 
-        ==========================  =========  ==================
+        ==========================  ===========  ==========================
         ``use_rollout_logprobs``    ``use_tis``  algorithm
-        ==========================  =========  ==================
-        False                       False      ``ppo``
-        True                        False      ``bypass_ppo``
-        False                       True       ``decoupled_ppo``
-        True                        True       ``reinforce_is`` (D9)
-        ==========================  =========  ==================
+        ==========================  ===========  ==========================
+        False                       False        ``ppo``
+        True                        False        ``bypass_ppo``
+        False                       True         ``decoupled_ppo``
+        True                        True         ``reinforce_is`` (D9)
+        ==========================  ===========  ==========================
 
         With ``use_tis`` the correction is the YAML at ``custom_config_path`` (the
         reference ``mis.yaml``) or, without one, the built-in

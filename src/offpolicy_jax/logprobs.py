@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from offpolicy_jax import sampling_support
+from offpolicy_jax import _validation, sampling_support
 from offpolicy_jax._rowchunks import chunks as _chunks
 from offpolicy_jax._rowchunks import loop as _loop
 from offpolicy_jax._rowchunks import vary as _vary
@@ -71,6 +71,8 @@ def _check_tokens(tokens, batch_shape, logits_name: str) -> jax.Array:
     dtype = jnp.result_type(tokens)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"tokens must be an integer array of token ids, got dtype {dtype}")
+    # int64 ids beyond int32 would wrap (x64 off) to another, valid id: refused.
+    _validation.check_int32_ids("tokens", tokens)
     tokens = jnp.asarray(tokens)
     if tokens.shape != tuple(batch_shape):
         raise ValueError(
@@ -103,13 +105,19 @@ def _check_temperature(temperature, batch_shape, *, scalar_only: bool) -> jax.Ar
         isinstance(temperature, np.ndarray | np.generic) and np.ndim(temperature) == 0
     ):
         value = float(temperature)
-        if not (np.isfinite(value) and value > 0):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        if not (np.isfinite(value) and _TINY <= value <= _HUGE):
+            raise ValueError(
+                f"temperature must be a finite number > 0 and a normal float32 (>= {_TINY:.4g}: "
+                f"a subnormal flushes to 0), got {temperature}"
+            )
         return jnp.float32(value)
     dtype = jnp.result_type(temperature)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"temperature must be a float or a float array, got dtype {dtype}")
     temperature = jnp.asarray(temperature, jnp.float32)
+    _refuse_concrete(
+        "temperature", temperature, _bad_temperature, "finite and >= the smallest normal float32"
+    )
     if scalar_only and temperature.ndim != 0:
         raise ValueError(f"temperature must be a scalar here, got shape {temperature.shape}")
     try:
@@ -120,6 +128,28 @@ def _check_temperature(temperature, batch_shape, *, scalar_only: bool) -> jax.Ar
             f"{tuple(batch_shape)}"
         ) from None
     return temperature
+
+
+def _refuse_concrete(name: str, x, invalid, rule: str) -> None:
+    """Raises ``ValueError`` naming ``name`` if a concrete array ``x`` has an entry for
+    which ``invalid`` holds; under jit (a tracer) such an entry gives NaN instead."""
+    if _validation.is_concrete(x) and bool(jnp.any(invalid(x))):
+        raise ValueError(
+            f"{name} must hold values {rule}; got an array with {int(jnp.sum(invalid(x)))} "
+            "entries outside (under jax.jit such an entry makes its log-prob NaN)"
+        )
+
+
+_TINY = float(np.finfo(np.float32).tiny)
+_HUGE = float(np.finfo(np.float32).max)
+
+
+def _bad_temperature(t):
+    return ~(jnp.isfinite(t) & (t >= _TINY))  # a subnormal T flushes to 0 in XLA
+
+
+def _bad_top_p(p):
+    return ~((p > 0) & (p <= 1))  # NaN fails both comparisons
 
 
 def _check_top_k(top_k, batch_shape):
@@ -166,6 +196,7 @@ def _check_top_p(top_p, batch_shape):
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"top_p must be a float or a float array, got dtype {dtype}")
     top_p = jnp.asarray(top_p, jnp.float32)
+    _refuse_concrete("top_p", top_p, _bad_top_p, "in (0, 1] (not NaN)")
     try:
         jnp.broadcast_shapes(top_p.shape, tuple(batch_shape))
     except ValueError:
@@ -198,7 +229,9 @@ def _support(z: jax.Array, top_k, top_p) -> jax.Array:
     z_sorted = -jnp.sort(-z, axis=-1)  # descending
     threshold = jnp.full(z.shape[:-1], -jnp.inf, jnp.float32)
     if top_k is not None:
-        k = jnp.clip(jnp.broadcast_to(top_k, z.shape[:-1]), 1, vocab)
+        # An entry <= 0 is vLLM's per-request "off" (-1): every token, like k >= V.
+        k = jnp.broadcast_to(top_k, z.shape[:-1])
+        k = jnp.where(k <= 0, vocab, jnp.minimum(k, vocab))
         threshold = jnp.take_along_axis(z_sorted, (k - 1)[..., None], axis=-1)[..., 0]
         z_sorted = jnp.where(z_sorted >= threshold[..., None], z_sorted, -jnp.inf)
     if top_p is not None:
@@ -206,6 +239,7 @@ def _support(z: jax.Array, top_k, top_p) -> jax.Array:
         inclusive = jnp.cumsum(q, axis=-1)
         exclusive = jnp.concatenate([jnp.zeros_like(inclusive[..., :1]), inclusive[..., :-1]], -1)
         p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), z.shape[:-1])
+        p = jnp.where(_bad_top_p(p), 1.0, p)  # NaN-ed by the caller; keep the rest finite
         # The kept positions of the sorted row are a prefix (exclusive mass is
         # non-decreasing), at least one long; its last value is the cut, and
         # comparing values (not positions) keeps the whole group tied with it.
@@ -245,12 +279,18 @@ def token_logprobs(
       tokens: ``[..., T]`` integer ids of the sampled tokens. An id outside
         ``[0, V)`` gives NaN (see the module docstring); mask such positions.
       temperature: ``> 0``; a Python float, or a float array broadcastable to
-        ``[..., T]`` (e.g. ``[B, 1]`` per-sequence temperatures; its values are not
-        checked).
+        ``[..., T]`` (e.g. ``[B, 1]`` per-sequence temperatures). A concrete array
+        with an entry that is not finite and ``> 0`` raises ``ValueError``; under jit
+        such an entry gives NaN at its positions. The logits are divided after their
+        row maximum is subtracted, so any finite logits and temperature give finite
+        log-probs (the argmax token's tends to 0 as ``T → 0``).
       top_k: ``None`` (off) or an int ``>= 1``, or an integer array broadcastable to
-        ``[..., T]``. ``k >= V`` keeps every token.
+        ``[..., T]``. ``k >= V`` keeps every token; in an array an entry ``<= 0``
+        disables top-k at its positions (vLLM's per-request ``top_k = -1``).
       top_p: ``None`` (off) or a float in ``(0, 1]``, or a float array broadcastable
-        to ``[..., T]``. Applied after top-k, on the renormalised distribution.
+        to ``[..., T]``. Applied after top-k, on the renormalised distribution. A
+        concrete array with an entry outside ``(0, 1]`` (or NaN) raises
+        ``ValueError``; under jit such an entry gives NaN at its positions.
       return_entropy: also return the entropy of the same distribution.
       support: the sampler's exact kept set instead of recomputing it: int
         ``[..., T, K]`` token ids, ``support_pad`` entries are padding (see
@@ -265,8 +305,9 @@ def token_logprobs(
 
     Raises:
       TypeError: float ``tokens``, integer ``logits``, a non-integer ``top_k``.
-      ValueError: rank/shape mismatch, ``top_p`` outside ``(0, 1]``, ``top_k < 1``,
-        ``temperature <= 0``.
+      ValueError: rank/shape mismatch, ``top_p`` outside ``(0, 1]``, a scalar
+        ``top_k < 1``, ``temperature <= 0`` (arrays: where their values are concrete),
+        ``tokens`` of a wider integer dtype holding ids beyond int32.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -290,23 +331,41 @@ def token_logprobs(
     if isinstance(top_p, float) and top_p >= 1.0:
         top_p = None
 
-    z = logits.astype(jnp.float32) / temperature[..., None]
+    # Invalid per-position sampler settings (checked eagerly above; traced values are
+    # not read): NaN at those positions, computed with harmless stand-ins meanwhile.
+    invalid = jnp.broadcast_to(_bad_temperature(temperature), batch_shape)
+    temperature = jnp.where(_bad_temperature(temperature), 1.0, temperature)
+    if top_p is not None and not isinstance(top_p, float):
+        invalid = invalid | jnp.broadcast_to(_bad_top_p(top_p), batch_shape)
+    z = _scaled(logits, temperature)
     if support is not None:
-        return sampling_support.logprobs_over_support(
+        out = sampling_support.logprobs_over_support(
             z, tokens, support, support_pad, return_entropy
         )
+        return jax.tree.map(lambda x: jnp.where(invalid, jnp.nan, x), out)
     if top_k is not None or top_p is not None:
         keep = _support(z, top_k, top_p)
         z = jnp.where(keep, z, -jnp.inf)
     lse = jax.nn.logsumexp(z, axis=-1)
-    logp = _gather_target(z, tokens) - lse
+    logp = jnp.where(invalid, jnp.nan, _gather_target(z, tokens) - lse)
     if not return_entropy:
         return logp
     shifted = z - lse[..., None]
     prob = jnp.exp(shifted)
     # 0 * (-inf) would be NaN for tokens outside the support.
     entropy = -jnp.sum(jnp.where(prob > 0, prob * shifted, 0.0), axis=-1)
-    return logp, entropy
+    return logp, jnp.where(invalid, jnp.nan, entropy)
+
+
+def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """``(logits − max) / T`` in float32: the row maximum is subtracted *before* dividing,
+    so that finite logits cannot overflow (``3e38 / 0.5`` is inf, and inf − inf NaN;
+    N(0, 2) logits at ``T = 1e-38`` too). Log-probs, entropy and support are invariant
+    to the shift, and it carries no gradient (the shift's derivatives cancel)."""
+    logits = logits.astype(jnp.float32)
+    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # all -inf rows, or a non-finite logit
+    return (logits - peak) / temperature[..., None]
 
 
 def _check_given_support(support, support_pad, batch_shape, top_k, top_p):

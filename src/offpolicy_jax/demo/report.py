@@ -150,7 +150,30 @@ def format_table(history: History, rows: list[dict]) -> str:
             "the row's correction drops, averaged over training."
         ),
     ]
+    log_prob_rows = [r["algorithm"] for r in rows if _reports_log_prob_loss(r["algorithm"])]
+    if log_prob_rows:
+        lines += ["", _LOG_PROB_LOSS_NOTE.format(rows=", ".join(f"`{r}`" for r in log_prob_rows))]
     return "\n".join(lines)
+
+
+#: Surrogates whose per-token loss is ``−sg(w)·A·log π_θ`` (a REINFORCE term).
+LOG_PROB_SURROGATES = ("cispo", "gpg", "dppo_tv", "dppo_kl", "dro")
+
+_LOG_PROB_LOSS_NOTE = (
+    "Note on {rows}: their `loss/pg_loss` in metrics.csv is −sg(w)·A·log π_θ averaged "
+    "(a stop-gradient weight times the REINFORCE term): its gradient is the policy "
+    "gradient, but its value is not an objective that training lowers. It scales with "
+    "log π_θ of the sampled tokens, which goes to 0 as the policy sharpens, so it can rise "
+    "while the reward improves. Judge these rows by the reward columns, not by pg_loss."
+)
+
+
+def _reports_log_prob_loss(name: str) -> bool:
+    try:
+        loss = row(name).loss
+    except ValueError:
+        return False
+    return loss.algorithm == "reinforce_is" or loss.policy_loss in LOG_PROB_SURROGATES
 
 
 #: Colours of rows with LossConfig overrides (``ROW/field=value``), in order of appearance.
