@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import offpolicy_jax as opj
-from offpolicy_jax import _segments, correction, staleness
+from offpolicy_jax import correction, reduction, staleness
 
 GARBAGE = (np.nan, np.inf, -np.inf, 1e30)
 
@@ -244,7 +244,7 @@ def test_micro_batches_pool_exactly_and_the_max_with_max():
             jnp.asarray(mask[rows], jnp.float32),
             cfg,
             reduction="sequence",
-            layout=_segments.layout(opj.MeshAxes(), None, None, old[rows].shape),
+            layout=reduction.layout(opj.MeshAxes(), None, None, old[rows].shape),
             versions=v,
             current_version=c,
         )[2]
@@ -252,7 +252,7 @@ def test_micro_batches_pool_exactly_and_the_max_with_max():
     whole = parts(slice(None))
     first, second = parts(slice(0, 2)), parts(slice(2, None))
     pooled = {k: first[k] + second[k] for k in first}
-    assert isinstance(pooled["mis_staleness_max"], opj.MaxParts)
+    assert isinstance(pooled["mis_staleness_max"], staleness.MaxParts)
     for key, value in whole.items():
         np.testing.assert_allclose(pooled[key].value(), value.value(), rtol=1e-6, err_msg=key)
     # The maximum is in the second micro-batch only: a mean of the two would be lower.

@@ -407,6 +407,99 @@ def test_loss_config_from_tunix_maps_the_fields():
     assert (gspo.algorithm, gspo.policy_loss, gspo.kl_estimator) == ("ppo", "gspo_token", "k1")
 
 
+# --------------------------------------------------------------------------- the learner
+
+
+class _ByteTokenizer:
+    def encode(self, text, **kwargs):
+        return [b % 61 + 3 for b in text.encode()]
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+    def bos_id(self):
+        return 2
+
+    def eos_id(self):
+        return EOS
+
+    def pad_id(self):
+        return PAD
+
+
+def _learner(model, *, return_logprobs=True, packing=None, **config):
+    import optax
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.rollout import base_rollout
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
+    cluster = rl_cluster_lib.RLCluster(
+        actor=model,
+        tokenizer=_ByteTokenizer(),
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh=dict.fromkeys(roles, mesh),
+            rollout_engine="vanilla",
+            training_config=rl_cluster_lib.RLTrainingConfig(
+                actor_optimizer=optax.sgd(0.0),
+                eval_every_n_steps=1000,
+                max_steps=1,
+                pbar_description=None,
+                max_seq_token_per_tpu=packing,
+                rollout_micro_batch_size=2,  # train() derives these; set for a direct call
+                compute_logps_micro_batch_size=2,
+            ),
+            rollout_config=base_rollout.RolloutConfig(
+                max_tokens_to_generate=5,
+                max_prompt_length=4,
+                kv_cache_size=16,
+                temperature=TEMPERATURE,
+                top_p=1.0,
+                top_k=None,
+                return_logprobs=return_logprobs,
+            ),
+        ),
+    )
+    algo_config = otx.OffPolicyGRPOConfig(num_generations=2, **config)
+    return otx.OffPolicyGRPOLearner(
+        cluster, algo_config, lambda prompts, completions, **kw: [0.0] * len(prompts)
+    )
+
+
+def test_learner_carries_the_samplers_logps(model):
+    """tunix's sampler -> OffPolicyGRPOLearner -> TrainExample: at every valid token the
+    carried log-prob is the sampler's log-prob of *that* token (the same fp32 weights,
+    so it matches the trainer's teacher-forced pass to rounding: any shift would not)."""
+    learner = _learner(model, correction=opj.CorrectionConfig.preset("mis"), trainer_old_logps=True)
+    prompts = np.array(["ab", "ab", "cde", "cde"])
+    example = learner._generate_and_compute_advantage({"prompts": prompts})
+    assert isinstance(example, otx.OffPolicyTrainExample)
+    # Up to the first masked position of each row: a sampled pad id (this random model
+    # draws them) is a hole in tunix's completion_mask, and the trainer's pass then
+    # attends around it while the sampler attended to it, a genuine mismatch.
+    mask = np.cumprod(np.asarray(example.completion_mask) > 0, axis=1).astype(bool)
+    assert mask.sum() >= 8
+    theta = np.asarray(_theta(model, example))
+    carried = np.asarray(example.rollout_per_token_logps)
+    np.testing.assert_allclose(carried[mask], theta[mask], atol=2e-4)
+    np.testing.assert_allclose(
+        np.asarray(example.old_per_token_logps)[mask], theta[mask], atol=2e-5
+    )
+    assert set(otx.metric_keys(learner.algo_config.offpolicy_loss_config)) <= set(
+        learner.rl_cluster.actor_trainer.rl_metrics_to_log
+    )
+
+
+def test_learner_rejects_wiring_that_drops_the_logps(model):
+    mis = opj.CorrectionConfig.preset("mis")
+    with pytest.raises(ValueError, match="return_logprobs=True"):
+        _learner(model, return_logprobs=False, correction=mis)
+    with pytest.raises(ValueError, match="sequence packing"):
+        _learner(model, packing=64, correction=mis)
+    with pytest.raises(TypeError, match="OffPolicyGRPOConfig"):
+        otx.OffPolicyGRPOLearner(None, grpo_learner.GRPOConfig(), [])
+
+
 # --------------------------------------------------------------------------- the example
 
 

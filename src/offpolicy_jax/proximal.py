@@ -26,8 +26,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce
-from offpolicy_jax._reduce import MeanParts
+from offpolicy_jax import reduction as _reduce
+from offpolicy_jax.reduction import MeanParts
 
 METHODS: tuple[str, ...] = ("loglinear", "linear")
 _REL_EPS = 1e-8  # AReaL's _EPSILON in the relative error

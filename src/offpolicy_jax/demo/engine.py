@@ -83,7 +83,7 @@ def generate(
     tokens = task.join(prompts, jnp.zeros_like(prompts))
 
     # Static: only a sampling mismatch reports through token_logprobs, so the other
-    # settings keep their float32 rounding (and README tables) bit for bit.
+    # settings keep their float32 rounding (and the docs' tables) bit for bit.
     sampler = numerics.temperature != 1.0 or numerics.top_p < 1.0
 
     def step(tokens, xs):

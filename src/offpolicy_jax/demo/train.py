@@ -32,7 +32,7 @@ Array = jax.Array
 MISMATCH_SOURCES = ("precision", "stale", "sampling")
 TRAINER_LOGPROBS = ("raw", "sampler")
 #: Default severity per source. The stale default is deliberately severe: in this tiny
-#: problem milder mismatches give smaller gaps (README.md has the numbers).
+#: problem milder mismatches give smaller gaps (docs/demo.md has the numbers).
 DEFAULT_SEVERITY = {"stale": 64.0, "precision": 1.0, "sampling": 1.0}
 MAX_STALENESS = 256
 
