@@ -125,6 +125,14 @@ def test_repeated_ids_count_once_and_custom_pad():
     twice = opj.token_logprobs(logits, jnp.array([[1]]), support=jnp.array([[[1, 0, 1]]]))
     np.testing.assert_allclose(jnp.exp(once), [[0.375]], rtol=1e-6)
     np.testing.assert_allclose(twice, once, rtol=1e-6)
+    # jit and vmap (over a leading axis of logits, tokens and support), bf16 logits.
+    logits3 = jnp.tile(logits, (4, 1, 1)).astype(jnp.bfloat16)
+    support3 = jnp.array([[[0, 1, -1]], [[1, 2, -1]], [[2, -1, -1]], [[0, 2, 1]]])
+    fn = jax.jit(jax.vmap(lambda z, t, s: opj.token_logprobs(z, t, support=s)))
+    got = fn(logits3, jnp.ones((4, 1), int), support3)
+    assert got.dtype == jnp.float32
+    want = [np.log(0.3 / 0.8), np.log(0.3 / 0.5), -np.inf, np.log(0.3)]
+    np.testing.assert_allclose(got[:, 0], want, rtol=1e-2)  # bf16 logits
 
 
 @pytest.mark.parametrize("k", [1, 4, 31])
