@@ -1,1 +1,1 @@
-"""Benchmarks of offpolicy-jax: ``python -m benchmarks.run`` (see README.md, "Performance")."""
+"""Benchmarks of offpolicy-jax: ``python -m benchmarks.run`` (see docs/benchmarks.md)."""

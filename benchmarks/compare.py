@@ -44,8 +44,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 PHASE_1 = "7737661"
 
 
-def load_commit(commit: str, workdir: pathlib.Path) -> tuple[ModuleType, str]:
-    """``src/offpolicy_jax`` at ``commit`` as an importable package (imports renamed)."""
+def load_commit(commit: str, workdir: pathlib.Path, suffix: str = "") -> tuple[ModuleType, str]:
+    """``src/offpolicy_jax`` at ``commit`` as an importable package (imports renamed);
+    ``suffix`` tells apart two copies of one commit loaded into one process."""
     sha = subprocess.run(
         ["git", "rev-parse", "--short", commit],
         cwd=workloads.REPO,
@@ -53,13 +54,15 @@ def load_commit(commit: str, workdir: pathlib.Path) -> tuple[ModuleType, str]:
         capture_output=True,
         text=True,
     ).stdout.strip()
-    name = f"offpolicy_jax_{sha}"
+    name = f"offpolicy_jax_{sha}{suffix}"
     archive = subprocess.run(
         ["git", "archive", sha, "src/offpolicy_jax"],
         cwd=workloads.REPO,
         check=True,
         capture_output=True,
     ).stdout
+    workdir = workdir / name  # a directory of its own: copies do not collide
+    workdir.mkdir()
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         # The "data" filter exists from Python 3.11.4 on; the archive is our own tree.
         if hasattr(tarfile, "data_filter"):
@@ -68,6 +71,7 @@ def load_commit(commit: str, workdir: pathlib.Path) -> tuple[ModuleType, str]:
             tar.extractall(workdir)  # noqa: S202
     package = workdir / name
     shutil.move(workdir / "src" / "offpolicy_jax", package)
+    shutil.rmtree(workdir / "src")
     for path in package.rglob("*.py"):
         text = path.read_text()
         path.write_text(re.sub(r"\boffpolicy_jax\b", name, text))

@@ -58,11 +58,19 @@ def padded_step(config):
     return step
 
 
-def packed_step(config, k):
+def packed_step(config, k, contiguous=False):
     def step(logp, old, rollout, adv, mask, segment_ids):
         def loss(lp):
             return opj.policy_loss(
-                lp, old, rollout, adv, mask, config, segment_ids=segment_ids, num_segments=k
+                lp,
+                old,
+                rollout,
+                adv,
+                mask,
+                config,
+                segment_ids=segment_ids,
+                num_segments=k,
+                contiguous_segments=contiguous,
             )
 
         return jax.value_and_grad(loss, has_aux=True)(logp)
@@ -93,7 +101,10 @@ def measure(batch: int, length: int, args) -> dict:
     runs = {
         "padded": (padded_step(config), padded_args),
         "packed": (packed_step(config, k), packed_args),
+        # pack_sequences' layout keeps the promise (checked): the engine's faster path
+        "contiguous": (packed_step(config, k, True), packed_args),
     }
+    assert bool(opj.reduction.contiguous_rows(packed.segment_ids, k))
     compiled = {name: jax.jit(fn).lower(*a).compile() for name, (fn, a) in runs.items()}
     # the same loss and metrics in both layouts
     loss_padded = float(compiled["padded"](*padded_args)[0][0])
@@ -133,6 +144,11 @@ def measure(batch: int, length: int, args) -> dict:
     out["ratio"] = out["packed"]["ms"] / out["padded"]["ms"]
     out["ratio_min"] = out["packed"]["min_ms"] / out["padded"]["min_ms"]
     out.update(paired_ratio(samples["packed"], samples["padded"]))
+    contiguous = paired_ratio(samples["contiguous"], samples["padded"])
+    out["contiguous_paired_ratio"] = contiguous["paired_ratio"]
+    out["contiguous_paired_quartiles"] = contiguous["paired_quartiles"]
+    for name in ("packed", "contiguous"):
+        out[name]["compile_over_padded"] = out[name]["compile_s"] / out["padded"]["compile_s"]
     return out
 
 
@@ -145,26 +161,43 @@ def markdown(results, command) -> str:
         "",
         "Time per valid token (median of interleaved calls). Target: packed / padded <= 1.5; "
         "*paired*: the median (quartiles) over calls of each packed call's time over the "
-        "padded call beside it; *medians*: the ratio of the two medians (of the two minima).",
+        "padded call beside it; *medians*: the ratio of the two medians (of the two minima). "
+        "*packed*: any segment ids (the exact compare-and-reduce); *contiguous*: the same "
+        "rows with `contiguous_segments=True` (pack_sequences' layout, checked). *compile*: "
+        "cold trace + lower + compile (issue 25: packed <= 1.5x padded).",
         "",
-        "| padded [B, T] | packed [R, T'] | K (mean used) | fill padded / packed "
-        "| padded ms | packed ms | padded ns/valid tok | packed ns/valid tok "
-        "| **packed / padded, paired** | medians (minima) "
-        "| compile s padded / packed | temp MB padded / packed |",
+        "| padded [B, T] | packed [R, T'] | K (mean used) | fill padded / packed | layout "
+        "| ms | ns/valid tok | **packed / padded, paired** | medians (minima) "
+        "| compile s | compile / padded | temp MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        p, q = r["padded"], r["packed"]
-        lines.append(
-            f"| {r['batch']} x {r['length']} | {r['packed_shape'][0]} x {r['packed_shape'][1]} "
-            f"| {r['num_segments']} ({r['segments_per_row']:.1f}) "
-            f"| {r['padded_fill']:.2f} / {r['packed_fill']:.2f} "
-            f"| {p['ms']:.2f} | {q['ms']:.2f} "
-            f"| {p['ns_per_valid_token']:.2f} | {q['ns_per_valid_token']:.2f} "
-            f"| {paired_cell(r)} | {r['ratio']:.2f} ({r['ratio_min']:.2f}) "
-            f"| {p['compile_s']:.2f} / {q['compile_s']:.2f} "
-            f"| {p['temp_mb']:.1f} / {q['temp_mb']:.1f} |"
-        )
+        shape = f"{r['packed_shape'][0]} x {r['packed_shape'][1]}"
+        for name in ("padded", "packed", "contiguous"):
+            q = r[name]
+            if name == "padded":
+                paired, medians, over = "–", "–", "1"
+            elif name == "packed":
+                paired = paired_cell(r)
+                medians = f"{r['ratio']:.2f} ({r['ratio_min']:.2f})"
+                over = f"{q['compile_over_padded']:.2f}"
+            else:
+                paired = paired_cell(
+                    {
+                        "paired_ratio": r["contiguous_paired_ratio"],
+                        "paired_quartiles": r["contiguous_paired_quartiles"],
+                    }
+                )
+                medians = f"{q['ms'] / r['padded']['ms']:.2f} "
+                medians += f"({q['min_ms'] / r['padded']['min_ms']:.2f})"
+                over = f"{q['compile_over_padded']:.2f}"
+            lines.append(
+                f"| {r['batch']} x {r['length']} | {shape} "
+                f"| {r['num_segments']} ({r['segments_per_row']:.1f}) "
+                f"| {r['padded_fill']:.2f} / {r['packed_fill']:.2f} | {name} "
+                f"| {q['ms']:.2f} | {q['ns_per_valid_token']:.2f} | {paired} | {medians} "
+                f"| {q['compile_s']:.2f} | {over} | {q['temp_mb']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

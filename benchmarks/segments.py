@@ -1,10 +1,10 @@
 """How to sum per segment: ``python -m benchmarks.segments [--size 64x2048] [--segments 8]``.
 
-The evidence behind ``offpolicy_jax._segments``: per-segment sums ``[B, T] -> [B, K]``
+The evidence behind ``offpolicy_jax.reduction.segments``: per-segment sums ``[B, T] -> [B, K]``
 of ``C`` columns (cheap ones, ``x·y + i``, and ones holding an ``exp``, as the
 mismatch metrics do), forward and forward + backward, for every way of writing
 them, against the one-sequence-per-row reduction of the same columns
-(``_reduce.Rows.reduce``, ``[B, T] -> [B]``). Times are the minimum over
+(``reduction.Rows.reduce``, ``[B, T] -> [B]``). Times are the minimum over
 ``--repeats`` calls, the variants interleaved call by call so that a busy machine
 slows them alike; temp memory is XLA's compiled temporary allocation.
 
@@ -12,11 +12,11 @@ Variants:
 
 * ``row``: the unpacked layout's fused reduction (the baseline);
 * ``fused_compare``: the library's choice: ``[B, K, T]`` compare-and-select
-  operands, reduced by ``_fusion``'s chunked variadic loop, custom JVP;
+  operands, reduced by ``reduction.fused_cpu``'s chunked variadic loop, custom JVP;
 * ``materialized``: the same after writing the column values once
   (``optimization_barrier``), so that an ``exp`` is not evaluated K times;
 * ``per_segment_loop``: K operands per column (``where(id == k, x, 0)``) in
-  ``_fusion``'s grouped variadic loops;
+  ``reduction.fused_cpu``'s grouped variadic loops;
 * ``jnp_sum``: ``jnp.sum`` of the ``[B, K, T]`` select (a library kernel);
 * ``einsum``: one-hot ``[B, T, K]`` indicator, ``einsum`` with the stacked columns;
 * ``segment_sum``: ``jax.ops.segment_sum`` over flattened (row, segment) ids.
@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import _reduce, _segments
-from offpolicy_jax._reduce import MeshAxes
+from offpolicy_jax import reduction as _reduce
+from offpolicy_jax.reduction import MeshAxes
+from offpolicy_jax.reduction.columns import operand
 
 
 def make_inputs(batch: int, length: int, k: int, seed: int = 0):
@@ -66,20 +67,18 @@ def variants(k: int, n: int, kind: str):
         return _reduce.Rows(MeshAxes()).reduce(columns(x, y, pop, n, kind))
 
     def fused_compare(x, y, ids, pop):
-        return _segments.segment_reduce(columns(x, y, pop, n, kind), ids, k, MeshAxes())
+        return _reduce.segment_reduce(columns(x, y, pop, n, kind), ids, k, MeshAxes())
 
     def materialized(x, y, ids, pop):
         cols = columns(x, y, pop, n, kind)
-        values = jax.lax.optimization_barrier(
-            tuple(_reduce._operand(c, x.shape) for c in cols.values())
-        )
+        values = jax.lax.optimization_barrier(tuple(operand(c, x.shape) for c in cols.values()))
         plain = {name: _reduce.total(v, 1.0) for name, v in zip(cols, values, strict=True)}
-        return _segments.segment_reduce(plain, ids, k, MeshAxes())
+        return _reduce.segment_reduce(plain, ids, k, MeshAxes())
 
     def per_segment_loop(x, y, ids, pop):
         cols = columns(x, y, pop, n, kind)
         flat = {
-            (name, s): _reduce.total(jnp.where(ids == s, _reduce._operand(c, x.shape), 0.0), 1.0)
+            (name, s): _reduce.total(jnp.where(ids == s, operand(c, x.shape), 0.0), 1.0)
             for name, c in cols.items()
             for s in range(1, k + 1)
         }
@@ -89,14 +88,14 @@ def variants(k: int, n: int, kind: str):
     def jnp_sum(x, y, ids, pop):
         hit = ids[..., None, :] == jnp.arange(1, k + 1)[:, None]
         return {
-            name: jnp.sum(jnp.where(hit, _reduce._operand(c, x.shape)[..., None, :], 0.0), -1)
+            name: jnp.sum(jnp.where(hit, operand(c, x.shape)[..., None, :], 0.0), -1)
             for name, c in columns(x, y, pop, n, kind).items()
         }
 
     def einsum(x, y, ids, pop):
         cols = columns(x, y, pop, n, kind)
         onehot = (ids[..., None] == jnp.arange(1, k + 1)).astype(jnp.float32)
-        stacked = jnp.stack([_reduce._operand(c, x.shape) for c in cols.values()], -1)
+        stacked = jnp.stack([operand(c, x.shape) for c in cols.values()], -1)
         out = jnp.einsum("btc,btk->bck", stacked, onehot)
         return {name: out[:, i] for i, name in enumerate(cols)}
 
@@ -105,9 +104,7 @@ def variants(k: int, n: int, kind: str):
         flat = (jnp.arange(b, dtype=jnp.int32)[:, None] * (k + 1) + ids).reshape(-1)
         out = {}
         for name, c in columns(x, y, pop, n, kind).items():
-            s = jax.ops.segment_sum(
-                _reduce._operand(c, x.shape).reshape(-1), flat, num_segments=b * (k + 1)
-            )
+            s = jax.ops.segment_sum(operand(c, x.shape).reshape(-1), flat, num_segments=b * (k + 1))
             out[name] = s.reshape(b, k + 1)[:, 1:]
         return out
 

@@ -45,7 +45,9 @@ nb_execution_mode = "off"
 # API reference: one page per public name, documented from its Google-style docstring.
 autosummary_generate = True
 templates_path = ["_templates"]
-autodoc_typehints = "description"
+# The docstrings' Args give each argument's type and shape in words; the annotations
+# (jax.typing.ArrayLike expands to eight types) would only repeat them, less readably.
+autodoc_typehints = "none"
 autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True, "show-inheritance": False}
 napoleon_google_docstring = True
@@ -55,11 +57,6 @@ napoleon_use_rtype = False
 # same attributes are not a second description of them.
 napoleon_use_ivar = True
 
-html_theme = "sphinx_book_theme"
+html_theme = "furo"
 html_title = f"offpolicy-jax {release}"
 html_static_path: list[str] = []
-html_theme_options = {
-    "show_toc_level": 2,
-    "navigation_with_keys": False,
-    "home_page_in_toc": True,
-}

@@ -6,7 +6,7 @@ import re
 # before any test module, in the main process and in every xdist worker, so the
 # setting lands first. Unsharded programs still run on device 0 only.
 # `JAX_NUM_CPU_DEVICES=1 python -m pytest ...` runs the numeric tests on one device,
-# where the CPU fusion takes its single-device paths; the multi-device modules below
+# where the fused CPU reductions take their single-device paths; the multi-device modules below
 # are then skipped (not failed). The fast tier (`-m "not slow"`, which defers every
 # multi-device module) runs on one device unless JAX_NUM_CPU_DEVICES is set: see
 # pytest_configure.
@@ -45,6 +45,10 @@ settings.register_profile(
     max_examples=int(os.environ.get("CAMPAIGN_EXAMPLES", "5000")),
     database=None,  # a thorough run reports its failures; it leaves no files behind
 )
+# The fast tier's cap (4. below): loaded by pytest_configure for a `-m "not slow"` run
+# under the ci profile. Properties with their own count take
+# `@settings(max_examples=strategies.examples(n))`, which this profile caps too.
+settings.register_profile("fast", parent=settings.get_profile("ci"), max_examples=3)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
@@ -82,8 +86,9 @@ def clear_jax_caches():
 #    one-parameter list keeps every case (each value is new), so only the cross products
 #    of values shrink.
 # 4. Hypothesis properties: a run selected with exactly `-m "not slow"` under the ci
-#    profile draws at most FAST_EXAMPLES examples per property (the first ones of the same
-#    derandomised sequence); any other run (CI's full suite, `-m slow`, a single file, the
+#    profile draws at most 3 examples per property (the first ones of the same
+#    derandomised sequence: the "fast" profile); any other run (CI's full suite,
+#    `-m slow`, a single file, the
 #    explore/thorough profiles) keeps each property's own count. Most of a property's cost
 #    is compiling one program per drawn config, so this is where its time goes.
 SLOW_MODULES = frozenset(
@@ -103,7 +108,6 @@ SLOW_MODULES = frozenset(
 )
 CONFORMANCE_STRIDE = 97
 COVER_MIN = 6
-FAST_EXAMPLES = 3
 
 
 def _case_category(case_id: str) -> str:
@@ -144,22 +148,12 @@ def _mark_tiers(items) -> None:
             covered |= values
 
 
-def _cap_examples(items) -> None:
-    for item in items:
-        test = getattr(item.obj, "__func__", item.obj)
-        if not getattr(test, "is_hypothesis_test", False):
-            continue
-        current = getattr(test, "_hypothesis_internal_use_settings", None) or settings()
-        if current.max_examples > FAST_EXAMPLES:
-            test._hypothesis_internal_use_settings = settings(current, max_examples=FAST_EXAMPLES)
-
-
 def _fast_run(config) -> bool:
     return " ".join(config.option.markexpr.split()) == "not slow"
 
 
 def pytest_configure(config):
-    # The fast tier on one CPU device. With no mesh in context, the CPU fusion must
+    # The fast tier on one CPU device. With no mesh in context, the fused CPU reductions must
     # assume that jit may place an unsharded program on any of the backend's devices,
     # so with 8 devices it compiles the partition-safe form of every reduction: about
     # twice the compile time of the single-device form, and compiling is most of the
@@ -170,13 +164,13 @@ def pytest_configure(config):
     if _fast_run(config) and not _DEVICES_CHOSEN:
         os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # subprocesses (the demo CLI) too
         jax.config.update("jax_num_cpu_devices", 1)
+    # Before any test module is imported: their @settings decorators read the profile.
+    if _fast_run(config) and os.environ.get("HYPOTHESIS_PROFILE", "ci") in ("ci", "default"):
+        settings.load_profile("fast")
 
 
 def pytest_collection_modifyitems(config, items):
     _mark_tiers(items)
-    fast_run = _fast_run(config)
-    if fast_run and os.environ.get("HYPOTHESIS_PROFILE", "ci") in ("ci", "default"):
-        _cap_examples(items)
     count = jax.device_count()
     if count >= 8:
         return

@@ -11,10 +11,22 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import offpolicy_jax as opj
+
+FAST_PROFILE = "fast"  # loaded by conftest.py for the fast tier
+
+
+def examples(n: int) -> int:
+    """A property's own example count ``n``; under the fast tier's profile, at most that
+    profile's count (an explicit ``@settings(max_examples=...)`` overrides a profile)."""
+    if settings.get_current_profile_name() == FAST_PROFILE:
+        return min(n, settings.get_profile(FAST_PROFILE).max_examples)
+    return n
+
 
 GARBAGE = (np.nan, np.inf, -np.inf, 1e30, -1e30)
 BATCH, MAX_LEN = 5, 11  # T not a multiple of anything convenient, on purpose

@@ -31,6 +31,11 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def _without(monkeypatch, *names: str) -> None:
     for name in names:
         monkeypatch.setitem(sys.modules, name, None)
+    # A subcommand imported by an earlier test in this process would hide the missing extra.
+    for module in [
+        m for m in sys.modules if m.startswith(("offpolicy_jax.demo", "offpolicy_jax.diagnose"))
+    ]:
+        monkeypatch.delitem(sys.modules, module)
 
 
 def test_import_pulls_in_no_extra():
@@ -74,6 +79,18 @@ def test_diagnose_help_with_its_extra_alone(monkeypatch, capsys):
         cli.main(["diagnose", "--help"])
     assert e.value.code == 0
     assert "usage: offpolicy-jax diagnose" in capsys.readouterr().out
+
+
+def test_command_help_without_any_extra(monkeypatch, capsys):
+    """diagnose lists its options without its extra; the demo's options need the demo
+    (its presets), so its --help names the extra instead of a traceback."""
+    _without(monkeypatch, *EXTRA_PACKAGES)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["diagnose", "--help"])
+    assert e.value.code == 0 and "usage: offpolicy-jax diagnose" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--help"])
+    assert e.value.code == 2 and "[demo]" in capsys.readouterr().err
 
 
 def test_python_dash_m_entry_points():

@@ -9,7 +9,7 @@ import numpy_reference as ref
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import ALL_CORRECTION_CONFIGS, correction_configs, ragged_batches
+from strategies import ALL_CORRECTION_CONFIGS, correction_configs, examples, ragged_batches
 
 import offpolicy_jax as opj
 
@@ -48,7 +48,7 @@ def assert_matches_reference(batch, config, reduction):
         )
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(
     batch=ragged_batches(),
     config=correction_configs,

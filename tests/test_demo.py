@@ -295,6 +295,24 @@ def test_docs_results_table_has_the_default_commands_shape():
     assert (page.parent / "demo.png").is_file()
 
 
+def test_table_notes_the_reported_loss_of_log_prob_surrogates():
+    """Rows whose loss is −sg(w)·A·log π_θ (CISPO, REINFORCE-IS, ...) get a note that their
+    pg_loss is not an objective (it rises while they train); PPO-clip rows do not."""
+    from offpolicy_jax.demo import report
+    from offpolicy_jax.demo.experiment import DemoConfig, History
+
+    def note(rows):
+        cfg = DemoConfig(algorithms=tuple(rows))
+        zeros = np.zeros((cfg.steps, cfg.seeds))
+        fake = History(cfg, {a: dict.fromkeys(report.METRICS, zeros) for a in rows}, 0.0)
+        table = report.format_table(fake, report.summarize(fake))
+        return [line for line in table.splitlines() if line.startswith("Note on")]
+
+    assert note(["ppo", "decoupled_ppo+mis", "decoupled_ppo+mis/gspo"]) == []
+    [line] = note(["ppo", "decoupled_ppo+mis/cispo", "reinforce_is+mis"])
+    assert "`decoupled_ppo+mis/cispo`, `reinforce_is+mis`" in line and "rise" in line
+
+
 # --------------------------------------------------------------------------- presets, names
 
 

@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 MODULES = [
-    "offpolicy_jax._reduce",
+    "offpolicy_jax.reduction.means",
     "offpolicy_jax.config",
     "offpolicy_jax.correction",
     "offpolicy_jax.losses",

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
-from strategies import ragged_batches
+from strategies import examples, ragged_batches
 
 import offpolicy_jax as opj
 
@@ -107,7 +107,7 @@ def _args(batch, *, old=True):
     )
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(
     batch=ragged_batches(), config=loss_configs, reduction=st.sampled_from(["sequence", "token"])
 )
@@ -295,7 +295,7 @@ def _clean(batch):
     }
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(batch=ragged_batches(), config=loss_configs)
 def test_padding_garbage_never_leaks_into_loss_or_gradient(batch, config):
     vg = _value_and_grad(config)
@@ -308,7 +308,7 @@ def test_padding_garbage_never_leaks_into_loss_or_gradient(batch, config):
         assert float(metrics[key]) == float(metrics_c[key]), key
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(batch=ragged_batches(batch=6), config=loss_configs, data=st.data())
 def test_micro_batch_pooling_equals_full_batch(batch, config, data):
     cuts = sorted(data.draw(st.sets(st.integers(1, 5), min_size=1, max_size=3)))

@@ -14,11 +14,12 @@ import packing_cases as pc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import examples
 
 import offpolicy_jax as opj
-from offpolicy_jax import _reduce, _segments
-from offpolicy_jax._reduce import MeshAxes
+from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.packing import segment_positions
+from offpolicy_jax.reduction import MeshAxes
 
 # --------------------------------------------------------------------------- host packer
 
@@ -153,7 +154,7 @@ def test_segment_reduce_matches_numpy(shape, n, num_segments):
 
     def fn(values, population, ids):
         columns = {f"c{i}": _reduce.Column(OPS[i % 3], values[i], population) for i in range(n)}
-        return _segments.segment_reduce(columns, ids, num_segments, MeshAxes())
+        return _reduce.segment_reduce(columns, ids, num_segments, MeshAxes())
 
     got = jax.jit(fn)(values, population, ids)
     for i in range(n):
@@ -184,7 +185,7 @@ def test_segment_sum_gradient_is_the_gather():
 
     def sums(x):
         columns = {"s": _reduce.total(x, population), "n": _reduce.count(population)}
-        return _segments.segment_reduce(columns, ids, num_segments, MeshAxes())["s"]
+        return _reduce.segment_reduce(columns, ids, num_segments, MeshAxes())["s"]
 
     grad = jax.jit(jax.grad(lambda x: jnp.sum(sums(x) * cot)))(x)
     np.testing.assert_allclose(grad, _gather(cot, ids) * population, rtol=1e-6)
@@ -199,7 +200,7 @@ def test_segment_sum_gradient_is_the_gather():
 
     def sums_of(x, population, ids):
         columns = {"s": _reduce.total(x, population)}
-        return _segments.segment_reduce(columns, ids, num_segments, MeshAxes())["s"]
+        return _reduce.segment_reduce(columns, ids, num_segments, MeshAxes())["s"]
 
     vmapped = jax.vmap(sums_of)(x, population, ids)
     np.testing.assert_allclose(vmapped, sums(x), rtol=1e-5, atol=1e-6)
@@ -212,15 +213,15 @@ def test_segment_broadcast():
     rng = np.random.default_rng(1)
     values = rng.normal(size=(3, 4)).astype(np.float32)
     ids = rng.integers(-1, 6, size=(3, 9)).astype(np.int32)
-    got = jax.jit(_segments.segment_broadcast, static_argnums=2)(values, ids, -7.0)
+    got = jax.jit(_reduce.segment_broadcast, static_argnums=2)(values, ids, -7.0)
     np.testing.assert_array_equal(got, _gather(values, ids, -7.0).astype(np.float32))
     flags = values > 0
     np.testing.assert_array_equal(
-        _segments.segment_broadcast(flags, ids, False),
+        _reduce.segment_broadcast(flags, ids, False),
         _gather(flags, ids, False).astype(bool),
     )
     cot = rng.normal(size=ids.shape).astype(np.float32)
-    grad = jax.grad(lambda v: jnp.sum(_segments.segment_broadcast(v, ids) * cot))(values)
+    grad = jax.grad(lambda v: jnp.sum(_reduce.segment_broadcast(v, ids) * cot))(values)
     want = np.stack([np.where(ids == k, cot, 0).sum(-1) for k in range(1, 5)], -1)
     np.testing.assert_allclose(grad, want, rtol=1e-6)
 
@@ -228,24 +229,24 @@ def test_segment_broadcast():
 def test_check_segments_errors():
     shape = (2, 5)
     ids = np.ones(shape, np.int32)
-    assert _segments.check_segments(None, None, shape) is None
+    assert _reduce.check_segments(None, None, shape) is None
     with pytest.raises(ValueError, match="without num_segments"):
-        _segments.check_segments(ids, None, shape)
+        _reduce.check_segments(ids, None, shape)
     with pytest.raises(ValueError, match="without segment_ids"):
-        _segments.check_segments(None, 3, shape)
+        _reduce.check_segments(None, 3, shape)
     with pytest.raises(TypeError, match="segment_ids must be an integer"):
-        _segments.check_segments(ids.astype(np.float32), 3, shape)
+        _reduce.check_segments(ids.astype(np.float32), 3, shape)
     with pytest.raises(TypeError, match="segment_ids must be an integer"):
-        _segments.check_segments(ids.astype(bool), 3, shape)
+        _reduce.check_segments(ids.astype(bool), 3, shape)
     with pytest.raises(ValueError, match="segment_ids has shape"):
-        _segments.check_segments(ids[:, :4], 3, shape)
+        _reduce.check_segments(ids[:, :4], 3, shape)
     with pytest.raises(TypeError, match="num_segments must be a static Python int"):
-        _segments.check_segments(ids, 3.0, shape)
+        _reduce.check_segments(ids, 3.0, shape)
     with pytest.raises(TypeError, match="num_segments must be a static Python int"):
-        _segments.check_segments(ids, jnp.int32(3), shape)
+        _reduce.check_segments(ids, jnp.int32(3), shape)
     with pytest.raises(ValueError, match="num_segments must be >= 1"):
-        _segments.check_segments(ids, 0, shape)
-    assert _segments.check_segments(ids.astype(np.int64), np.int64(3), shape).dtype == jnp.int32
+        _reduce.check_segments(ids, 0, shape)
+    assert _reduce.check_segments(ids.astype(np.int64), np.int64(3), shape).dtype == jnp.int32
 
 
 # --------------------------------------------------------------------------- the harness
@@ -278,8 +279,8 @@ def test_harness_per_sequence_reductions(seed):
         return means["geo"].value(), means["low"].value(), back
 
     ids = jnp.asarray(batch["segment_ids"])
-    packed = _segments.Packed(MeshAxes(), ids, k)
-    mask = _segments.only_segments(packed, jnp.asarray(batch["mask"], jnp.float32))
+    packed = _reduce.Packed(MeshAxes(), ids, k)
+    mask = _reduce.only_segments(packed, jnp.asarray(batch["mask"], jnp.float32))
     got = stats(batch["old_logp"], batch["rollout_logp"], mask, packed)
     want = stats(
         flat["old_logp"],
@@ -488,7 +489,7 @@ def test_core_surrogates_packed_equal_one_per_row(seed):
 
 
 @pytest.mark.slow
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(
     seed=st.integers(0, 2**31 - 1),
     config=st.sampled_from(sorted(_corrections().items())),
@@ -793,5 +794,5 @@ def test_without_segment_ids_the_program_is_unchanged():
                 lambda *a, fn=fn: fn(*a, segment_ids=np.ones(a[0].shape, np.int32), num_segments=2)
             )(*args)
         )
-        assert "_segment_fused" in packed and "_segment_fused" not in plain
+        assert "reduce_segments" in packed and "reduce_segments" not in plain
         assert "_broadcast" not in plain

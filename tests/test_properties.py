@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from strategies import ALL_CORRECTION_CONFIGS, correction_configs, ragged_batches
+from strategies import ALL_CORRECTION_CONFIGS, correction_configs, examples, ragged_batches
 
 import offpolicy_jax as opj
 
@@ -77,14 +77,14 @@ def test_padded_ragged_batch_equals_sequences_one_by_one(batch, config):
     )
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(batch=ragged_batches(), config=correction_configs, reduction=reductions)
 def test_jit_equals_eager(batch, config, reduction):
     eager = opj.compute_correction(*_args(batch), config, reduction=reduction)
     _assert_same(correct(*_args(batch), config=config, reduction=reduction), eager, exact=False)
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(
     batches=st.lists(ragged_batches(), min_size=3, max_size=3),
     config=correction_configs,
@@ -146,7 +146,7 @@ def test_weights_zero_where_mask_zero_and_everything_finite(batch, config, reduc
     assert all(np.isfinite(float(v)) for v in res.metrics.values())
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(
     batch=ragged_batches(),
     config=correction_configs,
@@ -166,7 +166,7 @@ def test_low_precision_inputs_give_float32_outputs(batch, config, dtype):
     assert all(v.dtype == jnp.float32 for v in res.metrics.values())
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(
     a=ragged_batches(),
     b=ragged_batches(batch=3, max_len=4),

@@ -239,3 +239,233 @@ def test_int64_token_ids_beyond_int32_raise_instead_of_wrapping():
     wide = np.array([[2**32 + 1]], np.int64)  # wrapped to 1: -1.204 instead of NaN
     with pytest.raises(ValueError, match="tokens holds ids outside int32"):
         opj.token_logprobs(_LOGITS, wide)
+
+
+# --------------------------------------------------------------------------- diagnose
+
+
+def _diagnose_cli(argv, capsys):
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("matplotlib")
+    from offpolicy_jax.demo import cli
+
+    try:
+        status = cli.main([*argv, "--no-progress"])
+    except SystemExit as e:
+        status = e.code
+    captured = capsys.readouterr()
+    return status, captured.err
+
+
+def _assert_one_line_error(status, err, *needles):
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, err
+    assert lines[0].startswith("offpolicy-jax: error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _mismatched_jsonl(path, null_mask: bool):
+    import json
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(8):
+        old = rng.normal(-1.0, 0.1, 6)
+        rollout = old + (3.0 if i in (3, 6) else 0.01)  # two badly mismatched sequences
+        mask = [1, 1, 1, 1, 1, None if (null_mask and i in (3, 6)) else 1]
+        rows.append({"old_log_probs": old.tolist(), "rollout_log_probs": rollout.tolist()})
+        rows[-1]["response_mask"] = mask
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    arrays = [np.array([r[k] for r in rows], np.float32) for k in rows[0]]
+    arrays[2] = np.array([[np.nan if v is None else v for v in r["response_mask"]] for r in rows])
+    return arrays
+
+
+@pytest.mark.slow  # compiles diagnose's chunk kernel
+def test_diagnose_keeps_sequences_whose_mask_holds_null(tmp_path):
+    pytest.importorskip("pyarrow")
+    from offpolicy_jax.diagnose import diagnose
+
+    old, rollout, mask = _mismatched_jsonl(tmp_path / "d.jsonl", null_mask=True)
+    want = opj.compute_correction(old, rollout, mask.astype(np.float32), opj.CorrectionConfig())
+    got = diagnose([tmp_path / "d.jsonl"], chunk_rows=2)
+    assert got["totals"]["sequences"] == 8  # was 6
+    np.testing.assert_allclose(
+        got["metrics"]["mis_k3_kl"], float(want.metrics["mis_k3_kl"]), rtol=1e-5
+    )
+    assert got["recommendation"]["severity"] == "severe"  # was mild (token_tis)
+
+
+@pytest.mark.slow  # compiles diagnose's chunk kernel
+def test_diagnose_reads_segment_id_0_as_padding(tmp_path):
+    pytest.importorskip("pyarrow")
+    from offpolicy_jax.diagnose import diagnose, write_dump
+
+    old = np.full((1, 6), -1.0, np.float32)
+    rollout = old.copy()
+    rollout[0, 4:] = -30.0  # a huge mismatch on the id-0 tokens
+    ids = np.array([[1, 1, 2, 2, 0, 0]], np.int32)
+    mask = np.ones((1, 6), np.float32)
+    write_dump(tmp_path / "p.npz", old_logp=old, rollout_logp=rollout, mask=mask, segment_ids=ids)
+    got = diagnose([tmp_path / "p.npz"])
+    want = opj.compute_correction(
+        old, rollout, mask, opj.CorrectionConfig(), segment_ids=ids, num_segments=2
+    )
+    assert float(want.metrics["mis_k3_kl"]) == 0.0
+    assert got["metrics"]["mis_k3_kl"] == pytest.approx(0.0, abs=1e-7)  # was 1.09e6
+    assert got["totals"]["sequences"] == 2
+
+
+@pytest.mark.parametrize("kind", ["non_utf8", "string", "nested", "npz_object", "npz_string"])
+def test_diagnose_bad_values_are_a_one_line_error(tmp_path, capsys, kind):
+    good = '{"old_log_probs": [-1.0], "rollout_log_probs": [-1.1], "response_mask": [1]}\n'
+    if kind == "non_utf8":
+        path = tmp_path / "d.jsonl"
+        path.write_bytes(good.encode() + b'{"old_log_probs": [-1.0], "x": "\xff"}\n')
+    elif kind in ("string", "nested"):
+        path = tmp_path / "d.jsonl"
+        value = '"-1.0"' if kind == "string" else "[-1.0]"
+        path.write_text(good + good.replace("[-1.1]", f"[{value}]"))
+    else:
+        path = tmp_path / "d.npz"
+        bad = np.array([[object()]], object) if kind == "npz_object" else np.array([["a"]])
+        np.savez(
+            path, old_logp=np.zeros((1, 1), np.float32), rollout_logp=bad, mask=np.ones((1, 1))
+        )
+    status, err = _diagnose_cli(["diagnose", str(path), "--out", str(tmp_path / "o")], capsys)
+    _assert_one_line_error(status, err, str(path))
+
+
+def test_diagnose_pads_a_skewed_batch_by_length_groups(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from offpolicy_jax.diagnose import readers
+
+    # One 20,000-token sequence beside 1,023 of 64: padding all to the longest made
+    # 1024 x 20,000 cells per column (the 2M-token case: 7.63 GiB).
+    lengths = np.array([64] * 500 + [20_000] + [64] * 523)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    tokens = int(lengths.sum())
+    values = pa.array(np.full(tokens, -1.0, np.float32))
+    ones = pa.array(np.ones(tokens, np.float32))
+    table = {name: pa.ListArray.from_arrays(offsets, values) for name in readers.NPZ_KEYS}
+    columns = dict(zip(readers.NPZ_KEYS, readers.DEFAULT_COLUMNS.values(), strict=True))
+    table = {columns[k]: v for k, v in table.items()}
+    table[columns["mask"]] = pa.ListArray.from_arrays(offsets, ones)
+    pq.write_table(pa.table(table), tmp_path / "s.parquet")
+    cells, rows = 0, []
+    for chunk in readers.iter_chunks([tmp_path / "s.parquet"], rows=1024):
+        cells += chunk.old.size
+        rows += chunk.row.tolist()
+        np.testing.assert_array_equal(chunk.mask.sum(1), lengths[chunk.row])
+    assert sorted(rows) == list(range(1024))
+    assert cells <= 2 * tokens + 1024 * 512  # was 1024 x 20,000 = 20.5M cells
+
+
+@pytest.mark.slow  # compiles diagnose's chunk kernel
+@pytest.mark.parametrize("kind", ["empty", "nonfinite"])
+def test_diagnose_refuses_to_recommend_without_a_valid_sequence(tmp_path, capsys, kind):
+    pytest.importorskip("pyarrow")
+    from offpolicy_jax.diagnose import write_dump
+
+    old = np.full((3, 4), -1.0, np.float32)
+    mask = np.zeros((3, 4)) if kind == "empty" else np.ones((3, 4))
+    if kind == "nonfinite":
+        old[:, 1] = np.nan
+    path = write_dump(tmp_path / "e.npz", old_logp=old, rollout_logp=old, mask=mask)
+    status, err = _diagnose_cli(["diagnose", str(path), "--out", str(tmp_path / "o")], capsys)
+    _assert_one_line_error(status, err, "nothing to diagnose")  # was "no correction needed"
+
+
+@pytest.mark.slow  # compiles diagnose's chunk kernel
+def test_diagnose_reads_a_1d_npz_as_one_sequence(tmp_path):
+    pytest.importorskip("pyarrow")
+    from offpolicy_jax.diagnose import diagnose
+
+    old = np.array([-1.0, -2.0, -0.5], np.float32)
+    np.savez(tmp_path / "one.npz", old_logp=old, rollout_logp=old - 0.2, mask=np.ones(3))
+    got = diagnose([tmp_path / "one.npz"])  # was "empty file (no sequences)"
+    want = opj.compute_correction(
+        old[None], old[None] - 0.2, np.ones((1, 3)), opj.CorrectionConfig()
+    )
+    assert got["totals"]["sequences"] == 1
+    np.testing.assert_allclose(
+        got["metrics"]["mis_k3_kl"], float(want.metrics["mis_k3_kl"]), rtol=1e-5
+    )
+
+
+@pytest.mark.slow  # compiles diagnose's chunk kernel for every path
+def test_diagnose_split_paths_pool_exactly(tmp_path, monkeypatch):
+    pytest.importorskip("pyarrow")
+    from offpolicy_jax.diagnose import analysis, diagnose, readers, write_dump
+
+    rng = np.random.default_rng(3)
+    lengths = np.array([300, 5, 7, 64, 2, 9, 0, 11])
+    mask = np.arange(300)[None] < lengths[:, None]
+    old = (-rng.exponential(1.0, mask.shape)).astype(np.float32)
+    rollout = (old + rng.normal(0, 0.4, mask.shape)).astype(np.float32)
+    path = write_dump(tmp_path / "d.parquet", old_logp=old, rollout_logp=rollout, mask=mask)
+    plain = diagnose([path], chunk_rows=8)
+    monkeypatch.setattr(readers, "LONG_SEQUENCE", 32)  # split the batch by length
+    monkeypatch.setattr(readers, "length_groups", _always_split(readers.length_groups))
+    monkeypatch.setattr(analysis, "SPLIT_CELLS", 0)  # one config per call
+    monkeypatch.setattr(analysis, "MAX_POSITION_BUCKETS", 4)  # coarsen the profile
+    split = diagnose([path], chunk_rows=8)
+    for name, entry in plain["what_if"].items():
+        for key, value in entry["metrics"].items():
+            got = split["what_if"][name]["metrics"][key]
+            np.testing.assert_allclose(got, value, rtol=2e-5, atol=1e-6, err_msg=f"{name}.{key}")
+    np.testing.assert_allclose(
+        np.sum(split["by_position"]["tokens"]), np.sum(plain["by_position"]["tokens"])
+    )
+
+
+def _always_split(length_groups):
+    def groups(length):
+        return [np.array([i]) for i in np.argsort(-length)] if length.size > 1 else [np.arange(1)]
+
+    return groups
+
+
+@pytest.mark.slow  # writes a 27 MB dump and analyses a 2M-token sequence (about a minute)
+def test_diagnose_skewed_dump_peak_memory_stays_under_1_gb(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    lengths = np.array([2_000_000] + [64] * 1023)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    n = int(lengths.sum())
+    old = (-rng.exponential(1.0, n)).astype(np.float32)
+    rollout = (old + rng.normal(0, 0.05, n)).astype(np.float32)
+    columns = {
+        "old_log_probs": old,
+        "rollout_log_probs": rollout,
+        "response_mask": np.ones(n, np.int8),
+    }
+    table = {k: pa.ListArray.from_arrays(offsets, pa.array(v)) for k, v in columns.items()}
+    pq.write_table(pa.table(table), tmp_path / "skewed.parquet")
+    del old, rollout, columns, table
+    script = (
+        "import resource, sys\n"
+        "from offpolicy_jax.demo import cli\n"
+        "status = cli.main(sys.argv[1:])\n"
+        "print('RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "sys.exit(status)\n"
+    )
+    argv = ["diagnose", str(tmp_path / "skewed.parquet"), "--out", str(tmp_path / "o")]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *argv, "--no-progress"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**__import__("os").environ, "JAX_NUM_CPU_DEVICES": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rss_kb = int(done.stdout.rsplit("RSS_KB", 1)[1].split()[0])
+    assert rss_kb < 1024 * 1024, f"peak RSS {rss_kb / 1024:.0f} MiB"  # was a 7.63 GiB allocation

@@ -11,7 +11,7 @@ import numpy_reference_rules as rules_ref
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import ragged_batches
+from strategies import examples, ragged_batches
 
 import offpolicy_jax as opj
 
@@ -87,7 +87,7 @@ def assert_matches_reference(batch, config, reduction):
 
 
 @pytest.mark.slow
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(
     batch=ragged_batches(),
     name=st.sampled_from(sorted(RULE_CONFIGS)),

@@ -1,12 +1,14 @@
-"""The windowed two-level path of the packed reductions (``offpolicy_jax._segments``).
+"""Packed reductions, and the fused CPU engine's windowed path for contiguous segments.
 
-Per-segment sums / mins / maxes over windows of ``W`` tokens, the windows that hold
-two sequences gathered and split in two slots (the tokens with an even id and those
-with an odd id), scattered into the segments; exact when no window holds two even or
-two odd ids and no sequence ends in two such windows: checked by a ``cond`` (or once,
-by ``dispatch``). The
-path runs only where no device may share the token axis, so every test here traces
-under a one-device mesh (the test process has 8 CPU devices); the oracle is NumPy.
+The exact compare-and-reduce for any ids, and, where the caller promises contiguous
+segments (``contiguous=True``, checked by ``contiguous_rows``), the windowed two-level
+path of :mod:`offpolicy_jax.reduction.fused_cpu`: per-segment sums / mins / maxes over
+windows of ``W`` tokens, the windows that hold two sequences gathered and split in two
+slots (even and odd ids), scattered into the segments. The windowed path runs only on
+the fused path where no device may share the token axis, so every test here traces
+under a one-device mesh (the test process has 8 CPU devices); under
+``OFFPOLICY_JAX_REDUCTION=plain`` the same tests check the plain path. The oracle is
+NumPy.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from offpolicy_jax import _reduce, _segments
-from offpolicy_jax._reduce import MeshAxes
+from offpolicy_jax import reduction as _reduce
+from offpolicy_jax.reduction import MeshAxes
+from offpolicy_jax.reduction import fused_cpu as _windows
+
+_segments = _reduce
 
 OPS = ("sum", "min", "max")
 
@@ -156,12 +161,12 @@ _FAST_KINDS = ("ordered", "short", "garbage_tail", "random")
 )
 def test_windowed_matches_numpy(one_device, length, k, kind):
     rng = np.random.default_rng(length * 31 + k * 7 + len(kind))
-    window = _segments._window_size(length)
+    window = _windows._window_size(length)
     ids = _ids(rng, 5, length, k, window, kind)
     values, population = _data(rng, ids, 7, k)  # 3 sums, 2 mins, 2 maxes in two loops
-    assert _segments._use_windows(jnp.asarray(values[0]), k)
+    assert _windows.use_windows(jnp.asarray(values[0]), k)
 
-    def reduce(values, population, ids, contiguous=None):
+    def reduce(values, population, ids, contiguous=False):
         return _segments.segment_reduce(
             _columns(values, population), ids, k, MeshAxes(), contiguous=contiguous
         )
@@ -174,44 +179,35 @@ def test_windowed_matches_numpy(one_device, length, k, kind):
     if ok:
         got = jax.jit(lambda *a: reduce(*a, contiguous=True))(values, population, ids)
         _check(got, values, population, ids, k)
-    # the entry-level check: one cond around everything, both branches exact
-    got = jax.jit(
-        lambda v, p, i: _segments.dispatch(
-            lambda v, p: _segments.segment_reduce(
-                _columns(v, p), i, k, MeshAxes(), *_segments._CONTIGUOUS.get()
-            ),
-            i,
-            k,
-            v,
-            p,
-        )
-    )(values, population, ids)
-    _check(got, values, population, ids, k)
 
 
-def test_dispatch_sets_the_layout(one_device):
+def test_the_promise_is_static_and_compiles_once(one_device):
     rng = np.random.default_rng(3)
-    ids = _ids(rng, 2, 256, 4, 16, "contiguous")
-    seen = []
-
-    def fn(x):
-        layout = _segments.layout(MeshAxes(), ids, 4, ids.shape)
-        seen.append(layout.contiguous)
-        return layout.reduce({"s": _reduce.total(x, jnp.ones_like(x))})["s"]
-
+    ids = _ids(rng, 2, 256, 4, 16, "ordered")
     x = rng.normal(size=ids.shape).astype(np.float32)
-    got = jax.jit(lambda x: _segments.dispatch(fn, ids, 4, x))(x)
-    assert sorted(seen, key=str) == [False, True]
-    assert _segments.layout(MeshAxes(), ids, 4, ids.shape).contiguous is None
-    np.testing.assert_allclose(got, _expected("sum", x, np.ones_like(x), ids, 4), rtol=1e-5)
-    assert _segments.dispatch(lambda x: x + 1, None, 4, 1.0) == 2.0
+    inside = (ids > 0).astype(np.float32)  # populations are 0 on padding (the contract)
+    for contiguous in (False, True):
+        layout = _segments.layout(MeshAxes(), ids, 4, ids.shape, contiguous)
+        assert layout.contiguous is contiguous
+
+        def fn(x, ids, contiguous=contiguous):
+            layout = _segments.layout(MeshAxes(), ids, 4, ids.shape, contiguous)
+            return layout.reduce({"s": _reduce.total(x, inside)})["s"]
+
+        compiled = jax.jit(fn).lower(x, ids).compile()
+        assert "conditional" not in compiled.as_text()
+        np.testing.assert_allclose(
+            compiled(x, ids), _expected("sum", x, inside, ids, 4), rtol=1e-5, atol=1e-6
+        )
+    with pytest.raises(TypeError, match="contiguous_segments"):
+        _segments.layout(MeshAxes(), ids, 4, ids.shape, 1)
 
 
-@pytest.mark.parametrize("contiguous", [None, True])
+@pytest.mark.parametrize("contiguous", [False, True])
 def test_windowed_gradient_is_the_gather(one_device, contiguous):
     rng = np.random.default_rng(5)
     k, length = 6, 300
-    ids = _ids(rng, 3, length, k, _segments._window_size(length), "ordered")
+    ids = _ids(rng, 3, length, k, _windows._window_size(length), "ordered")
     x = rng.normal(size=ids.shape).astype(np.float32)
     inside = (ids >= 1) & (ids <= k)
     # 0 on padding, as every population of the library (segment_reduce's contract)
@@ -246,12 +242,10 @@ def test_windowed_broadcast_matches_the_gather(one_device, length, kind):
     tail after the last window; its transpose is the per-segment sum."""
     rng = np.random.default_rng(length + len(kind))
     k = 5
-    ids = _ids(
-        rng, 3, length, k, _segments._window_size(length), kind.replace("garbage", "ordered")
-    )
+    ids = _ids(rng, 3, length, k, _windows._window_size(length), kind.replace("garbage", "ordered"))
     if kind == "garbage":  # out-of-range ids are padding too
         ids = np.where(ids == 0, rng.choice([0, -3, k + 1], ids.shape), ids).astype(np.int32)
-    assert _windowable(ids, _segments._window_size(length), k)
+    assert _windowable(ids, _windows._window_size(length), k)
     inside = (ids >= 1) & (ids <= k)
     layout = _segments.Packed(MeshAxes(), jnp.asarray(ids), k, True)
     values = rng.normal(size=(3, k)).astype(np.float32)
@@ -273,12 +267,11 @@ def test_windowed_broadcast_matches_the_gather(one_device, length, kind):
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
 
 
-def test_windowed_under_vmap_keeps_the_branch(one_device):
-    """One mapped example with scattered ids: the check covers the whole mapped batch,
-    and the cond stays a cond (not a select that runs both branches)."""
+def test_packed_reduction_under_vmap(one_device):
+    """Mapped rows of contiguous and of scattered ids: each exact, without a branch."""
     rng = np.random.default_rng(11)
     k, length = 4, 400
-    window = _segments._window_size(length)
+    window = _windows._window_size(length)
     ids = np.stack(
         [_ids(rng, 2, length, k, window, "contiguous"), _ids(rng, 2, length, k, window, "random")]
     )
@@ -288,11 +281,8 @@ def test_windowed_under_vmap_keeps_the_branch(one_device):
         return _segments.segment_reduce(_columns(values, population), ids, k, MeshAxes())
 
     batched = jax.jit(jax.vmap(one, in_axes=(1, 0, 0)))
-    got = batched(values, population, ids)
-    _check(got, values, population, ids, k)
-    contiguous_only = batched(values[:, :1], population[:1], ids[:1])
-    _check(contiguous_only, values[:, :1], population[:1], ids[:1], k)
-    assert "conditional" in batched.lower(values, population, ids).compile().as_text()
+    _check(batched(values, population, ids), values, population, ids, k)
+    assert "conditional" not in batched.lower(values, population, ids).compile().as_text()
 
 
 def test_small_or_multi_device_programs_compare(one_device):
@@ -333,12 +323,13 @@ def _unpacked(ids, k, *arrays):
 )
 def test_public_calls_take_either_path_exactly(one_device, kind):
     """policy_loss (value and gradient) and compute_correction on long packed rows equal
-    the same sequences one per row, whichever branch the ids send them to."""
+    the same sequences one per row: on the exact path, and with the promise of
+    contiguous segments where the ids keep it."""
     import offpolicy_jax as opj
 
     rng = np.random.default_rng(17)
     k, length = 5, 320
-    ids = _ids(rng, 3, length, k, _segments._window_size(length), kind)
+    ids = _ids(rng, 3, length, k, _windows._window_size(length), kind)
     ids[:, :2] = np.where(ids[:, :2] > 0, ids[:, :2], 1)  # no row without a sequence
     shape = ids.shape
     logp = rng.normal(-2.0, 0.5, shape).astype(np.float32)
@@ -351,19 +342,27 @@ def test_public_calls_take_either_path_exactly(one_device, kind):
         correction=opj.CorrectionConfig.preset("mis"),
         get_mismatch_metrics=True,
     )
-    expected_ok = _windowable(ids, _segments._window_size(length), k)
+    expected_ok = _windowable(ids, _windows._window_size(length), k)
     assert bool(_segments.contiguous_rows(jnp.asarray(ids), k)) == expected_ok
     if kind == "ordered":
         assert expected_ok
 
-    def packed(lp, segment_ids):  # ids traced: constant ones would fold the check
+    def packed(lp, segment_ids):
         return opj.policy_loss(
-            lp, old, rollout, adv, mask, config, segment_ids=segment_ids, num_segments=k
+            lp,
+            old,
+            rollout,
+            adv,
+            mask,
+            config,
+            segment_ids=segment_ids,
+            num_segments=k,
+            contiguous_segments=expected_ok,
         )
 
     compiled = jax.jit(jax.value_and_grad(packed, has_aux=True)).lower(logp, ids).compile()
     (loss, metrics), grad = compiled(logp, ids)
-    assert "conditional" in compiled.as_text()
+    assert "conditional" not in compiled.as_text()
     (lp2, old2, ro2, adv2, mask2), rows, seqs = _unpacked(ids, k, logp, old, rollout, adv, mask)
 
     def padded(lp):
@@ -377,7 +376,13 @@ def test_public_calls_take_either_path_exactly(one_device, kind):
     for i, (r, s) in enumerate(zip(rows, seqs, strict=True)):
         np.testing.assert_allclose(np.asarray(grad)[r, s], grad2[i, : len(s)], rtol=1e-5, atol=1e-8)
     result = opj.compute_correction(
-        old, rollout, mask, config.correction, segment_ids=ids, num_segments=k
+        old,
+        rollout,
+        mask,
+        config.correction,
+        segment_ids=ids,
+        num_segments=k,
+        contiguous_segments=expected_ok,
     )
     result2 = opj.compute_correction(old2, ro2, mask2, config.correction)
     for i, (r, s) in enumerate(zip(rows, seqs, strict=True)):

@@ -14,8 +14,8 @@ import numpy_reference as ref
 import pytest
 
 import offpolicy_jax as opj
-from offpolicy_jax import _reduce
-from offpolicy_jax._reduce import MeshAxes
+from offpolicy_jax import reduction as _reduce
+from offpolicy_jax.reduction import MeshAxes
 
 OPS = ("sum", "min", "max")
 
@@ -209,7 +209,7 @@ def test_unsplit_cpu_path_with_ragged_lengths(length):
     count: inside a one-device mesh nothing may split the token axis."""
     from jax.sharding import AxisType
 
-    from offpolicy_jax import _fusion
+    from offpolicy_jax.reduction import fused_cpu as _fusion
 
     rng = np.random.default_rng(length)
     values, population = _inputs(rng, (64, length), 9)
@@ -223,28 +223,24 @@ def test_unsplit_cpu_path_with_ragged_lengths(length):
 
 
 @pytest.mark.parametrize(
-    "costs, want",
+    "count, want",
     [
-        ((1,) * 8, [8]),  # the correction's first pass: one loop
-        ((1, 1, 1, 1, 1, 2, 1, 1), [8]),  # cost 9, eight columns: still one loop
-        ((1,) * 9, [4, 5]),  # nine columns: two loops, never 8 + 1
-        ((1, 1, 1, 1, 1, 2, 1, 2), [5, 3]),  # cost 10: two loops
-        ((2,) * 8, [4, 4]),  # no costs given: the old four columns per loop
-        ((1,) * 17, [5, 6, 6]),
-        ((2,) * 17, [3, 3, 3, 4, 4]),
-        ((12, 1, 1), [1, 1, 1]),  # a column over the budget runs alone
+        (1, [1]),
+        (8, [8]),  # the correction's first pass: one loop
+        (9, [4, 5]),  # nine columns: two loops, never 8 + 1
+        (10, [5, 5]),
+        (16, [8, 8]),
+        (17, [5, 6, 6]),
     ],
 )
-def test_cpu_loops_respect_the_budget_with_as_few_loops_as_possible(costs, want):
-    from offpolicy_jax import _fusion
+def test_cpu_loops_take_as_few_even_groups_as_possible(count, want):
+    from offpolicy_jax.reduction import fused_cpu as _fusion
 
-    loops = _fusion._loops(costs)
+    loops = _fusion._loops(count)
     assert [s.stop - s.start for s in loops] == want
-    assert loops[0].start == 0 and loops[-1].stop == len(costs)
+    assert loops[0].start == 0 and loops[-1].stop == count
     assert all(a.stop == b.start for a, b in zip(loops, loops[1:], strict=False))
-    for s in loops:
-        if s.stop - s.start > 1:
-            assert sum(costs[s]) <= _fusion._BUDGET and s.stop - s.start <= _fusion._MAX_COLUMNS
+    assert all(s.stop - s.start <= _fusion._MAX_COLUMNS for s in loops)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -252,14 +248,13 @@ def test_a_column_asked_again_is_reduced_once(monkeypatch, packed):
     """A layout reduces each distinct column (same op, same arrays) once per call: the
     loss asks again for the counts the correction's passes took, and one column too
     many can cost a whole fused loop."""
-    from offpolicy_jax import _segments
 
     rng = np.random.default_rng(4)
     values, population = _inputs(rng, (4, 64), 2)
     ids = jnp.asarray(np.repeat(np.array([[1, 2]], np.int32), 32, axis=-1).repeat(4, 0))
 
     def new_layout():
-        return _segments.Packed(MeshAxes(), ids, 2) if packed else _reduce.Rows(MeshAxes())
+        return _reduce.Packed(MeshAxes(), ids, 2) if packed else _reduce.Rows(MeshAxes())
 
     layout = new_layout()
     asked = []

@@ -193,6 +193,37 @@ def test_correction_off_packed_equals_tunix_grpo(model, example):
     assert float(aux["opj/segment_overflow_fraction"]) == 0.0
 
 
+def _ppo_example(example):
+    from tunix.rl.ppo import ppo_learner
+
+    fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
+    fields.pop("rollout_per_token_logps")
+    shape = example.completion_ids.shape  # GAE advantages are per token
+    fields["advantages"] = example.advantages[:, None] * jnp.linspace(0.5, 1.5, shape[1])
+    plain = ppo_learner.TrainExample(**fields)
+    tokens, logps = _rollout_output(example)
+    return otx.with_rollout_logps(plain, logps, tokens)
+
+
+def test_correction_off_equals_tunix_ppo(model, example):
+    """tunix's ``ppo`` loss (token-mean, temperature 1, dual clip, entropy bonus)."""
+    from tunix.rl.ppo import ppo_learner
+
+    ppo_example = _ppo_example(example)
+    assert isinstance(ppo_example, otx.OffPolicyPPOTrainExample)
+    kwargs = dict(epsilon=0.2, epsilon_high=0.28, epsilon_c=3.0, entropy_coef=0.01)
+    tunix_config = ppo_learner.PPOConfig(**kwargs)
+    ours = otx.OffPolicyPPOConfig(correction=opj.CorrectionConfig(use_tis=False), **kwargs)
+    tunix_loss, tunix_aux, tunix_grads = _loss_and_grads(
+        algo_core.ppo_policy_loss_fn, model, ppo_example, tunix_config
+    )
+    loss, aux, grads = _loss_and_grads(otx.offpolicy_policy_loss, model, ppo_example, ours)
+    assert float(tunix_aux["pg_clipfrac"]) > 0
+    _assert_rel(loss, tunix_loss, 1e-6)
+    _assert_rel(grads, tunix_grads, 1e-6)
+    assert "opj/mis_k3_kl" in aux and "opj/entropy" in aux
+
+
 # --------------------------------------------------------------------------- correction on
 
 
@@ -256,14 +287,35 @@ def test_correction_packed_equals_policy_loss(model, example):
     config = _config(
         otx.OffPolicyGRPOConfig,
         correction=opj.CorrectionConfig.preset("mis"),
-        max_segments_per_row=3,  # one sequence too many: counted, never silent
+        max_segments_per_row=4,
     )
     loss, aux, grads = _loss_and_grads(otx.offpolicy_policy_loss, model, packed, config)
-    ref_loss, _, ref_grads = _reference(model, packed, config.offpolicy_loss_config, 3)
+    ref_loss, _, ref_grads = _reference(model, packed, config.offpolicy_loss_config, 4)
     _assert_rel(loss, ref_loss, 1e-6)
     _assert_rel(grads, ref_grads, 1e-6)
-    assert float(aux["opj/segment_overflow_fraction"]) == pytest.approx(5 / 15)
+    assert float(aux["opj/segment_overflow_fraction"]) == 0.0
     assert set(otx.metric_keys(config.offpolicy_loss_config, packed=True)) <= set(aux)
+
+
+def test_too_few_segments_is_never_silent(model, example):
+    """max_segments_per_row below the packer's count: the library refuses concrete ids;
+    inside tunix's jitted step (traced ids) the dropped share is a metric."""
+    packed = _packed(example)
+    config = _config(
+        otx.OffPolicyGRPOConfig,
+        correction=opj.CorrectionConfig.preset("mis"),
+        max_segments_per_row=3,
+    )
+    with pytest.raises(ValueError, match="num_segments"):
+        otx.offpolicy_policy_loss(model, packed, config, PAD, EOS)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def aux_of(state, packed):
+        return otx.offpolicy_policy_loss(nnx.merge(graphdef, state), packed, config, PAD, EOS)[1]
+
+    aux = aux_of(state, packed)
+    assert float(aux["opj/segment_overflow_fraction"]) == pytest.approx(5 / 15)
 
 
 def test_logps_from_hidden_matches_logits_path(model, example):
@@ -405,6 +457,99 @@ def test_loss_config_from_tunix_maps_the_fields():
     assert (config.algorithm, config.aggregation) == ("decoupled_ppo", "sequence_mean")
     gspo = otx.loss_config_from_tunix(grpo_learner.GRPOConfig(loss_algo="gspo-token"))
     assert (gspo.algorithm, gspo.policy_loss, gspo.kl_estimator) == ("ppo", "gspo_token", "k1")
+
+
+# --------------------------------------------------------------------------- the learner
+
+
+class _ByteTokenizer:
+    def encode(self, text, **kwargs):
+        return [b % 61 + 3 for b in text.encode()]
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(97 + int(i) % 26) for i in ids)
+
+    def bos_id(self):
+        return 2
+
+    def eos_id(self):
+        return EOS
+
+    def pad_id(self):
+        return PAD
+
+
+def _learner(model, *, return_logprobs=True, packing=None, **config):
+    import optax
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.rollout import base_rollout
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
+    cluster = rl_cluster_lib.RLCluster(
+        actor=model,
+        tokenizer=_ByteTokenizer(),
+        cluster_config=rl_cluster_lib.ClusterConfig(
+            role_to_mesh=dict.fromkeys(roles, mesh),
+            rollout_engine="vanilla",
+            training_config=rl_cluster_lib.RLTrainingConfig(
+                actor_optimizer=optax.sgd(0.0),
+                eval_every_n_steps=1000,
+                max_steps=1,
+                pbar_description=None,
+                max_seq_token_per_tpu=packing,
+                rollout_micro_batch_size=2,  # train() derives these; set for a direct call
+                compute_logps_micro_batch_size=2,
+            ),
+            rollout_config=base_rollout.RolloutConfig(
+                max_tokens_to_generate=5,
+                max_prompt_length=4,
+                kv_cache_size=16,
+                temperature=TEMPERATURE,
+                top_p=1.0,
+                top_k=None,
+                return_logprobs=return_logprobs,
+            ),
+        ),
+    )
+    algo_config = otx.OffPolicyGRPOConfig(num_generations=2, **config)
+    return otx.OffPolicyGRPOLearner(
+        cluster, algo_config, lambda prompts, completions, **kw: [0.0] * len(prompts)
+    )
+
+
+def test_learner_carries_the_samplers_logps(model):
+    """tunix's sampler -> OffPolicyGRPOLearner -> TrainExample: at every valid token the
+    carried log-prob is the sampler's log-prob of *that* token (the same fp32 weights,
+    so it matches the trainer's teacher-forced pass to rounding: any shift would not)."""
+    learner = _learner(model, correction=opj.CorrectionConfig.preset("mis"), trainer_old_logps=True)
+    prompts = np.array(["ab", "ab", "cde", "cde"])
+    example = learner._generate_and_compute_advantage({"prompts": prompts})
+    assert isinstance(example, otx.OffPolicyTrainExample)
+    # Up to the first masked position of each row: a sampled pad id (this random model
+    # draws them) is a hole in tunix's completion_mask, and the trainer's pass then
+    # attends around it while the sampler attended to it, a genuine mismatch.
+    mask = np.cumprod(np.asarray(example.completion_mask) > 0, axis=1).astype(bool)
+    assert mask.sum() >= 8
+    theta = np.asarray(_theta(model, example))
+    carried = np.asarray(example.rollout_per_token_logps)
+    np.testing.assert_allclose(carried[mask], theta[mask], atol=2e-4)
+    np.testing.assert_allclose(
+        np.asarray(example.old_per_token_logps)[mask], theta[mask], atol=2e-5
+    )
+    assert set(otx.metric_keys(learner.algo_config.offpolicy_loss_config)) <= set(
+        learner.rl_cluster.actor_trainer.rl_metrics_to_log
+    )
+
+
+def test_learner_rejects_wiring_that_drops_the_logps(model):
+    mis = opj.CorrectionConfig.preset("mis")
+    with pytest.raises(ValueError, match="return_logprobs=True"):
+        _learner(model, return_logprobs=False, correction=mis)
+    with pytest.raises(ValueError, match="sequence packing"):
+        _learner(model, packing=64, correction=mis)
+    with pytest.raises(TypeError, match="OffPolicyGRPOConfig"):
+        otx.OffPolicyGRPOLearner(None, grpo_learner.GRPOConfig(), [])
 
 
 # --------------------------------------------------------------------------- the example

@@ -7,7 +7,6 @@ training engine, composed into PPO-family losses. Pure functions, jit/vmap/grad
 and sharding safe.
 """
 
-from offpolicy_jax._reduce import MeanParts, MeshAxes
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, compute_correction
 from offpolicy_jax.logprobs import token_logprobs, token_logprobs_from_hidden
@@ -22,6 +21,7 @@ from offpolicy_jax.losses import (
 from offpolicy_jax.metrics import finalize as finalize_metrics
 from offpolicy_jax.packing import PackedSequences, pack_sequences, unpack_sequences
 from offpolicy_jax.ratios import METRIC_LOG_CAP
+from offpolicy_jax.reduction import MeanParts, MeshAxes
 from offpolicy_jax.surrogates import PPOTerms, ppo_surrogate
 
 __version__ = "0.1.0"

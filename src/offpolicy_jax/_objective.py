@@ -1,7 +1,7 @@
 """The per-token objective of ``policy_loss``: the configured surrogate, weighted.
 
 :func:`surrogate_columns` turns ``LossConfig.policy_loss`` into the per-token loss
-``ℓ'`` (IS weights applied) and the per-token metric columns that the loss's one fused
+``ℓ'`` (IS weights applied) and the per-token metric columns that the loss's one
 per-sequence pass sums; :func:`regulariser_terms` gives the KL-to-reference and entropy
 terms. Surrogates that need a per-sequence quantity first (GSPO's sequence ratio, GMPO's
 geometric means) take it from one extra per-sequence pass through the layout, so packed
@@ -15,10 +15,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce
 from offpolicy_jax import policy_losses as pl
-from offpolicy_jax._reduce import Column, Rows
+from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.config import LossConfig
+from offpolicy_jax.reduction import Column, Rows
 
 PG_METRICS: tuple[str, ...] = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
 

@@ -3,8 +3,9 @@
 The library itself needs only jax, numpy and pyyaml; each subcommand needs an extra
 (``demo``: Flax, optax, matplotlib, tqdm; ``diagnose``: pyarrow, matplotlib, tqdm). So
 this module imports a subcommand's code only when that subcommand runs: ``--help`` and
-``--version`` work on a bare ``pip install offpolicy-jax``, and a subcommand whose extra
-is missing stops with one line naming it (exit status 2), not a traceback.
+``--version`` work on a bare ``pip install offpolicy-jax`` (so does ``diagnose --help``),
+and a subcommand whose extra is missing stops with one line naming it (exit status 2),
+not a traceback.
 
 Bad input gives one line ``offpolicy-jax: error: ...`` on stderr and exit status 2.
 Also runnable as ``python -m offpolicy_jax``.
@@ -96,7 +97,9 @@ def _needs_extra(command: str, missing: list[str]) -> NoReturn:
 
 def _run(command: str, argv: list[str]) -> int:
     missing = missing_extra(command)
-    if missing:
+    # A command's --help is shown whenever its options can be listed without the extra
+    # (diagnose's can; the demo's name its presets, which import the demo).
+    if missing and not {"-h", "--help"} & set(argv[1:]):
         _needs_extra(command, missing)
     try:
         module = importlib.import_module(f"offpolicy_jax.{command}.cli")

@@ -5,7 +5,7 @@ The JAX equivalent of the reference rollout-correction helper (miles/slime
 order of docs/semantics.md §3: the mismatch metrics (``metrics``), ``w = ρ`` at
 ``tis_level`` bounded by ``tis_mode`` (``bounds``), rejection sampling and the veto
 (``rejection``), then the field's rules of §8 (``rules``: KL criteria, sequence
-log-prob error, M2PO, and the probability metrics); ``stages.run`` takes their per-sequence sums in two fused passes,
+log-prob error, M2PO, and the probability metrics); ``stages.run`` takes their per-sequence sums in two passes,
 applies batch normalisation (``normalize``) and puts the weights on the final mask.
 A new rule is one stage there plus its config key.
 
@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import (
-    _reduce,
-    _segments,
     bounds,
     metrics,
     normalize,
@@ -32,7 +30,7 @@ from offpolicy_jax import (
     rules,
     stages,
 )
-from offpolicy_jax._reduce import REDUCTIONS, AxisNames, Reduction
+from offpolicy_jax import reduction as _reduce
 from offpolicy_jax._validation import (
     as_float_logp,
     as_float_mask,
@@ -40,6 +38,7 @@ from offpolicy_jax._validation import (
     check_split_over,
 )
 from offpolicy_jax.config import CorrectionConfig
+from offpolicy_jax.reduction import REDUCTIONS, AxisNames, Reduction
 
 
 @jax.tree_util.register_dataclass
@@ -118,6 +117,7 @@ def compute_correction(
     axis_names: AxisNames = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    contiguous_segments: bool = False,
 ) -> CorrectionResult:
     """Rollout correction: IS weights, rejection mask and mismatch metrics.
 
@@ -148,6 +148,11 @@ def compute_correction(
         sequence per row.
       num_segments: ``K``, a static int, the most sequences a row may hold; given
         exactly when ``segment_ids`` is.
+      contiguous_segments: static; the promise that every row is laid out as
+        :func:`~offpolicy_jax.pack_sequences` does (each sequence one run of tokens,
+        ids 1, 2, 3, ... in order, checked by ``reduction.contiguous_rows``), which
+        lets the CPU engine take a faster exact path. A broken promise gives wrong
+        values; the default (False) is exact for any ids.
 
     Returns:
       A :class:`CorrectionResult` with float32 ``weights`` and ``mask`` of the
@@ -169,35 +174,28 @@ def compute_correction(
         raise TypeError(f"config must be a CorrectionConfig, got {type(config).__name__}")
     _check_reduction(reduction)
     axes = _reduce.as_mesh_axes(axis_names)
-    if segment_ids is not None:
-        # Packed rows: the arguments checked here, so that errors name them, before the
-        # ids are read to choose the path (num_segments alone is refused further on).
-        shape = as_float_logp("old_logp", old_logp).shape
-        _segments.check_segments(segment_ids, num_segments, shape)
-    # The whole computation under one check of the ids (plainly called without them).
-    return _segments.dispatch(
-        lambda old, rollout, mask, ids: _compute_correction(
-            old, rollout, mask, config, reduction, axes, ids, num_segments
-        ),
-        segment_ids,
-        num_segments,
+    return _compute_correction(
         old_logp,
         rollout_logp,
         mask,
+        config,
+        reduction,
+        axes,
         segment_ids,
-        axes=axes,
+        num_segments,
+        contiguous_segments,
     )
 
 
 def _compute_correction(
-    old_logp, rollout_logp, mask, config, reduction, axes, segment_ids, num_segments
+    old_logp, rollout_logp, mask, config, reduction, axes, segment_ids, num_segments, contiguous
 ) -> CorrectionResult:
     old = jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))
     rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
     weights_mask = as_float_mask("mask", mask)
     check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
-    layout = _segments.layout(axes, segment_ids, num_segments, old.shape)
-    weights_mask = _segments.only_segments(layout, weights_mask, raw=mask)
+    layout = _reduce.layout(axes, segment_ids, num_segments, old.shape, contiguous)
+    weights_mask = _reduce.only_segments(layout, weights_mask, raw=mask)
     check_split_over(
         axes.batch + axes.token,
         old_logp=old_logp,

@@ -64,7 +64,8 @@ class Criterion(NamedTuple):
 
     Attributes:
       name: e.g. ``"seq_max_k2"``.
-      aggregate: ``"token"``, ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"``.
+      aggregate: ``"token"``, ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"``; ``"rule"``
+        for a registered rule (:data:`RULES`), whose threshold is ``upper`` / ``hi``.
       estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
       lower: bound on the statistic (``log lo`` for k1), None for one-sided k2/k3.
       upper: bound on the statistic (``log hi`` for k1).
@@ -92,13 +93,21 @@ def _hint(value: str, allowed: tuple[str, ...]) -> str:
     return f" (did you mean {shown(close[0])}?)" if close else ""
 
 
+RULES: dict[str, Callable[[float], object]] = {}
+"""Rejection rules registered by name (:func:`offpolicy_jax.rules.register_rule`): name ->
+``factory(threshold)`` returning the rule's pipeline stage. ``rs_criteria`` entries
+``"name:threshold"`` take these names beside :data:`KL_CRITERIA`."""
+
+
 def check_criterion_name(name: object, key: str) -> str:
-    """``name`` if it is one of :data:`KL_CRITERIA`, else ``ValueError`` naming ``key``."""
-    if isinstance(name, str) and name in KL_CRITERIA:
+    """``name`` if it is one of :data:`KL_CRITERIA` or a registered rule (:data:`RULES`),
+    else ``ValueError`` naming ``key``."""
+    if isinstance(name, str) and (name in KL_CRITERIA or name in RULES):
         return name
-    hint = _hint(name, KL_CRITERIA) if isinstance(name, str) else ""
+    allowed = (*KL_CRITERIA, *RULES)
+    hint = _hint(name, allowed) if isinstance(name, str) else ""
     raise ValueError(
-        f"{key}: unknown rejection criterion {shown(name)}{hint}; must be one of {list(KL_CRITERIA)}"
+        f"{key}: unknown rejection criterion {shown(name)}{hint}; must be one of {list(allowed)}"
     )
 
 
@@ -169,7 +178,11 @@ def parse_spec(spec: object, key: str) -> Criterion:
             f"'seq_max_k2:2.5' or 'token_k1:0.5_2.0', got {shown(spec)}"
         )
     name, threshold = (part.strip() for part in spec.split(":", 1))
-    return parse_threshold(check_criterion_name(name, key), threshold, key)
+    name = check_criterion_name(name, key)
+    if name in RULES:  # a registered rule: one finite threshold, the rule's own meaning
+        value = _number(threshold, key, threshold)
+        return Criterion(name, "rule", "", None, value, None, value)
+    return parse_threshold(name, threshold, key)
 
 
 # --------------------------------------------------------------------------- formulas
@@ -220,41 +233,20 @@ def js_divergence(old_logp: jax.Array, rollout_logp: jax.Array) -> jax.Array:
     return probability_errors(old_logp - rollout_logp)[1]
 
 
-# log cosh y = Σ_k c_k y^{2k}, the integral of tanh's series: up to y¹⁶ it is exact to
-# float32 for y < ½ (truncation < 2e-9 relative); beyond, log((e^{2y} + 1)/2) − y
-# cancels by less than a factor 5.
-_LOG_COSH_SERIES_BOUND = 0.5
-_LOG_COSH_COEFFICIENTS = (
-    1 / 2,
-    -1 / 12,
-    1 / 45,
-    -17 / 2520,
-    31 / 14175,
-    -691 / 935550,
-    10922 / 42567525,
-    -929569 / 10216206000,
-)
-
-
 def probability_errors(delta: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(exp|δ|, log cosh(δ/2))``: :func:`mult_prob_error` and :func:`js_divergence`
-    from one ``exp`` and one ``log`` per token.
+    of one ``δ`` per token.
 
     With ``y = |δ|/2`` (``|δ|`` capped at :data:`MULT_PROB_LOG_CAP`): ``exp|δ| = e^{2y}``
-    and ``log cosh y = log((e^{2y} + 1)/2) − y``, which cancels near ``δ = 0``, so for
-    ``y < ½`` the Taylor series of ``log cosh`` is used instead. Only ``exp``, ``log``,
-    multiplications and selects: ``expm1`` / ``log1p`` inside XLA:CPU's fused loops
-    stop it from vectorising them (``ratios.k3``).
+    and, written for accuracy near ``δ = 0`` (where ``log((e^{2y} + 1)/2) − y``
+    cancels), ``log cosh y = log1p(2 sinh²(y/2))`` with ``sinh z = u (u + 2) / (2 (u +
+    1))``, ``u = expm1(z)``: every term positive, a few ulp everywhere.
     """
     y = 0.5 * jnp.minimum(jnp.abs(delta), MULT_PROB_LOG_CAP)
     mult = jnp.exp(2.0 * y)
-    small = y < _LOG_COSH_SERIES_BOUND
-    z = jnp.square(jnp.where(small, y, 0.0))
-    series = jnp.full_like(z, _LOG_COSH_COEFFICIENTS[-1])
-    for c in reversed(_LOG_COSH_COEFFICIENTS[:-1]):
-        series = c + z * series
-    js = jnp.where(small, z * series, jnp.log((mult + 1.0) * 0.5) - y)
-    return mult, js
+    u = jnp.expm1(0.5 * y)
+    sinh = u * (u + 2.0) / (2.0 * (u + 1.0))
+    return mult, jnp.log1p(2.0 * sinh * sinh)
 
 
 def effective_sample_size(sum_w: jax.Array, sum_w2: jax.Array, n: jax.Array) -> jax.Array:

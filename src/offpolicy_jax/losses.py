@@ -25,8 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _objective, _reduce, _segments, metrics, rules
-from offpolicy_jax._reduce import AxisNames, MeanParts
+from offpolicy_jax import _objective, metrics, rules
+from offpolicy_jax import reduction as _reduce
 from offpolicy_jax._validation import (
     as_array,
     as_float_logp,
@@ -37,6 +37,7 @@ from offpolicy_jax._validation import (
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, correction_parts
 from offpolicy_jax.ratios import metric_exp
+from offpolicy_jax.reduction import AxisNames, MeanParts
 from offpolicy_jax.surrogates import ppo_surrogate, reinforce_term, vanilla_tis
 
 METRICS_ONLY = CorrectionConfig()
@@ -101,11 +102,11 @@ def aggregate(
     raw_final, raw_denominator = final_mask, denominator_mask
     final_mask = as_float_mask("final_mask", final_mask)
     denominator_mask = as_float_mask("denominator_mask", denominator_mask)
-    layout = _segments.layout(
+    layout = _reduce.layout(
         _reduce.as_mesh_axes(axis_names), segment_ids, num_segments, final_mask.shape
     )
-    final_mask = _segments.only_segments(layout, final_mask, raw=raw_final)
-    denominator_mask = _segments.only_segments(layout, denominator_mask, raw=raw_denominator)
+    final_mask = _reduce.only_segments(layout, final_mask, raw=raw_final)
+    denominator_mask = _reduce.only_segments(layout, denominator_mask, raw=raw_denominator)
     sums = layout.reduce(
         {
             "loss": _reduce.total(per_token_loss, final_mask),
@@ -259,7 +260,7 @@ def _correct(config, old, rollout, mask, reduction, layout, precomputed, also_ov
         mask,
         reduction=reduction,
         axis_names=layout.axes,
-        **_segments.segment_arguments(layout),
+        **_reduce.segment_arguments(layout),
     )
     return (*_precomputed("config.correction's result", result, mask.shape), dict(result.metrics))
 
@@ -299,6 +300,7 @@ def policy_loss_terms(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
 ) -> PolicyLossTerms:
@@ -327,43 +329,20 @@ def policy_loss_terms(
       >>> jax.grad(loss_fn)(logp).shape
       (2, 3)
     """
-    if segment_ids is not None:
-        # Packed rows: the arguments checked here, so that errors name them, before the
-        # ids are read to choose the path (num_segments alone is refused further on).
-        shape = as_float_logp("logp", logp).shape
-        _segments.check_segments(segment_ids, num_segments, shape)
-
-    def terms(logp, old_logp, rollout_logp, advantages, mask, correction_result, ids, ref, ent):
-        return _policy_loss_terms(
-            logp,
-            old_logp,
-            rollout_logp,
-            advantages,
-            mask,
-            config,
-            axis_names=axis_names,
-            correction_result=correction_result,
-            segment_ids=ids,
-            num_segments=num_segments,
-            ref_logp=ref,
-            entropy=ent,
-        )
-
-    # The whole computation under one check of the ids (plainly called without them).
-    return _segments.dispatch(
-        terms,
-        segment_ids,
-        num_segments,
+    return _policy_loss_terms(
         logp,
         old_logp,
         rollout_logp,
         advantages,
         mask,
-        correction_result,
-        segment_ids,
-        ref_logp,
-        entropy,
-        axes=_reduce.as_mesh_axes(axis_names),
+        config,
+        axis_names=axis_names,
+        correction_result=correction_result,
+        segment_ids=segment_ids,
+        num_segments=num_segments,
+        contiguous_segments=contiguous_segments,
+        ref_logp=ref_logp,
+        entropy=entropy,
     )
 
 
@@ -379,6 +358,7 @@ def _policy_loss_terms(
     correction_result: CorrectionResult | None = None,
     segment_ids=None,
     num_segments: int | None = None,
+    contiguous_segments: bool = False,
     ref_logp=None,
     entropy=None,
 ) -> PolicyLossTerms:
@@ -387,13 +367,13 @@ def _policy_loss_terms(
         config, logp, old_logp, rollout_logp, advantages, mask
     )
     axes = _reduce.as_mesh_axes(axis_names)
-    layout = _segments.layout(axes, segment_ids, num_segments, theta.shape)
+    layout = _reduce.layout(axes, segment_ids, num_segments, theta.shape, contiguous_segments)
     if segment_ids is not None and jnp.shape(advantages) != theta.shape:
         raise ValueError(
             f"advantages has shape {jnp.shape(advantages)}; with segment_ids they must be "
             f"per token, {theta.shape} (give each token its sequence's advantage)"
         )
-    mask = _segments.only_segments(layout, mask, raw=raw_mask)
+    mask = _reduce.only_segments(layout, mask, raw=raw_mask)
     ref, ent = _check_regularisers(config, theta, ref_logp, entropy)
     if correction_result is not None and not config.reweights:
         raise ValueError(
@@ -521,22 +501,19 @@ def _policy_loss_terms(
             dual_clip_c=config.dual_clip_c,
         )
         per_token = terms.loss if weights is None else jnp.where(kept, weights, 0.0) * terms.loss
-        # Added after the other columns, beside "loss": the columns that read the ratio
-        # r then share one fused loop, and r is never written out (_fusion's loops).
         ratio_columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, final_mask)
         if terms.clipped_lower is not None:
             ratio_columns["pg_clipfrac_lower"] = _reduce.count_where(
                 terms.clipped_lower, final_mask
             )
-        columns["ppo_kl"] = _reduce.total(sg(terms.log_ratio), final_mask, cost=1)
+        columns["ppo_kl"] = _reduce.total(sg(terms.log_ratio), final_mask)
         # exp(θ − d) as the surrogate takes it for its ratio (one exponential for both).
         ois_token = metric_exp(-terms.log_ratio)
     if algorithm != "reinforce_is":
         if abs_diff is not None:
             # Taken in the correction's second pass when its final mask is this one
-            # (the layout then finds it done): it reads `rollout`, which nothing else
-            # of this pass reads, and with it this pass's loop left vector code.
-            columns["train_rollout_logprob_abs_diff"] = _reduce.total(abs_diff, final_mask, cost=1)
+            # (the layout then finds it done): one pass reads `rollout`, not two.
+            columns["train_rollout_logprob_abs_diff"] = _reduce.total(abs_diff, final_mask)
         if config.correction is not None or config.get_mismatch_metrics:
             # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
             # divergence it exists to show; capped like every metric exponential.
@@ -619,6 +596,7 @@ def policy_loss_parts(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
@@ -657,6 +635,7 @@ def policy_loss_parts(
         correction_result=correction_result,
         segment_ids=segment_ids,
         num_segments=num_segments,
+        contiguous_segments=contiguous_segments,
         ref_logp=ref_logp,
         entropy=entropy,
     )
@@ -675,6 +654,7 @@ def policy_loss(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -712,6 +692,9 @@ def policy_loss(
         sequence per row.
       num_segments: ``K``, a static int, the most sequences a row may hold; given
         exactly when ``segment_ids`` is.
+      contiguous_segments: static; the promise that every row is laid out as
+        :func:`~offpolicy_jax.pack_sequences` does (see
+        :func:`~offpolicy_jax.compute_correction`): a faster exact path on CPU.
       ref_logp: ``[..., T]`` log π_ref of the sampled tokens (stop-gradient), for the
         KL-to-reference term (``config.kl_coef``, ``kl_estimator``, ``kl_off_policy``;
         docs/semantics.md §5.2); required when ``kl_coef > 0``, else it only adds the
@@ -751,6 +734,7 @@ def policy_loss(
         correction_result=correction_result,
         segment_ids=segment_ids,
         num_segments=num_segments,
+        contiguous_segments=contiguous_segments,
         ref_logp=ref_logp,
         entropy=entropy,
     )

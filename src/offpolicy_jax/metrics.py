@@ -21,9 +21,10 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, ratios
-from offpolicy_jax._reduce import MeanParts
+from offpolicy_jax import ratios
+from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.ratios import LOG_RATIO_CLAMP
+from offpolicy_jax.reduction import MeanParts
 from offpolicy_jax.stages import Decision, Stage
 
 _E2S_M1 = math.expm1(2 * LOG_RATIO_CLAMP)
@@ -66,12 +67,12 @@ class MismatchMetrics(Stage):
         u = t.delta + k3
         chi2 = jnp.where(t.delta > LOG_RATIO_CLAMP, _E2S_M1, u * (u + 2.0))
         return {
-            "old": _reduce.total(t.old, t.population, cost=1),
-            "rollout": _reduce.total(t.rollout, t.population, cost=1),
+            "old": _reduce.total(t.old, t.population),
+            "rollout": _reduce.total(t.rollout, t.population),
             "k3": _reduce.total(k3, t.population),
             # Σ (e^{2δ} − 1) m / N = Σ e^{2δ} m / N − 1 exactly, without the cancellation.
-            # Light: it reuses k3's exponential in the same loop.
-            "chi2": _reduce.total(chi2, t.population, cost=1),
+            # It reuses k3's exponential.
+            "chi2": _reduce.total(chi2, t.population),
         }
 
     def decide(self, t, sums):

@@ -16,7 +16,7 @@ import math
 
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce
+from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.stages import Bounded, Decision, Mean, Stage, level_ratio
 
 

@@ -23,14 +23,18 @@ layouts work unchanged. Formulas: :mod:`offpolicy_jax.criteria`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, criteria
-from offpolicy_jax._reduce import MeanParts, Reduction, Rows
+from offpolicy_jax import criteria
+from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.criteria import Criterion
+from offpolicy_jax.reduction import MeanParts, Reduction, Rows
 from offpolicy_jax.stages import Decision, Mean, Stage
+
+RuleFactory = Callable[[float], Stage]
 
 
 def _indicator(x: jax.Array) -> jax.Array:
@@ -218,9 +222,8 @@ class ProbabilityMetrics(Stage):
     (:func:`offpolicy_jax.criteria.js_divergence`)."""
 
     def decide(self, t, sums):
-        # A reduction of its own rather than pass 1's columns: measured on XLA:CPU, these
-        # two columns (an exp, a log and a series per token) in pass 1's loops made the
-        # correction 2.5x slower (too large a loop body; see _fusion).
+        # Reduced apart from pass 1's columns: measured faster than inside pass 1
+        # (docs/guide/reduction_engine.md).
         mult, js = criteria.probability_errors(t.delta)
         own = t.layout.reduce(
             {"mult": _reduce.total(mult, t.population), "js": _reduce.total(js, t.population)}
@@ -234,9 +237,37 @@ class ProbabilityMetrics(Stage):
         )
 
 
+def register_rule(name: str) -> Callable[[RuleFactory], RuleFactory]:
+    """Registers a rejection rule: ``factory(threshold)`` returns its :class:`Stage`.
+
+    The rule is then configured like a built-in criterion, as an ``rs_criteria`` entry
+    ``"name:threshold"`` of :class:`~offpolicy_jax.CorrectionConfig`, and runs after the
+    KL criteria in the order given (docs/guide/adding_a_rule.md).
+
+    Raises:
+      ValueError: ``name`` is a built-in criterion, or registered to another factory.
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"a rule name must be a non-empty string without ':', got {name!r}")
+    if name in criteria.KL_CRITERIA:
+        raise ValueError(f"{name!r} is a built-in rejection criterion")
+
+    def register(factory: RuleFactory) -> RuleFactory:
+        known = criteria.RULES.get(name)
+        if known is not None and known is not factory:
+            raise ValueError(f"a rejection rule named {name!r} is already registered")
+        criteria.RULES[name] = factory
+        return factory
+
+    return register
+
+
 def rule_stages(config) -> list[Stage]:
     """The §8 stages a :class:`~offpolicy_jax.CorrectionConfig` names (after §3's)."""
-    out: list[Stage] = [KLCriterion(c) for c in config.criteria]
+    out: list[Stage] = [
+        criteria.RULES[c.name](c.hi) if c.aggregate == "rule" else KLCriterion(c)  # type: ignore[misc]
+        for c in config.criteria
+    ]
     if config.seq_logprob_error_threshold is not None:
         out.append(SeqLogprobError(config.seq_logprob_error_threshold))
     if config.m2po_tau is not None:

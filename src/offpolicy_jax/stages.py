@@ -29,8 +29,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _reduce, criteria, normalize, ratios
-from offpolicy_jax._reduce import Column, MeanParts, Reduction, Rows
+from offpolicy_jax import criteria, normalize, ratios
+from offpolicy_jax import reduction as _reduce
+from offpolicy_jax.reduction import Column, MeanParts, Reduction, Rows
 
 Population = Literal["valid", "kept", "final"]
 _ESS_W, _ESS_N = "_ess_w", "_ess_n"  # batch totals taken with the metrics, then combined
@@ -204,6 +205,156 @@ def _restrict(finite: jax.Array, x: jax.Array) -> jax.Array:
     return jnp.where(finite, x, 0.0)
 
 
+@dataclasses.dataclass
+class _Decided:
+    """What the decide step leaves for pass 2 (see :func:`run`).
+
+    ``populations``: 0 = valid, then one more after each stage that keeps, and last
+    the final mask ``m'``; ``requests``: ``(name, metric, population index)`` of the
+    metrics still to reduce; ``parts``: the metrics already made.
+    """
+
+    populations: list[jax.Array]
+    weights: jax.Array
+    weights_per_seq: bool
+    requests: list[tuple[str, Mean, int]]
+    parts: dict[str, MeanParts]
+
+    @property
+    def final(self) -> jax.Array:
+        return self.populations[-1]
+
+    def index(self, metric: Mean, stage_population: int) -> int:
+        """The population a metric is reduced over."""
+        last = len(self.populations) - 1
+        return {"valid": 0, "kept": stage_population, "final": last}[metric.over]
+
+
+def _pass1(stages: Sequence[Stage], t: Tokens) -> tuple[Tokens, dict, jax.Array]:
+    """Pass 1: the pipeline's facts and every stage's columns over the valid tokens.
+
+    Returns ``t`` with the population narrowed to the sequences without a non-finite
+    log-prob, the per-sequence sums (keys: the facts by name, each stage's columns by
+    ``(stage index, name)``) and the per-sequence finite flag.
+    """
+    nonfinite = ~jnp.isfinite(t.old) | ~jnp.isfinite(t.rollout)
+    columns: dict[str | tuple[int, str], Column] = {
+        "count": _reduce.count(t.population),
+        "nonfinite": _reduce.count_where(nonfinite, t.population),
+        "delta": _reduce.total(t.delta, t.population),
+    }
+    for i, stage in enumerate(stages):
+        columns.update({(i, k): c for k, c in stage.columns(t).items()})
+    sums = t.layout.reduce(columns)
+    finite = sums["nonfinite"] == 0
+    valid = jnp.where(t.layout.broadcast(finite), t.population, 0.0)
+    return dataclasses.replace(t, population=valid), sums, finite
+
+
+def _decide(stages: Sequence[Stage], t: Tokens, sums: Mapping, finite: jax.Array) -> _Decided:
+    """Each stage's ``decide``, in order: keep masks ANDed, at most one weighting."""
+    base = {k: _restrict(finite, sums[k]) for k in ("count", "delta")}
+    kept, populations = t.population, [t.population]
+    weights, weights_per_seq = None, False
+    requests: list[tuple[str, Mean, int]] = []
+    parts: dict[str, MeanParts] = {}
+    for i, stage in enumerate(stages):
+        own = {
+            k[1]: _restrict(finite, v)
+            for k, v in sums.items()
+            if isinstance(k, tuple) and k[0] == i
+        }
+        d = stage.decide(t, {**base, **own})
+        if d.weights is not None:
+            weights, weights_per_seq = d.weights, d.per_seq
+        if d.keep is not None:
+            keep = t.layout.broadcast(d.keep) if d.per_seq else d.keep
+            kept = jnp.where(keep, kept, 0.0)
+            populations.append(kept)
+        for name, metric in d.metrics.items():
+            if isinstance(metric, MeanParts):
+                parts[name] = metric
+            else:
+                requests.append((name, metric, len(populations) - 1))
+    populations.append(kept)  # the final mask m'
+    if weights is None:  # no weighting stage: every weight is 1
+        weights = jnp.ones(t.delta.shape, jnp.float32)
+    return _Decided(populations, weights, weights_per_seq, requests, parts)
+
+
+def _pass2(
+    t: Tokens, d: _Decided, weight_stats: bool, also_over_final: Sequence[jax.Array]
+) -> dict:
+    """Pass 2: per-token sums over the populations known now, and the final weight
+    statistics. Keys: ``("n", population)``, ``("sum", metric key, population)``, or a
+    name (``w``, ``w2``, ``lo``, ``hi``, ``("also", i)``)."""
+    columns: dict[Hashable, Column] = {}
+    for name, metric, at in d.requests:
+        p = d.index(metric, at)
+        if p:
+            columns[("n", p)] = _reduce.count(d.populations[p])
+        if not metric.per_seq:
+            key = metric.key if metric.key is not None else name
+            columns[("sum", key, p)] = _reduce.total(metric.value, d.populations[p])
+    if weight_stats:
+        columns[("n", len(d.populations) - 1)] = _reduce.count(d.final)
+        if not d.weights_per_seq:
+            columns["w"] = _reduce.total(d.weights, d.final)
+            columns["w2"] = _reduce.total(d.weights * d.weights, d.final)
+            columns["lo"] = _reduce.minimum(d.weights, d.final)
+            columns["hi"] = _reduce.maximum(d.weights, d.final)
+    for i, value in enumerate(also_over_final):
+        columns[("also", i)] = _reduce.total(value, d.final)
+    return t.layout.reduce(columns)
+
+
+def _requested_means(t: Tokens, d: _Decided, count, sums: Mapping) -> None:
+    """The metrics the stages asked the pipeline to reduce, into ``d.parts``."""
+    for name, metric, at in d.requests:
+        p = d.index(metric, at)
+        if metric.per_seq:
+            d.parts[name] = _reduce.seq_mean_of_values(metric.value, count(p), t.reduction)
+        else:
+            key = metric.key if metric.key is not None else name
+            d.parts[name] = _reduce.seq_mean(sums[("sum", key, p)], count(p), t.reduction)
+
+
+def _weight_statistics(
+    t: Tokens, d: _Decided, n_final: jax.Array, sums: Mapping, batch_normalize: str | None
+) -> jax.Array:
+    """The ``mis_is_ratio_*`` metrics and the ESS sums, into ``d.parts``; returns the
+    batch normaliser ``μ`` (1 without ``batch_normalize``)."""
+    how, weights = t.reduction, d.weights
+
+    def mean_weight(reduction):
+        if d.weights_per_seq:
+            return _reduce.seq_mean_of_values(weights, n_final, reduction)
+        return _reduce.seq_mean(sums["w"], n_final, reduction)
+
+    after = mean_weight(how)
+    d.parts["mis_is_ratio_mean_after_tis_rs"] = after
+    mu = jnp.ones((), jnp.float32)
+    if batch_normalize is not None:
+        terms = after if batch_normalize == how else mean_weight(batch_normalize)
+        mu = normalize.normalizer(t.layout.batch_means({"mu": terms})["mu"].value())
+    # Normalising is one division by μ > 0: it scales the mean, and min(w/μ) =
+    # min(w)/μ exactly, so the final statistics come from the same sums.
+    low, high = (weights, weights) if d.weights_per_seq else (sums["lo"], sums["hi"])
+    d.parts["mis_is_ratio_mean_final"] = MeanParts(after.numerator / mu, after.denominator)
+    d.parts["mis_is_ratio_min_final"] = _reduce.seq_mean_of_values(low / mu, n_final, how)
+    d.parts["mis_is_ratio_max_final"] = _reduce.seq_mean_of_values(high / mu, n_final, how)
+    # ESS sums (invariant to μ): Σ w m', Σ w² m', Σ m' of the final mask.
+    if d.weights_per_seq:
+        some = n_final > 0
+        sum_w = jnp.where(some, weights, 0.0) * n_final
+        sum_w2 = jnp.where(some, weights * weights, 0.0) * n_final
+    else:
+        sum_w, sum_w2 = sums["w"], sums["w2"]
+    d.parts[_ESS_W] = MeanParts(sum_w, sum_w2)
+    d.parts[_ESS_N] = MeanParts(n_final, n_final)
+    return mu
+
+
 def run(
     stages: Sequence[Stage],
     t: Tokens,
@@ -221,128 +372,31 @@ def run(
       batch_normalize: None, or the reduction ``μ`` is averaged with (``"token"`` /
         ``"sequence"``); ``mis_batch_norm_factor`` is emitted whenever ``weight_stats``.
       also_over_final: per-token values whose per-sequence sums over the final mask the
-        caller will take (``t.layout.reduce`` of ``total(x, m', cost=1)``): taken here,
-        in the second pass, the caller's reduction finds them done.
+        caller will take (``t.layout.reduce`` of ``total(x, m')``): declared here, in
+        the second pass, the caller's reduction finds them done.
 
     Returns:
       ``(w, m', parts)``: the weights on kept tokens (0 elsewhere, not multiplied by the
       mask value; broadcastable to ``[..., T]``), the final float mask and the metrics as
       batch-total :class:`~offpolicy_jax.MeanParts`.
     """
-    layout, how = t.layout, t.reduction
-    nonfinite = ~jnp.isfinite(t.old) | ~jnp.isfinite(t.rollout)
-    # Pass-1 keys: the pipeline's own facts by name, each stage's columns by (stage, name).
-    columns: dict[str | tuple[int, str], Column] = {
-        "count": _reduce.count(t.population),
-        "nonfinite": _reduce.count_where(nonfinite, t.population),
-        "delta": _reduce.total(t.delta, t.population, cost=1),
-    }
-    for i, stage in enumerate(stages):
-        columns.update({(i, k): c for k, c in stage.columns(t).items()})
-    pass1 = layout.reduce(columns)
-    finite = pass1["nonfinite"] == 0
-    base = {k: _restrict(finite, pass1[k]) for k in ("count", "delta")}
-    valid = jnp.where(layout.broadcast(finite), t.population, 0.0)
-    t = dataclasses.replace(t, population=valid)
-
-    # Decide. Populations: 0 = valid, then one more after each stage that keeps.
-    kept, populations = valid, [valid]
-    weights, weights_per_seq = None, False
-    requests: list[tuple[str, Mean, int]] = []
-    parts: dict[str, MeanParts] = {}
-    for i, stage in enumerate(stages):
-        own = {
-            k[1]: _restrict(finite, v)
-            for k, v in pass1.items()
-            if isinstance(k, tuple) and k[0] == i
-        }
-        d = stage.decide(t, {**base, **own})
-        if d.weights is not None:
-            weights, weights_per_seq = d.weights, d.per_seq
-        if d.keep is not None:
-            keep = layout.broadcast(d.keep) if d.per_seq else d.keep
-            kept = jnp.where(keep, kept, 0.0)
-            populations.append(kept)
-        for name, metric in d.metrics.items():
-            if isinstance(metric, MeanParts):
-                parts[name] = metric
-            else:
-                requests.append((name, metric, len(populations) - 1))
+    t, pass1, finite = _pass1(stages, t)
+    d = _decide(stages, t, pass1, finite)
     if weight_stats:
-        parts["mis_nonfinite_seq_fraction"] = _reduce.seq_mean_of_values(
-            jnp.where(finite, 0.0, 1.0), pass1["count"], how
+        d.parts["mis_nonfinite_seq_fraction"] = _reduce.seq_mean_of_values(
+            jnp.where(finite, 0.0, 1.0), pass1["count"], t.reduction
         )
-    final = kept
-    populations.append(final)
-    if weights is None:  # no weighting stage: every weight is 1
-        weights = jnp.ones(t.delta.shape, jnp.float32)
-
-    # Pass 2: per-token sums over the populations, and the final weight statistics.
-    def index(metric, stage_population):
-        return {"valid": 0, "kept": stage_population, "final": len(populations) - 1}[metric.over]
-
-    # Pass-2 keys: ("n", population), ("sum", metric key, population), or a name.
-    pass2_columns: dict[Hashable, Column] = {}
-    for name, metric, at in requests:
-        p = index(metric, at)
-        if p:
-            pass2_columns[("n", p)] = _reduce.count(populations[p])
-        if not metric.per_seq:
-            key = metric.key if metric.key is not None else name
-            # Fractions and weights already computed per token: light columns.
-            pass2_columns[("sum", key, p)] = _reduce.total(metric.value, populations[p], cost=1)
-    if weight_stats:
-        pass2_columns[("n", len(populations) - 1)] = _reduce.count(final)
-        if not weights_per_seq:
-            pass2_columns["w"] = _reduce.total(weights, final, cost=1)
-            pass2_columns["w2"] = _reduce.total(weights * weights, final, cost=1)
-            pass2_columns["lo"] = _reduce.minimum(weights, final)
-            pass2_columns["hi"] = _reduce.maximum(weights, final)
-    for i, value in enumerate(also_over_final):
-        pass2_columns[("also", i)] = _reduce.total(value, final, cost=1)
-    pass2 = layout.reduce(pass2_columns)
+    pass2 = _pass2(t, d, weight_stats, also_over_final)
+    count_valid = _restrict(finite, pass1["count"])
 
     def count(p):
-        return base["count"] if p == 0 else pass2[("n", p)]
+        return count_valid if p == 0 else pass2[("n", p)]
 
-    for name, metric, at in requests:
-        p = index(metric, at)
-        if metric.per_seq:
-            parts[name] = _reduce.seq_mean_of_values(metric.value, count(p), how)
-        else:
-            key = metric.key if metric.key is not None else name
-            parts[name] = _reduce.seq_mean(pass2[("sum", key, p)], count(p), how)
-
+    _requested_means(t, d, count, pass2)
     mu = jnp.ones((), jnp.float32)
     if weight_stats:
-        n_final = count(len(populations) - 1)
-
-        def mean_weight(reduction):
-            if weights_per_seq:
-                return _reduce.seq_mean_of_values(weights, n_final, reduction)
-            return _reduce.seq_mean(pass2["w"], n_final, reduction)
-
-        after = mean_weight(how)
-        parts["mis_is_ratio_mean_after_tis_rs"] = after
-        if batch_normalize is not None:
-            terms = after if batch_normalize == how else mean_weight(batch_normalize)
-            mu = normalize.normalizer(layout.batch_means({"mu": terms})["mu"].value())
-        # Normalising is one division by μ > 0: it scales the mean, and min(w/μ) =
-        # min(w)/μ exactly, so the final statistics come from the same sums.
-        low, high = (weights, weights) if weights_per_seq else (pass2["lo"], pass2["hi"])
-        parts["mis_is_ratio_mean_final"] = MeanParts(after.numerator / mu, after.denominator)
-        parts["mis_is_ratio_min_final"] = _reduce.seq_mean_of_values(low / mu, n_final, how)
-        parts["mis_is_ratio_max_final"] = _reduce.seq_mean_of_values(high / mu, n_final, how)
-        # ESS sums (invariant to μ): Σ w m', Σ w² m', Σ m' of the final mask.
-        if weights_per_seq:
-            some = n_final > 0
-            sum_w = jnp.where(some, weights, 0.0) * n_final
-            sum_w2 = jnp.where(some, weights * weights, 0.0) * n_final
-        else:
-            sum_w, sum_w2 = pass2["w"], pass2["w2"]
-        parts[_ESS_W] = MeanParts(sum_w, sum_w2)
-        parts[_ESS_N] = MeanParts(n_final, n_final)
-    parts = layout.batch_means(parts)
+        mu = _weight_statistics(t, d, count(len(d.populations) - 1), pass2, batch_normalize)
+    parts = t.layout.batch_means(d.parts)
     if weight_stats:
         w_parts, n_parts = parts.pop(_ESS_W), parts.pop(_ESS_N)
         parts["mis_ess"] = EffectiveSampleSize(
@@ -350,8 +404,6 @@ def run(
         )
         # As (μ, 1): pooled over micro-batches it reports their mean normaliser.
         parts["mis_batch_norm_factor"] = MeanParts(mu, jnp.ones((), jnp.float32))
-    # A new name, not a reassignment: mean_weight above reads `weights` (narrowed to
-    # an array) as a closure.
-    token_weights = layout.broadcast(weights) if weights_per_seq else weights
+    token_weights = t.layout.broadcast(d.weights) if d.weights_per_seq else d.weights
     # `where`, not a product: rejected positions may hold e^20-sized mask-mode ratios.
-    return jnp.where(final > 0, token_weights / mu, 0.0), final, parts
+    return jnp.where(d.final > 0, token_weights / mu, 0.0), d.final, parts

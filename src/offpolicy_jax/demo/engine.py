@@ -162,7 +162,7 @@ def _generate(graphdef, params, prompts, key, numerics, active, return_routes):
         routing = Routing(noise=router_noise(model, k_noise, tokens.shape, scale))
 
     # Static: only a sampling mismatch reports through token_logprobs, so the other
-    # settings keep their float32 rounding (and README tables) bit for bit.
+    # settings keep their float32 rounding (and the docs' tables) bit for bit.
     sampler = numerics.temperature != 1.0 or numerics.top_p < 1.0
 
     def step(tokens, xs):

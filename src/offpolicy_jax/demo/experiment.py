@@ -13,7 +13,7 @@ import numpy as np
 from offpolicy_jax.demo import train
 from offpolicy_jax.demo.train import Mismatch, TrainConfig
 
-#: The default preset's rows (README.md's table).
+#: The default preset's rows (the table of docs/demo.md).
 DEFAULT_ALGORITHMS = (
     "ppo:no-mismatch",
     "ppo",
@@ -110,10 +110,10 @@ class DemoConfig:
 
 
 #: Named settings of the demo (``offpolicy-jax demo --preset NAME``); flags override them.
-#: README.md reports both, and ``benchmarks/demo_collapse_sweep.py`` how "collapse" was found.
+#: docs/demo.md reports both, and ``offpolicy_jax.demo.sweep`` how "collapse" was found.
 PRESETS: dict[str, DemoConfig] = {
     "default": DemoConfig(),
-    # The sweep's setting where rewards fell and stayed down (README.md, "collapse"):
+    # The sweep's setting where rewards fell and stayed down (docs/demo.md, "The collapse preset"):
     # an engine 128 updates stale, 3x the default learning rate, twice as long.
     "collapse": DemoConfig(
         steps=600,

@@ -4,7 +4,7 @@ Runs the demo over a grid of (mismatch source, severity, learning rate, steps) f
 rows (uncorrected ``ppo``, untruncated ``decoupled_ppo+is``, truncated
 ``decoupled_ppo+tis2``) and prints, per setting and row, how many seeds collapsed
 (:func:`offpolicy_jax.demo.report.collapsed`), the final reward and the peaks of the
-diagnostics. README.md holds the table this printed. Run (about 40 CPU-minutes)::
+diagnostics. docs/demo.md ("The collapse sweep") holds the table this printed. Run (about 40 CPU-minutes)::
 
     nice python -m offpolicy_jax.demo.sweep --out sweep.jsonl [--only N,M]
 

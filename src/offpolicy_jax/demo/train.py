@@ -41,7 +41,7 @@ ROUTER_NOISE_PER_SEVERITY = 0.03
 FP8_SEVERITY = {1: "e4m3", 2: "e5m2"}
 TRAINER_LOGPROBS = ("raw", "sampler")
 #: Default severity per source. The stale default is deliberately severe: in this tiny
-#: problem milder mismatches give smaller gaps (README.md has the numbers).
+#: problem milder mismatches give smaller gaps (docs/demo.md has the numbers).
 DEFAULT_SEVERITY = {"stale": 64.0, "precision": 1.0, "sampling": 1.0, "router": 10.0, "fp8": 1.0}
 MAX_STALENESS = 256
 

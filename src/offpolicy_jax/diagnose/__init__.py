@@ -99,6 +99,7 @@ def diagnose(
     finally:
         if bar is not None:
             bar.close()
+    _check_something_to_diagnose(acc.totals)
     result = report.build(acc, [str(p) for p in paths])
     locators = {str(p): readers.row_locator(p) for p in paths}
     for item in result["worst_sequences"] + result["worst_tokens"]:
@@ -106,3 +107,21 @@ def diagnose(
     if out is not None:
         report.write(result, Path(out))
     return result
+
+
+def _check_something_to_diagnose(totals: dict[str, int]) -> None:
+    """A dump without one valid sequence (every one empty, or with a NaN/inf log-prob at
+    a valid token) has metrics of 0, which read as "no mismatch": refuse to recommend."""
+    valid = totals["sequences"] - totals["nonfinite_sequences"]
+    if valid > 0:
+        return
+    if totals["sequences"] == 0:
+        raise DiagnoseError(
+            "nothing to diagnose: every sequence is empty (no token has mask > 0); check "
+            "--mask-col and the mask values"
+        )
+    raise DiagnoseError(
+        f"nothing to diagnose: all {totals['sequences']:,} non-empty sequences have NaN/inf "
+        f"log-probs at valid tokens ({totals['nonfinite_tokens']:,} tokens); the dump's "
+        "log-probs are broken, not mismatched"
+    )

@@ -124,7 +124,8 @@ VETO = 1e-4
 # verl's IcePop preset (decoupled_token_icepop, rollout_is_threshold "0.5_5.0").
 ICEPOP_BOUNDS = (0.5, 5.0)
 # Trust Region Masking (verl rollout_rs "seq_max_k2,seq_mean_k3"): the per-sequence mean
-# k3 at verl's decoupled_k3_rs* preset threshold, the max token k2 at README's 2.5.
+# k3 at verl's decoupled_k3_rs* preset threshold, the max token k2 at the 2.5 of the
+# Trust Region Masking example in docs/guide/configuration.md.
 TRM_MAX_K2 = 2.5
 TRM_MEAN_K3 = 0.01
 
@@ -207,6 +208,9 @@ def _count(n: jax.Array, reduction: str) -> jax.Array:
 def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
     """Everything the report needs from one padded ``[B, T]`` chunk, as small arrays."""
     b, t = old.shape
+    # A mask entry that is not > 0 (a JSONL/Parquet null read as NaN) is padding, as in
+    # the library (docs/semantics.md §0): summed as NaN it dropped its sequence's count.
+    mask = jnp.where(mask > 0, mask, 0.0)
     valid_in = mask > 0
     nonfinite = valid_in & ~(jnp.isfinite(old) & jnp.isfinite(rollout))
     n_all = jnp.sum(mask, -1)
@@ -311,6 +315,13 @@ _COUNTS = ("kept_tokens", "valid_tokens", "valid_seqs", "rejected_seqs", "zero_w
 _COUNTS += ("sum_w", "sum_w2")
 
 
+SPLIT_CELLS = 1 << 20
+"""A padded chunk larger than this runs one config per call (see ``Accumulator.add``)."""
+
+MAX_POSITION_BUCKETS = 1024
+"""The position profile never has more buckets: a longer sequence doubles their width."""
+
+
 def auto_position_bin(length: int) -> int:
     """Bucket width for a dump whose first chunk is ``length`` tokens wide: the largest
     power of two giving at least 32 buckets (1 for short responses)."""
@@ -361,23 +372,45 @@ class Accumulator:
         b, t = chunk.old.shape
         if self.position_bin is None:
             self.position_bin = auto_position_bin(t)
-        rows = _bucket(b) if b < self.rows else -(-b // self.rows) * self.rows
         cols = _bucket(t)
+        # Rows pad to a power of two (few compilations), but at least 8 only for short
+        # sequences: 8 rows of a 2M-token sequence are 64 MB per [B, T] temporary.
+        rows = (
+            _bucket(b, 8 if cols <= 4096 else 1)
+            if b < self.rows
+            else -(-b // self.rows) * self.rows
+        )
+        while -(-cols // self.position_bin) > MAX_POSITION_BUCKETS:
+            self._coarsen_positions()
 
         def pad(a):
             return np.pad(a, ((0, rows - b), (0, cols - t)))
 
-        stats = chunk_stats(
-            pad(chunk.old),
-            pad(chunk.rollout),
-            pad(chunk.mask),
-            configs=self.configs,
-            reduction=self.reduction,
-            position_bin=self.position_bin,
-            top_k=self.top_k,
-        )
-        stats = jax.device_get(stats)
+        arrays = [jnp.asarray(pad(a)) for a in (chunk.old, chunk.rollout, chunk.mask)]
+        kwargs = dict(reduction=self.reduction, position_bin=self.position_bin, top_k=self.top_k)
+        # A huge chunk (a very long sequence) runs its configs one call each: one
+        # program's temporaries for all nine held ~50 [B, T] arrays at once.
+        groups = [self.configs] if rows * cols <= SPLIT_CELLS else [(c,) for c in self.configs]
+        stats = jax.device_get(chunk_stats(*arrays, configs=groups[0], **kwargs))
+        for configs in groups[1:]:
+            more = chunk_stats(*arrays, configs=configs, **kwargs)["configs"]
+            stats["configs"].update(jax.device_get(more))
         self._pool(stats, chunk, b)
+
+    def _coarsen_positions(self) -> None:
+        """Doubles the position bucket width, merging the pooled buckets pairwise
+        (exact: bucket ``j`` of width ``2w`` is buckets ``2j`` and ``2j + 1`` of width
+        ``w``), so that a long sequence after short ones cannot grow the position
+        profile without bound (2M positions x 323 δ bins was 2.7 GB)."""
+        assert self.position_bin is not None
+        self.position_bin *= 2
+        n = self.pos_hist.shape[0]
+        if n % 2:
+            self.pos_hist = np.pad(self.pos_hist, ((0, 1), (0, 0)))
+            self.pos_sum, self.pos_abs = np.pad(self.pos_sum, (0, 1)), np.pad(self.pos_abs, (0, 1))
+        self.pos_hist = self.pos_hist.reshape(-1, 2, N_DELTA_BINS).sum(1)
+        self.pos_sum = self.pos_sum.reshape(-1, 2).sum(1)
+        self.pos_abs = self.pos_abs.reshape(-1, 2).sum(1)
 
     def _pool(self, stats, chunk, b) -> None:
         for key in self.totals:

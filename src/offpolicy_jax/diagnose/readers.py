@@ -212,14 +212,15 @@ def check(path: Path, columns: dict[str, str] | None = None) -> int | None:
         except Exception as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DiagnoseError(f"cannot read {str(path)!r} as .npz: {reason}") from None
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 and shape[-1] else 0
+        # A 1-D [T] array is one sequence (np.prod of () is 1).
+        rows = int(np.prod(shape[:-1])) if len(shape) >= 1 and shape[-1] else 0
     else:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             first = next((line for line in f if line.strip()), None)
         if first is None:
             raise DiagnoseError(f"{str(path)!r}: empty file (no sequences)")
         try:
-            record = json.loads(first)
+            record = json.loads(_utf8(path, first, 1))
         except json.JSONDecodeError as e:
             raise DiagnoseError(f"{str(path)!r}: first line is not JSON ({e.msg})") from None
         if isinstance(record, dict):
@@ -249,7 +250,7 @@ def iter_chunks(
         fmt = file_format(path)
         reader = {"npz": _npz_chunks, "parquet": _parquet_chunks, "jsonl": _jsonl_chunks}[fmt]
         n = 0
-        for chunk in reader(path, rows, columns):
+        for chunk in _reading(path, reader(path, rows, columns)):
             chunk.file = np.full(chunk.old.shape[0], index, np.int32)
             n += chunk.old.shape[0]
             yield chunk
@@ -257,13 +258,79 @@ def iter_chunks(
             raise DiagnoseError(f"{str(path)!r}: empty file (no sequences)")
 
 
+def _reading(path: Path, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    """``chunks``, with any error a reader did not foresee (a value of the wrong kind
+    deep in a file) turned into the one-line :class:`DiagnoseError` of the CLI."""
+    try:
+        yield from chunks
+    except DiagnoseError:
+        raise
+    except (ValueError, TypeError, OverflowError, UnicodeError, KeyError, OSError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DiagnoseError(f"cannot read {str(path)!r}: {reason}") from None
+
+
+def _utf8(path: Path, raw: bytes, line_no: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DiagnoseError(
+            f"{str(path)!r} line {line_no}: not UTF-8 text (byte {e.start}); JSONL must be UTF-8"
+        ) from None
+
+
+def _numbers(path: Path, line_no: int, name: str, values: list) -> list:
+    """``values`` if every entry is a number, a bool or null (JSON), else DiagnoseError."""
+    for value in values:
+        if value is not None and type(value) not in (int, float, bool):
+            raise DiagnoseError(
+                f"{str(path)!r} line {line_no}: column {name!r} must be a list of numbers "
+                f"(or null), got an entry of type {type(value).__name__}"
+            )
+    return values
+
+
 # --------------------------------------------------------------------------- padding
+
+
+LONG_SEQUENCE = 1 << 16
+"""A sequence longer than this is analysed in a chunk of its own (when padding is split)."""
+
+
+def length_groups(length: np.ndarray) -> list[np.ndarray]:
+    """Row indices of one batch in groups that are padded separately, so that padding
+    costs at most about twice the tokens.
+
+    One chunk padded to its longest sequence is the fast path (one shape, one
+    compilation) and is kept while it wastes little. A skewed batch (one 2M-token
+    sequence beside 1,023 of 64 tokens) would be 1024 x 2M padded cells, 8 GiB per
+    column: there the rows are sorted by length, longest first, and a group grows
+    while its padded size stays within twice its tokens.
+    """
+    b = length.shape[0]
+    longest = int(length.max(initial=0))
+    if b * longest <= 4 * int(length.sum()) + b * 512:
+        return [np.arange(b)]
+    order = np.argsort(-length, kind="stable")
+    groups, start, tokens = [], 0, 0
+    for i, row in enumerate(order):
+        top = int(length[order[start]])
+        # A very long sequence is a group of its own: every [B, T] temporary of the
+        # analysis is then one row wide.
+        alone = top > LONG_SEQUENCE
+        if i > start and (alone or (i - start + 1) * top > 2 * (tokens + int(length[row])) + 512):
+            groups.append(np.sort(order[start:i]))
+            start, tokens = i, 0
+        tokens += int(length[row])
+    groups.append(np.sort(order[start:]))
+    return groups
 
 
 def _pad_lists(
     path: Path, first_row: int, names: Sequence[str], lists: Sequence[tuple[np.ndarray, np.ndarray]]
-) -> Chunk:
-    """(values, offsets) of three list columns -> a padded :class:`Chunk`; checks raggedness."""
+) -> Iterator[Chunk]:
+    """(values, offsets) of three list columns -> padded :class:`Chunk` objects (one,
+    or one per :func:`length_groups` group of a skewed batch); checks raggedness."""
     lengths = [np.diff(offsets) for _, offsets in lists]
     for name, length in zip(names[1:], lengths[1:], strict=True):
         bad = np.flatnonzero(length != lengths[0])
@@ -273,18 +340,33 @@ def _pad_lists(
                 f"{str(path)!r} row {first_row + i}: {names[0]!r} has {lengths[0][i]} values "
                 f"but {name!r} has {length[i]} (the lists of one row must have equal lengths)"
             )
-    length = lengths[0]
-    b = length.shape[0]
-    t = max(int(length.max(initial=0)), 1)
-    row_of = np.repeat(np.arange(b), length)
+    for group in length_groups(lengths[0]):
+        yield _pad_group(group, first_row, lengths[0], lists)
+
+
+def _pad_group(
+    group: np.ndarray,
+    first_row: int,
+    length: np.ndarray,
+    lists: Sequence[tuple[np.ndarray, np.ndarray]],
+) -> Chunk:
+    """The rows ``group`` (indices into the batch) of three list columns, padded."""
+    b = group.shape[0]
+    size = length[group]
+    t = max(int(size.max(initial=0)), 1)
+    row_of = np.repeat(np.arange(b), size)
     padded = []
     for values, offsets in lists:
-        flat = values[offsets[0] : offsets[-1]]
-        col_of = np.arange(flat.shape[0]) - np.repeat(offsets[:-1] - offsets[0], length)
+        # Each row's values, in group order: starts offsets[group], lengths size.
+        start_of = np.repeat(offsets[group] - np.concatenate([[0], np.cumsum(size)[:-1]]), size)
+        flat_index = np.arange(int(size.sum())) + start_of
+        col_of = np.arange(flat_index.shape[0]) - np.repeat(
+            np.concatenate([[0], np.cumsum(size)[:-1]]), size
+        )
         out = np.zeros((b, t), np.float32)
-        out[row_of, col_of] = flat
+        out[row_of, col_of] = values[flat_index]
         padded.append(out)
-    rows = np.arange(first_row, first_row + b, dtype=np.int64)
+    rows = (first_row + group).astype(np.int64)
     return Chunk(*padded, file=np.zeros(b, np.int32), row=rows, start=np.zeros(b, np.int64))
 
 
@@ -311,6 +393,16 @@ def _list_parts(path: Path, name: str, array) -> tuple[np.ndarray, np.ndarray]:
         raise DiagnoseError(
             f"{str(path)!r}: column {name!r} must hold one list per row, got type {array.type}"
         )
+    value_type = array.type.value_type
+    if not (
+        pa.types.is_integer(value_type)
+        or pa.types.is_floating(value_type)
+        or pa.types.is_boolean(value_type)
+        or pa.types.is_null(value_type)
+    ):
+        raise DiagnoseError(
+            f"{str(path)!r}: column {name!r} must hold lists of numbers, got type {array.type}"
+        )
     offsets = array.offsets.to_numpy().astype(np.int64)
     values = array.values.to_numpy(zero_copy_only=False)  # nulls come back as NaN
     return values.astype(np.float32, copy=False), offsets
@@ -334,7 +426,7 @@ def _parquet_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[
     first = 0
     for batch in file.iter_batches(batch_size=rows, columns=names):
         parts = [_list_parts(path, n, batch.column(n)) for n in names]
-        yield _pad_lists(path, first, names, parts)
+        yield from _pad_lists(path, first, names, parts)
         first += batch.num_rows
 
 
@@ -355,13 +447,14 @@ def _jsonl_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Ch
             flat = [v for x in buf for v in x]
             values = np.array([np.nan if v is None else v for v in flat], np.float64)
             parts.append((values.astype(np.float32), offsets))
-        return _pad_lists(path, first, names, parts)
+        return list(_pad_lists(path, first, names, parts))
 
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    with open(path, "rb") as f:
+        for raw in f:
             line_no += 1
-            if not line.strip():
+            if not raw.strip():
                 continue
+            line = _utf8(path, raw, line_no)
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -375,13 +468,13 @@ def _jsonl_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Ch
                     raise DiagnoseError(
                         f"{str(path)!r} line {line_no}: column {name!r} must be a list"
                     )
-                buf.append(value)
+                buf.append(_numbers(path, line_no, name, value))
             if len(buffers[0]) == rows:
-                yield flush()
+                yield from flush()
                 first += rows
                 buffers = [[], [], []]
     if buffers[0]:
-        yield flush()
+        yield from flush()
 
 
 # --------------------------------------------------------------------------- npz
@@ -395,8 +488,14 @@ def _npz_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Chun
         raise DiagnoseError(f"cannot read {str(path)!r} as .npz: {reason}") from None
     with data:
         _missing(path, NPZ_KEYS, data.files)
-        arrays = [np.asarray(data[NPZ_KEYS[k]]) for k in ("old", "rollout", "mask")]
-        segments = np.asarray(data["segment_ids"]) if "segment_ids" in data.files else None
+        keys = [NPZ_KEYS[k] for k in ("old", "rollout", "mask")]
+        keys += ["segment_ids"] if "segment_ids" in data.files else []
+        loaded = [_npz_array(path, data, key) for key in keys]
+    arrays, segments = loaded[:3], (loaded[3] if len(loaded) > 3 else None)
+    if segments is not None and segments.dtype.kind not in "biu":
+        raise DiagnoseError(
+            f"{str(path)!r}: 'segment_ids' must be integers, got dtype {segments.dtype}"
+        )
     shape = arrays[0].shape
     for name, array in zip(("rollout_logp", "mask"), arrays[1:], strict=True):
         if array.shape != shape:
@@ -422,9 +521,26 @@ def _npz_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Chun
             yield _unpack(parts, segments[lo:hi], row)
 
 
+def _npz_array(path: Path, data, key: str) -> np.ndarray:
+    """``data[key]`` as a numeric array, else DiagnoseError (object arrays need pickle,
+    which is never allowed; strings are not log-probs)."""
+    try:
+        array = np.asarray(data[key])
+    except ValueError as e:  # "Object arrays cannot be loaded when allow_pickle=False"
+        raise DiagnoseError(f"{str(path)!r}: {key!r} cannot be read ({e})") from None
+    if array.dtype.kind not in "biuf":
+        raise DiagnoseError(f"{str(path)!r}: {key!r} must be numeric, got dtype {array.dtype}")
+    return array
+
+
 def _unpack(parts: list[np.ndarray], segments: np.ndarray, row: np.ndarray) -> Chunk:
-    """Packed rows -> one sequence per contiguous run of a segment id."""
+    """Packed rows -> one sequence per contiguous run of a segment id.
+
+    An id ``<= 0`` is padding whatever the mask says, as in the library
+    (docs/semantics.md §10): its runs keep no token.
+    """
     b, t = segments.shape
+    parts = [*parts[:2], np.where(segments > 0, parts[2], 0.0).astype(np.float32)]
     change = np.ones((b, t), bool)
     change[:, 1:] = segments[:, 1:] != segments[:, :-1]
     flat_change = change.ravel()

@@ -13,7 +13,7 @@ import yaml
 import offpolicy_jax as opj
 from offpolicy_jax.diagnose import analysis
 
-# Recommendation thresholds (README "Diagnose a run"): the per-token k3 KL estimate
+# Recommendation thresholds (docs/diagnose.md): the per-token k3 KL estimate
 # E[e^δ − δ − 1] ≈ Var(δ)/2 of the rollout vs the trainer.
 NEGLIGIBLE_K3 = 1e-4
 SEVERE_K3 = 1e-2

@@ -1,0 +1,121 @@
+"""The layout "one sequence per row": columns in, per-sequence values out.
+
+A layout reduces a dict of :class:`~offpolicy_jax.reduction.columns.Column` s to
+per-sequence values in one go (:meth:`Rows.reduce`, by the path
+:mod:`~offpolicy_jax.reduction.backend` chooses), ``psum``-s them over
+context-parallel mesh axes, broadcasts per-sequence values back to tokens, and sums
+per-sequence terms over the batch (:meth:`Rows.batch_means`) with one ``psum`` of
+scalars over the data-parallel axes. Only per-sequence values ever cross devices.
+The packed layout (:class:`~offpolicy_jax.reduction.segments.Packed`) is the same
+seam with several sequences a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Mapping
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+
+from offpolicy_jax.reduction import backend
+from offpolicy_jax.reduction.columns import Column, broadcast_shape, identity, operand
+from offpolicy_jax.reduction.means import MeanParts
+from offpolicy_jax.reduction.mesh import MeshAxes
+
+# Column names: strings, or tuples where the pipeline keys columns by (stage, name).
+ColumnKey = TypeVar("ColumnKey", bound=Hashable)
+
+_COLLECTIVE = {"sum": jax.lax.psum, "min": jax.lax.pmin, "max": jax.lax.pmax}
+
+
+def combine_over(results: dict, columns: Mapping, names: tuple[str, ...] | tuple) -> dict:
+    """Combines per-sequence partial results over the token mesh axes ``names``: one
+    ``psum`` / ``pmin`` / ``pmax`` per op, of ``[...]``-sized values only."""
+    if not names:
+        return results
+    for op, collective in _COLLECTIVE.items():
+        same = [n for n in columns if columns[n].op == op]  # a list: names need not sort
+        if same:
+            combined = collective([results[n] for n in same], names)
+            results.update(zip(same, combined, strict=True))
+    return results
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """The layout "one sequence per row": the seam between tokens and sequences.
+
+    Every per-sequence reduction (:meth:`reduce`) and every broadcast of a
+    per-sequence value back to its tokens (:meth:`broadcast`) goes through a layout,
+    so no other module assumes that a row is a sequence. Here per-sequence arrays
+    are ``[...]`` (the token axis reduced away); the packed layout has per-sequence
+    arrays ``[..., K]``.
+
+    Attributes:
+      axes: mesh axes to combine over inside ``shard_map``.
+    """
+
+    axes: MeshAxes = MeshAxes()
+    # The reductions taken through this layout (one public call), by what they reduce.
+    _taken: dict = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+
+    def reduce(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
+        """Every column's per-sequence reduction, ``[..., T] -> [...]``, computed together.
+
+        Each result is ``Σ_t x_t p_t``, ``min`` or ``max`` over the sequence's tokens
+        in the column's population; values are selected with ``where`` before they
+        are weighted, so NaN/inf outside a population never reaches a result. Sums
+        are differentiable w.r.t. their values. A column asked for again of the same
+        layout (the same op on the same arrays) is not reduced again.
+
+        Inside ``shard_map`` with a sharded token axis the per-sequence partial
+        results are combined over ``axes.token``.
+        """
+        keys = {name: identity(column) for name, column in columns.items()}
+        fresh: dict[ColumnKey, Column] = {}
+        asked = set(self._taken)
+        for name, column in columns.items():
+            if keys[name] not in asked:
+                fresh[name] = column
+                asked.add(keys[name])
+        if fresh:
+            for name, result in self.reduce_columns(fresh).items():
+                # The column stays referenced beside its result: the ids in the keys
+                # belong to live arrays, so they are never reused.
+                self._taken[keys[name]] = (fresh[name], result)
+        return {name: self._taken[keys[name]][1] for name in columns}
+
+    def reduce_columns(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
+        """:meth:`reduce` without looking for columns already taken."""
+        names = tuple(columns)
+        shape = broadcast_shape(columns.values())
+        results = backend.reduce_rows(
+            tuple(columns[n].op for n in names),
+            tuple(operand(columns[n], shape) for n in names),
+        )
+        return combine_over(dict(zip(names, results, strict=True)), columns, self.axes.token)
+
+    def broadcast(self, per_seq: jax.Array) -> jax.Array:
+        """A per-sequence value ``[...]`` on every token of its sequence (``[..., 1]``)."""
+        return jnp.asarray(per_seq)[..., None]
+
+    def batch_means(self, means: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
+        """Sums per-sequence :class:`MeanParts` terms over the batch and the devices.
+
+        The batch sums of every term reduced together, and one ``psum`` of scalars over
+        ``axes.batch``, whatever the number of means.
+        """
+        if not means:
+            return {}
+        totals = tuple(
+            jnp.broadcast_arrays(*(t for m in means.values() for t in (m.numerator, m.denominator)))
+        )
+        while totals[0].ndim:  # one leading axis at a time
+            totals = backend.reduce_rows(("sum",) * len(totals), totals)
+        if self.axes.batch:
+            totals = jax.lax.psum(totals, self.axes.batch)
+        return {key: MeanParts(*totals[2 * i : 2 * i + 2]) for i, key in enumerate(means)}

@@ -1,0 +1,289 @@
+"""The packed layout: several sequences share one ``[..., T]`` row.
+
+In the packed layout (docs/semantics.md §10) an int ``segment_ids`` array ``[..., T]``
+names the sequence of every token: ``1..K`` (``K = num_segments``, a static int)
+are the sequences of a row and 0 is padding. A per-sequence value is then
+``[..., K]`` (one per (row, segment)) instead of ``[...]`` (one per row).
+
+* :func:`segment_reduce` is :meth:`~offpolicy_jax.reduction.rows.Rows.reduce` per
+  segment: every column's sum / min / max over the tokens of each segment, ``[...,
+  T] -> [..., K]``. Inside ``shard_map`` with a sharded token axis the ``[..., K]``
+  partial results are ``psum``-ed (``pmin``/``pmax``) over the token mesh axes, so a
+  sequence may cross a shard boundary; only ``[..., K]``-sized values cross devices.
+* :func:`segment_broadcast` is the way back, ``[..., K] -> [..., T]``: each token
+  gets its segment's value (the gather), padding a fill value.
+* :class:`Packed` is the layout object behind the seam of ``Rows``: the correction
+  pipeline, the losses and every rule reduce and broadcast through it, so they are
+  all packed-aware without knowing it.
+
+How a segment is reduced is the engine's business (:mod:`~offpolicy_jax.reduction.backend`):
+the exact compare-and-reduce on every path, and, on the fused CPU path, a faster
+windowed reduction when the caller promises contiguous segments (``contiguous``, a
+static choice: the public ``contiguous_segments`` argument; :func:`contiguous_rows`
+checks the promise). Every packed call compiles once.
+
+Ids outside ``1..K`` (0, negative, too large) belong to no segment: they are
+padding, whatever the mask says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from offpolicy_jax import _validation
+from offpolicy_jax.reduction import backend, fused_cpu
+from offpolicy_jax.reduction.columns import Column, broadcast_shape, count_where, operand
+from offpolicy_jax.reduction.mesh import MeshAxes
+from offpolicy_jax.reduction.plain import select_broadcast
+from offpolicy_jax.reduction.rows import ColumnKey, Rows, combine_over
+
+
+def check_segments(segment_ids, num_segments, shape: tuple[int, ...]) -> jax.Array | None:
+    """Validates the packed-layout arguments; returns int32 ids, or None when unpacked.
+
+    Args:
+      segment_ids: int ``[..., T]`` (the shape of the per-token inputs), or None.
+      num_segments: a positive Python int ``K`` (static), or None.
+      shape: the per-token inputs' shape ``[..., T]``.
+
+    Raises:
+      ValueError / TypeError naming ``segment_ids`` or ``num_segments``.
+    """
+    if segment_ids is None and num_segments is None:
+        return None
+    if segment_ids is None:
+        raise ValueError(
+            "num_segments was given without segment_ids: pass segment_ids (int [..., T], "
+            "0 = padding, 1..num_segments = the sequences of a row) or neither"
+        )
+    if num_segments is None:
+        raise ValueError(
+            "segment_ids was given without num_segments: pass num_segments, the static "
+            "int K = the most sequences a row may hold (segment_ids take values 0..K)"
+        )
+    if isinstance(num_segments, (bool, np.bool_)) or not isinstance(
+        num_segments, (int, np.integer)
+    ):
+        raise TypeError(
+            "num_segments must be a static Python int (the most sequences a row may hold), "
+            f"got {type(num_segments).__name__}; pass it as a static argument under jit"
+        )
+    if num_segments < 1:
+        raise ValueError(f"num_segments must be >= 1, got {num_segments}")
+    dtype = jnp.result_type(segment_ids)
+    if not jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
+        raise TypeError(
+            f"segment_ids must be an integer array (0 = padding, 1..K = sequences), got dtype "
+            f"{dtype}"
+        )
+    if tuple(np.shape(segment_ids)) != tuple(shape):
+        raise ValueError(
+            f"segment_ids has shape {tuple(np.shape(segment_ids))} but the per-token inputs "
+            f"have shape {tuple(shape)}; segment_ids must be [..., T] alike"
+        )
+    _validation.check_int32_ids("segment_ids", segment_ids)
+    _validation.check_segment_ids_at_most(segment_ids, int(num_segments))
+    ids = jnp.asarray(segment_ids)
+    if ids.dtype.itemsize > 4 or ids.dtype == jnp.uint32:
+        # Traced wide ids (x64 on): out-of-range ones to padding before the cast can wrap them.
+        ids = jnp.where((ids >= 1) & (ids <= num_segments), ids, 0)
+    return ids.astype(jnp.int32)
+
+
+def in_segment(segment_ids: jax.Array, num_segments: int) -> jax.Array:
+    """``[..., T]`` bool: the token belongs to a segment ``1..K`` (not padding)."""
+    return (segment_ids >= 1) & (segment_ids <= num_segments)
+
+
+def segment_reduce(
+    columns: Mapping[ColumnKey, Column],
+    segment_ids: jax.Array,
+    num_segments: int,
+    axes: MeshAxes,
+    contiguous: bool = False,
+) -> dict[ColumnKey, jax.Array]:
+    """Every column's per-segment reduction, ``[..., T] -> [..., K]``, computed together.
+
+    ``out[..., k − 1] = Σ_t [id_t = k] x_t p_t`` (or the min / max over the tokens
+    with ``id_t = k`` and ``p_t > 0``; ``±inf`` for an empty segment). Values are
+    selected with ``where`` before they are weighted, so NaN/inf outside a
+    population never reaches a result. Populations must be 0 outside the segments
+    ``1..K`` (padding): every population of the library is, since the public calls
+    restrict their masks with :func:`only_segments`. Sums are differentiable, and
+    their backward is :func:`segment_broadcast` of the cotangent.
+
+    Args:
+      columns: name -> :class:`~offpolicy_jax.reduction.columns.Column` (``[..., T]``
+        populations and values).
+      segment_ids: int ``[..., T]``: 1..K name the sequences of a row, anything
+        else is padding.
+      num_segments: ``K``, static.
+      axes: mesh axes to combine over inside ``shard_map``.
+      contiguous: static; the caller's promise that every row is laid out as
+        :func:`contiguous_rows` checks (the layout of ``pack_sequences``).
+
+    Returns:
+      name -> ``[..., K]`` per-segment result.
+    """
+    return Packed(axes, segment_ids, num_segments, contiguous).reduce_columns(columns)
+
+
+def segment_broadcast(values: jax.Array, segment_ids: jax.Array, fill=0.0) -> jax.Array:
+    """Each token's segment value: ``[..., K] -> [..., T]`` (the gather), ``fill`` on padding.
+
+    ``out[..., t] = values[..., id_t − 1]`` for ``1 ≤ id_t ≤ K``, else ``fill``.
+    Differentiable in ``values`` (its transpose is a per-segment sum).
+
+    Args:
+      values: ``[..., K]`` one value per (row, segment); any dtype.
+      segment_ids: int ``[..., T]``.
+      fill: the value of padding tokens.
+    """
+    if values.dtype == jnp.bool_:
+        out = select_broadcast(values.astype(jnp.int8), segment_ids, int(bool(fill)))
+        return out.astype(bool)
+    return select_broadcast(values, segment_ids, fill)
+
+
+def segment_any(
+    condition: jax.Array,
+    population: jax.Array,
+    segment_ids: jax.Array,
+    num_segments: int,
+    axes: MeshAxes,
+) -> jax.Array:
+    """Per-segment ``any(condition)`` over the population, ``[..., T] -> [..., K]`` bool."""
+    columns = {"hits": count_where(condition, population)}
+    return segment_reduce(columns, segment_ids, num_segments, axes)["hits"] > 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packed(Rows):
+    """The packed layout: several sequences per row, named by ``segment_ids``.
+
+    The same seam as :class:`~offpolicy_jax.reduction.rows.Rows`, with per-sequence
+    arrays ``[..., K]`` (one value per (row, segment)) instead of ``[...]``:
+    :meth:`reduce` reduces per segment, :meth:`broadcast` is :func:`segment_broadcast`,
+    and ``batch_means`` (inherited) sums the ``[..., K]`` terms like any other axis. A
+    segment that a row does not use is an empty sequence: every mean leaves it out.
+
+    Attributes:
+      axes: mesh axes to combine over inside ``shard_map``.
+      segment_ids: int32 ``[..., T]``; 1..K name the sequences of a row.
+      num_segments: ``K``, static.
+      contiguous: static, the caller's promise (see :func:`segment_reduce`).
+    """
+
+    # A default only because the inherited ``axes`` has one; :func:`layout` always
+    # passes validated ids (see ``ids``).
+    segment_ids: jax.Array | None = None
+    num_segments: int = 1
+    contiguous: bool = False
+
+    @property
+    def ids(self) -> jax.Array:
+        """``segment_ids``, which a packed layout cannot lack."""
+        if self.segment_ids is None:
+            raise TypeError("Packed layout constructed without segment_ids")
+        return self.segment_ids
+
+    # The engine's windows of these ids (None where the windowed path does not run),
+    # made with the layout, in the trace that uses it, once for every reduction and
+    # broadcast.
+    plan: fused_cpu.Plan | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        plan = backend.windows_plan(self.ids, self.num_segments, self.contiguous)
+        object.__setattr__(self, "plan", plan)
+
+    def reduce_columns(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
+        """Every column's per-segment reduction, ``[..., T] -> [..., K]`` (see
+        :func:`segment_reduce`)."""
+        if not columns:
+            return {}
+        names = tuple(columns)
+        shape = broadcast_shape(columns.values(), self.ids.shape)
+        results = backend.reduce_segments(
+            tuple(columns[n].op for n in names),
+            self.num_segments,
+            tuple(operand(columns[n], shape) for n in names),
+            jnp.broadcast_to(self.ids, shape),
+            self.plan,
+        )
+        return combine_over(dict(zip(names, results, strict=True)), columns, self.axes.token)
+
+    def broadcast(self, per_seq: jax.Array) -> jax.Array:
+        """A per-segment value ``[..., K]`` on every token of its segment, ``[..., T]``
+        (0 / False on padding)."""
+        values = jnp.asarray(per_seq)
+        plan = self.plan
+        if plan is None:
+            return segment_broadcast(values, self.ids)
+        if values.dtype == jnp.bool_:
+            out = fused_cpu.window_broadcast(values.astype(jnp.int8), self.ids, plan, 0)
+            return out.astype(bool)
+        return fused_cpu.window_broadcast(values, self.ids, plan, 0.0)
+
+
+def layout(
+    axes: MeshAxes, segment_ids, num_segments, shape: tuple[int, ...], contiguous: bool = False
+) -> Rows:
+    """The layout of a public call: :class:`Rows` without ``segment_ids``, else
+    :class:`Packed` (the arguments validated, errors naming them)."""
+    ids = check_segments(segment_ids, num_segments, shape)
+    if ids is None:
+        return Rows(axes)
+    if not isinstance(contiguous, bool):
+        raise TypeError(
+            f"contiguous_segments must be a static Python bool, got {type(contiguous).__name__}"
+        )
+    return Packed(axes, ids, int(num_segments), contiguous)
+
+
+def contiguous_rows(segment_ids: jax.Array, num_segments: int) -> jax.Array:
+    """Bool scalar: ``segment_ids`` keep the promise of ``contiguous_segments=True``.
+
+    True when each sequence is one run of tokens, consecutive sequences of a row have
+    ids of different parity and each is longer than the engine's window of 16-64
+    tokens but the last of a row, as :func:`~offpolicy_jax.pack_sequences` lays them
+    out (more exactly: no window holds two different even ids or two different odd
+    ids, and no sequence ends in two windows that hold two ids); True too where the
+    windowed path does not apply (rows shorter than two windows). Check it on the host
+    (``bool(...)``) before promising: a broken promise gives wrong per-sequence values.
+    """
+    ids = jnp.asarray(segment_ids).astype(jnp.int32)
+    if not fused_cpu.use_windows(ids, num_segments):
+        return jnp.asarray(True)
+    return fused_cpu.windows_plan(ids, num_segments).ok
+
+
+def only_segments(layout: Rows, mask: jax.Array, raw=None) -> jax.Array:
+    """The mask without padding: 0 outside the segments ``1..K`` of a packed layout
+    (padding is never trained on, whatever the mask says); unchanged otherwise.
+
+    ``mask`` is the float mask; ``raw``, when given, the user's mask before the
+    conversion. A bool ``raw`` is restricted as a bool: ``(raw & inside)`` converted
+    stays a 0/1 value that XLA turns ``x * mask`` into a select of and fuses into every
+    pass, where a float ``where`` would be stored as its own ``[..., T]`` array and
+    multiplied in every column (enough extra work per token to push the first pass's
+    fused loop out of vector code: packed steps were 2x slower).
+    """
+    if not isinstance(layout, Packed):
+        return mask
+    inside = in_segment(layout.ids, layout.num_segments)
+    if raw is not None and jnp.result_type(raw) == jnp.bool_:
+        return (jnp.asarray(raw) & inside).astype(jnp.float32)
+    return jnp.where(inside, mask, 0.0)
+
+
+def segment_arguments(layout: Rows) -> dict:
+    """``segment_ids`` / ``num_segments`` keyword arguments for a user correction
+    callable, or none for the one-sequence-per-row layout."""
+    if not isinstance(layout, Packed):
+        return {}
+    return {"segment_ids": layout.segment_ids, "num_segments": layout.num_segments}
