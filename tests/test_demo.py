@@ -641,3 +641,26 @@ def test_tiny_routed_run_with_replay(tmp_path):
     assert all(abs(float(r["mis_k3_kl"])) < 1e-9 for r in replay)
     assert any(float(r["route_flip_fraction"]) > 0 for r in replay)
     assert "routes differ" in (tmp_path / "results.md").read_text()
+
+
+def test_diagnose_heavy_tail_section():
+    """diagnose's heavy-tail summary: 1% of tokens at |log ρ| = 3 and the rest near 0 is
+    heavy-tailed (quantiles, tail share); a smooth N(0, 0.3) mismatch is not."""
+    from offpolicy_jax.diagnose import analysis, report
+
+    edges = analysis.delta_bin_edges()
+    rng = np.random.default_rng(0)
+    spiky = np.concatenate([rng.normal(0, 1e-3, 9900), np.full(50, 3.0), np.full(50, -3.0)])
+    smooth = rng.normal(0, 0.3, 10000)
+    worst = [{"abs_log_ratio": 3.0}]
+    tail = report.heavy_tail(np.histogram(spiky, edges)[0], worst)
+    assert tail["heavy"] and tail["tail_token_share"] == pytest.approx(0.01)
+    assert tail["tail_abs_log_ratio_share"] > 0.9
+    q = tail["weight_quantiles"]
+    assert q["0.5"] == pytest.approx(1.0, abs=0.01)
+    assert q["0.999"] == pytest.approx(np.exp(3.0), rel=0.15)  # log bins: ±6% in δ
+    assert q["0.001"] == pytest.approx(np.exp(-3.0), rel=0.15)
+    calm = report.heavy_tail(np.histogram(smooth, edges)[0], worst)
+    assert not calm["heavy"] and calm["tail_token_share"] < 0.01
+    text = "\n".join(report._heavy_tail_lines(tail))
+    assert "Heavy-tailed" in text and "routing replay" in text

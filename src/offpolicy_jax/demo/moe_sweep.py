@@ -9,7 +9,9 @@ outcome at two horizons: the first half of the run and all of it
 
     nice python -m offpolicy_jax.demo.moe_sweep --out moe_sweep.jsonl [--only 0,3] [--steps 300]
 
-``--table moe_sweep.jsonl`` prints the Markdown table of docs/demo_moe.md from the lines.
+``--table moe_sweep.jsonl`` prints the Markdown table of docs/demo_moe.md from the lines;
+``--regimes regimes.jsonl`` measures each mismatch of :data:`REGIMES` on the same routed
+policy the way MoE reports quote it (``--table`` prints those lines too).
 """
 
 from __future__ import annotations
@@ -52,6 +54,66 @@ GRID = (
     ("router", 10, 3e-3, 0.0),
     ("router", 10, 3e-3, 1.0),
 )
+
+
+#: The regimes of the measurement table: (source, severity), each trained with ``ppo``
+#: for :data:`REGIME_STEPS` steps at the default learning rate and clip.
+REGIMES = (
+    ("router", 10),
+    ("router", 30),
+    ("fp8", 1),
+    ("fp8", 2),
+    ("precision", 1),
+    ("precision", 5),
+    ("stale", 16),
+    ("stale", 64),
+)
+REGIME_STEPS = 100
+
+
+def measure(source: str, severity: float, steps: int = REGIME_STEPS, seeds: int = 3) -> dict:
+    """One regime's mismatch over a ``ppo`` run of the routed policy: mean over the
+    steps and seeds, and the last 10% of steps (policies sharpen as they train)."""
+    config = DemoConfig(
+        steps=steps,
+        seeds=seeds,
+        algorithms=("ppo",),
+        mismatch=Mismatch(source, severity),
+        train=MOE,
+        chunk=20,
+    )
+    m = run(config).metrics["ppo"]
+    tail = max(1, steps // 10)
+    keys = ("route_flip_fraction", "mis_k3_kl", "is_weight_max", "log_ratio_above_1")
+    return {
+        "mismatch": source,
+        "severity": severity,
+        "steps": steps,
+        "seeds": seeds,
+        "mean": {k: float(np.nanmean(m[k])) for k in keys},
+        "end": {k: float(np.nanmean(m[k][-tail:])) for k in keys},
+        "max_weight": float(np.nanmax(m["is_weight_max"])),
+        "final_reward": float(m["policy_reward"][-tail:].mean()),
+    }
+
+
+def regime_table(lines: list[dict]) -> str:
+    """The measurement table: one line per regime."""
+    out = [
+        "| mismatch | routing decisions that differ (mean · last 10%) | K3 KL (mean · last "
+        "10%) | max weight (largest of the run) | tokens with abs(log ρ) > 1 (mean) "
+        "| ppo final reward |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in lines:
+        mean, end = r["mean"], r["end"]
+        out.append(
+            f"| {_mismatch(r)} | {100 * mean['route_flip_fraction']:.1f}% · "
+            f"{100 * end['route_flip_fraction']:.1f}% | {mean['mis_k3_kl']:.2g} · "
+            f"{end['mis_k3_kl']:.2g} | {_big(r['max_weight'])} "
+            f"| {100 * mean['log_ratio_above_1']:.2f}% | {r['final_reward']:.2f} |"
+        )
+    return "\n".join(out)
 
 
 def setting(
@@ -97,9 +159,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--only", default=None, help="comma-separated indices into GRID")
     parser.add_argument("--table", default=None, help="print the table of a finished sweep")
+    parser.add_argument("--regimes", default=None, help="measure REGIMES into this file")
     args = parser.parse_args(argv)
     if args.table:
-        print(table([json.loads(line) for line in open(args.table)]))
+        lines = [json.loads(line) for line in open(args.table)]
+        print(regime_table(lines) if "mean" in lines[0] else table(lines))
+        return
+    if args.regimes:
+        for source, severity in REGIMES:
+            line = measure(source, severity, seeds=args.seeds)
+            with open(args.regimes, "a") as f:
+                f.write(json.dumps(line) + "\n")
+            print(json.dumps(line), flush=True)
         return
     picks = range(len(GRID)) if args.only is None else [int(i) for i in args.only.split(",")]
     for i in picks:
