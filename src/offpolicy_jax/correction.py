@@ -118,7 +118,6 @@ def correction_parts(
         batch_normalize=norm,
         also_over_final=also_over_final if config.use_tis else (),
     )
-    parts = staleness.pool_maxima(parts)
     if not config.use_tis:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts
     return jax.lax.stop_gradient(weights), final, parts
