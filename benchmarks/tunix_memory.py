@@ -60,11 +60,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--embed", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=256, help="hidden_chunk_size")
+    parser.add_argument("--vocab-chunk", type=int, default=None, help="vocab_chunk_size")
     args = parser.parse_args()
     example = _example(args.batch, args.prompt, args.length)
     print(
         f"jax {jax.__version__}, {jax.devices()[0].platform}; B={args.batch}, "
-        f"prompt={args.prompt}, T={args.length}, D={args.embed}, 1 layer, float32"
+        f"prompt={args.prompt}, T={args.length}, D={args.embed}, 1 layer, float32; "
+        f"hidden_chunk_size={args.chunk}, vocab_chunk_size={args.vocab_chunk}"
     )
     print("| V | tunix grpo | opj, logits path | opj, from hidden | ratio tunix / from hidden |")
     print("|---|---|---|---|---|")
@@ -86,7 +89,10 @@ def main() -> None:
         mis = opj.CorrectionConfig.preset("mis")
         logits = otx.OffPolicyGRPOConfig(correction=mis)
         hidden = otx.OffPolicyGRPOConfig(
-            correction=mis, logps_from_hidden=True, hidden_chunk_size=256
+            correction=mis,
+            logps_from_hidden=True,
+            hidden_chunk_size=args.chunk,
+            vocab_chunk_size=args.vocab_chunk,
         )
         for config in (logits, hidden):
             config.temperature = 1.0

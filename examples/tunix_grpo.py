@@ -68,7 +68,7 @@ def share_of_lowercase(prompts, completions, **kwargs):
     return [sum("a" <= c <= "z" for c in text) / max(len(text), 1) for text in completions]
 
 
-def build_learner(steps: int, log_dir: str) -> otx.OffPolicyGRPOLearner:
+def build_learner(steps: int, log_dir: str, from_hidden: bool = False) -> otx.OffPolicyGRPOLearner:
     config = qwen3.ModelConfig(
         num_layers=2,
         vocab_size=259,
@@ -119,6 +119,7 @@ def build_learner(steps: int, log_dir: str) -> otx.OffPolicyGRPOLearner:
         num_generations=4,
         num_iterations=1,
         correction=opj.CorrectionConfig.preset("mis"),
+        logps_from_hidden=from_hidden,
     )
     return otx.OffPolicyGRPOLearner(cluster, algo_config, share_of_lowercase)
 
@@ -148,9 +149,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2, help="prompts per step")
+    parser.add_argument(
+        "--logps-from-hidden",
+        action="store_true",
+        help="score θ from the last hidden states (no [B, T, V] logits)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as log_dir:
-        learner = build_learner(args.steps, log_dir)
+        learner = build_learner(args.steps, log_dir, args.logps_from_hidden)
         print_each_step(learner)
         prompts = ["say a", "aaa", "banana", "abc", "a a a", "cat"]
         batches = [  # tunix repeats each batch's arrays num_generations times

@@ -6,7 +6,7 @@ import re
 # before any test module, in the main process and in every xdist worker, so the
 # setting lands first. Unsharded programs still run on device 0 only.
 # `JAX_NUM_CPU_DEVICES=1 python -m pytest ...` runs the numeric tests on one device,
-# where the CPU fusion takes its single-device paths; the multi-device modules below
+# where the fused CPU reductions take their single-device paths; the multi-device modules below
 # are then skipped (not failed). The fast tier (`-m "not slow"`, which defers every
 # multi-device module) runs on one device unless JAX_NUM_CPU_DEVICES is set: see
 # pytest_configure.
@@ -153,7 +153,7 @@ def _fast_run(config) -> bool:
 
 
 def pytest_configure(config):
-    # The fast tier on one CPU device. With no mesh in context, the CPU fusion must
+    # The fast tier on one CPU device. With no mesh in context, the fused CPU reductions must
     # assume that jit may place an unsharded program on any of the backend's devices,
     # so with 8 devices it compiles the partition-safe form of every reduction: about
     # twice the compile time of the single-device form, and compiling is most of the

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from strategies import (
     CAMPAIGN_CORRECTION_CONFIGS,
     CAMPAIGN_LOSS_CONFIGS,
@@ -49,7 +50,7 @@ from strategies import (
 )
 
 import offpolicy_jax as opj
-from offpolicy_jax import bounds
+from offpolicy_jax import bounds, criteria
 
 pytestmark = pytest.mark.usefixtures("clear_jax_caches")
 
@@ -483,3 +484,270 @@ def test_core_metrics_of_finite_extreme_inputs_are_finite():
         old, old, rollout, np.ones(1, np.float32), np.ones((1, 4)), config=config
     )
     assert_finite((loss, metrics, grad))
+
+
+# --------------------------------------------------------------------------- issue 30 classes
+# Properties that would have caught each class of issue 30's silent wrong answers: packed
+# ids above num_segments, masks other than 0/1, every verl rollout_rs option string,
+# hostile config values behind every config entry point, and every entry point under the
+# plain (accelerator) reduction path. Their fixed-example regressions are in
+# tests/test_reliability.py.
+
+PACKED_MIS = opj.LossConfig(
+    algorithm="decoupled_ppo", correction=opj.CorrectionConfig.preset("mis")
+)
+
+
+@functools.cache
+def packed_loss(num_segments):
+    return jax.jit(
+        lambda logp, old, rollout, adv, mask, ids: opj.policy_loss(
+            logp, old, rollout, adv, mask, PACKED_MIS, segment_ids=ids, num_segments=num_segments
+        )
+    )
+
+
+@pytest.mark.slow  # its own programs; fixed examples in test_reliability.py
+@budget(ci=20)
+@given(
+    batch=campaign_batches(),
+    num_segments=st.integers(1, 4),
+    ids=hnp.arrays(np.int32, (4, 16), elements=st.integers(-2, 7)),
+)
+def test_ids_above_num_segments_raise_eagerly_and_are_padding_under_jit(batch, num_segments, ids):
+    logp, old, rollout, adv, mask = inputs(batch, dirty=False)
+    adv = np.broadcast_to(np.asarray(adv), mask.shape)
+    above = ids > num_segments
+    if above.any():
+        with pytest.raises(ValueError, match="segment_ids holds id .* num_segments"):
+            opj.compute_correction(
+                old,
+                rollout,
+                mask,
+                PACKED_MIS.correction,
+                segment_ids=ids,
+                num_segments=num_segments,
+            )
+    # Under jit the ids are not read: an id above K is exactly padding (an id of 0).
+    traced = packed_loss(num_segments)(logp, old, rollout, adv, mask, jnp.asarray(ids))
+    padded = packed_loss(num_segments)(
+        logp, old, rollout, adv, mask, jnp.asarray(np.where(above, 0, ids))
+    )
+    assert_identical(traced, padded)
+
+
+@pytest.mark.slow  # its own programs; fixed examples in test_reliability.py
+@budget(ci=20)
+@given(
+    batch=campaign_batches(),
+    config=loss_configs,
+    values=hnp.arrays(np.int32, (4, 16), elements=st.integers(-3, 3)),
+    scale=st.sampled_from([0.25, 0.5, 2.0, 3.0]),
+)
+def test_masks_other_than_0_1(batch, config, values, scale):
+    logp, old, rollout, adv, _ = inputs(batch, dirty=False)
+    if np.any((values != 0) & (values != 1)):
+        with pytest.raises(ValueError, match="mask is an integer mask holding"):
+            opj.policy_loss(logp, old, rollout, adv, values, config)
+    # Under jit an integer entry > 0 is membership (weight 1), as the bool mask.
+    members = values > 0
+    assert_identical(
+        loss_vg(logp, old, rollout, adv, values, config=config),
+        loss_vg(logp, old, rollout, adv, members.astype(np.int32), config=config),
+    )
+    # A float mask weights its tokens in every sum: a uniform scale leaves every mean
+    # unchanged, but not a sum (the sequence-level log-ratio Σ δ m, seq_sum_* criteria).
+    if config.aggregation in ("token_mean", "sequence_mean", "row_mean") and not _sums_mask(
+        config.correction
+    ):
+        ones = members.astype(np.float32)
+        (loss, _), _ = loss_vg(logp, old, rollout, adv, ones, config=config)
+        (scaled, _), _ = loss_vg(logp, old, rollout, adv, ones * scale, config=config)
+        assert_close(scaled, loss, rtol=1e-5, atol=1e-6)
+
+
+def _sums_mask(correction) -> bool:
+    """Whether a correction decides on a mask-weighted sum (docs/semantics.md §0)."""
+    if not isinstance(correction, opj.CorrectionConfig) or not correction.use_tis:
+        return False
+    return (
+        correction.tis_level == "sequence"
+        or (correction.use_rs and correction.rs_level == "sequence")
+        or any(spec.startswith("seq_sum_") for spec in correction.rs_criteria)
+    )
+
+
+VERL_OPTIONS = (*criteria.KL_CRITERIA, "binary_kl", "seq_max_k1", "token_k4", "")
+_THRESHOLD_PIECES = (
+    "2.0", "0.5", "3", "1e-3", " 2.5 ", "0.5_2.0", "2_0", "0.5_2_0", "abc", "inf", "nan",
+    "-1", "0", "1e400", "2.0_0.5", "_", "",
+)  # fmt: skip
+
+
+def _verl_rs(options: str, threshold):
+    """verl's rollout_rs parsing (rollout_corr_helper: _parse_rollout_rs_thresholds),
+    rewritten from its rules: {option: (lower, upper)}, or ValueError."""
+    names = list(dict.fromkeys(o.strip() for o in options.split(",") if o.strip()))
+    if not names or any(n not in criteria.KL_CRITERIA for n in names):  # binary_kl: not here
+        raise ValueError("option")
+    if threshold is None:
+        raise ValueError("threshold")
+    if isinstance(threshold, (int, float)):
+        specs = [str(threshold)]
+    elif isinstance(threshold, str):
+        specs = [p.strip() for p in threshold.split(",") if p.strip()]
+    else:
+        raise ValueError("type")
+    if len(specs) not in (1, len(names)):
+        raise ValueError("count")
+    specs = specs * len(names) if len(specs) == 1 else specs
+    out = {}
+    for name, spec in zip(names, specs, strict=True):
+        if name.endswith("k1"):
+            lo_text, hi_text = spec.split("_", 1) if "_" in spec else (None, spec)
+            hi = float(hi_text)
+            lo = float(lo_text) if lo_text is not None else 1.0 / hi
+            if lo <= 0 or hi <= 0:
+                raise ValueError("positive")
+        else:
+            if "_" in spec:
+                raise ValueError("underscore")
+            lo, hi = None, float(spec)
+            if hi <= 0:
+                raise ValueError("positive")
+        out[name] = (lo, hi)
+    return out
+
+
+def _stricter_than_verl(bounds) -> bool:
+    """Where this library refuses what verl would accept: non-finite bounds, lo > hi."""
+    return any(
+        not all(math.isfinite(x) for x in (lo, hi) if x is not None) or (lo is not None and lo > hi)
+        for lo, hi in bounds.values()
+    )
+
+
+@budget(ci=300)
+@given(
+    options=st.lists(st.sampled_from(VERL_OPTIONS), min_size=1, max_size=4).map(",".join),
+    threshold=st.one_of(
+        st.none(),
+        st.booleans(),
+        st.sampled_from([2.0, 0.01, 3, -1.0, math.inf, math.nan, 0]),
+        st.lists(st.sampled_from(_THRESHOLD_PIECES), min_size=1, max_size=4).map(",".join),
+    ),
+)
+def test_every_verl_option_string_parses_like_verl(options, threshold):
+    block = {"rollout_is": None, "rollout_rs": options, "rollout_rs_threshold": threshold}
+    try:
+        bounds = _verl_rs(options, threshold)
+    except (ValueError, TypeError, ZeroDivisionError, OverflowError):
+        bounds = None
+    has_digit_separator = isinstance(threshold, str) and any(
+        p.strip().count("_") > (1 if "k1" in options else 0) for p in threshold.split(",")
+    )
+    if bounds is None or _stricter_than_verl(bounds) or has_digit_separator:
+        with pytest.raises(ValueError, match=r"rollout_correction\.rollout_rs"):
+            opj.CorrectionConfig.from_verl(block)
+        return
+    config = opj.CorrectionConfig.from_verl(block)
+    got = {c.name: (c.lo, c.hi) for c in config.criteria}
+    assert got == bounds  # the same float arithmetic as verl's
+    assert list(got) == list(bounds)  # verl's order, duplicates dropped
+
+
+_JUNK = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(10**400), 10**400),
+        st.floats(),
+        st.text(max_size=30),
+        st.sampled_from(["tokn", "x" * 200_000, "2_0", "0.5_2_0", "1" * 401]),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_CORRECTION_KEYS = st.sampled_from([*opj.CorrectionConfig.keys(), "tis_uper_bound"])
+_LOSS_KEYS = st.sampled_from(
+    [f.name for f in __import__("dataclasses").fields(opj.LossConfig)] + ["kl_coeff"]
+)
+
+
+@budget(ci=300)
+@given(
+    entry=st.sampled_from(
+        ["CorrectionConfig", "from_dict", "from_yaml", "LossConfig", "from_verl"]
+    ),
+    key=st.one_of(_CORRECTION_KEYS, _LOSS_KEYS),
+    value=_JUNK,
+)
+def test_every_config_entry_point_builds_or_raises_a_bounded_named_error(entry, key, value):
+    import yaml
+
+    try:
+        if entry == "CorrectionConfig":
+            opj.CorrectionConfig(**{key: value})
+        elif entry == "from_dict":
+            opj.CorrectionConfig.from_dict({key: value})
+        elif entry == "from_yaml":
+            opj.CorrectionConfig.from_yaml(yaml.safe_dump({key: value}))
+        elif entry == "LossConfig":
+            opj.LossConfig(**{key: value})
+        else:
+            opj.LossConfig.from_verl({"rollout_rs": value, "rollout_rs_threshold": value}, None)
+    except (ValueError, TypeError) as err:  # never OverflowError, RecursionError, KeyError
+        message = str(err)
+        assert len(message) < 2000, message[:300]
+        if entry != "from_verl" and key not in ("correction",):
+            assert key in message or "YAML" in message, message
+    except yaml.YAMLError:
+        pass  # safe_dump of a value YAML cannot represent: not the library's input
+
+
+def _entry_points(config, logp, old, rollout, adv, mask):
+    (loss, metrics), grad = jax.value_and_grad(opj.policy_loss, has_aux=True)(
+        logp, old, rollout, adv, mask, config
+    )
+    out = {"policy_loss": (loss, metrics, grad)}
+    parts, _ = opj.policy_loss_parts(logp, old, rollout, adv, mask, config)
+    out["policy_loss_parts"] = (parts.numerator, parts.denominator)
+    if isinstance(config.correction, opj.CorrectionConfig):
+        for reduction in ("sequence", "token"):
+            res = opj.compute_correction(old, rollout, mask, config.correction, reduction=reduction)
+            out[f"compute_correction_{reduction}"] = res
+    for aggregation in ("sequence_mean", "token_mean", "sequence_sum", "row_mean"):
+        out[aggregation] = opj.aggregate(adv * logp, mask, mask, aggregation).value()
+    return out
+
+
+@functools.cache
+def entry_points(config, shapes):
+    """``(fused, plain)`` programs of :func:`_entry_points` for ``config``, compiled ahead
+    of time. The switch ``OFFPOLICY_JAX_REDUCTION`` is read when a program is traced,
+    and JAX reuses the traces of the library's inner jitted functions whatever it says:
+    each path is traced from cleared caches, and the compiled programs outlive them."""
+    from offpolicy_jax.reduction import backend
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    programs = []
+    for path in ("fused", "plain"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(backend.ENV, path)
+            jax.clear_caches()
+            function = jax.jit(functools.partial(_entry_points, config))
+            programs.append(function.lower(*args).compile())
+    jax.clear_caches()
+    return tuple(programs)
+
+
+@pytest.mark.slow  # compiles every entry point twice per config
+@budget(ci=5)
+@given(batch=campaign_batches(), config=loss_configs)
+def test_every_entry_point_under_the_plain_reduction_path_equals_the_fused_one(batch, config):
+    args = [jnp.asarray(x) for x in inputs(batch)]
+    fused, plain = entry_points(config, tuple((x.shape, x.dtype) for x in args))
+    # The plain path is what TPU/GPU run; two programs: equal up to summation order.
+    assert_close(plain(*args), fused(*args), rtol=2e-5, atol=2e-5)

@@ -4,6 +4,7 @@ the rollout engine's numerics behave as documented, and bad CLI input fails in o
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import subprocess
@@ -164,6 +165,10 @@ def test_mismatch_severity():
     assert train.Mismatch("stale", 4).numerics() == engine.Numerics()
     s = train.Mismatch("sampling", 2).numerics()
     assert (s.temperature, s.top_p) == (1.5, 0.9)
+    assert train.Mismatch("router", 10).numerics().router_noise == pytest.approx(0.3)
+    assert train.Mismatch("fp8", 1).numerics().fp8 == "e4m3"
+    assert train.Mismatch("fp8", 2).numerics().fp8 == "e5m2"
+    assert train.Mismatch("fp8", 0).numerics() == engine.Numerics()
 
 
 def test_engine_without_mismatch_reports_the_trainers_log_probs():
@@ -212,6 +217,10 @@ BAD = {
     "unknown LossConfig field in a row": ["demo", "--algorithms", "ppo/clip_epss=0.1"],
     "bad LossConfig value in a row": ["demo", "--algorithms", "ppo/clip_eps=-1"],
     "zero dump steps": ["demo", "--dump-logprobs", "d", "--dump-steps", "0"],
+    "router mismatch of a dense policy": ["demo", "--mismatch", "router"],
+    "routing replay of a dense policy": ["demo", "--routing-replay"],
+    "fp8 severity beyond e5m2": ["demo", "--mismatch", "fp8", "--severity", "3"],
+    "top-k above the experts": ["demo", "--experts", "2", "--top-k", "3"],
     "unknown command": ["train"],
     "no command": [],
 }
@@ -255,7 +264,7 @@ def test_console_entry_point_bad_input_has_no_traceback():
         (
             "offpolicy-jax: error: unknown algorithm 'nope' (choose from "
             + ", ".join(train.ALGORITHMS)
-            + ")"
+            + f"; any of them may end in {train.REPLAY_SUFFIX})"
         )
     ]
 
@@ -286,11 +295,29 @@ def test_docs_results_table_has_the_default_commands_shape():
     assert (page.parent / "demo.png").is_file()
 
 
+def test_table_notes_the_reported_loss_of_log_prob_surrogates():
+    """Rows whose loss is −sg(w)·A·log π_θ (CISPO, REINFORCE-IS, ...) get a note that their
+    pg_loss is not an objective (it rises while they train); PPO-clip rows do not."""
+    from offpolicy_jax.demo import report
+    from offpolicy_jax.demo.experiment import DemoConfig, History
+
+    def note(rows):
+        cfg = DemoConfig(algorithms=tuple(rows))
+        zeros = np.zeros((cfg.steps, cfg.seeds))
+        fake = History(cfg, {a: dict.fromkeys(report.METRICS, zeros) for a in rows}, 0.0)
+        table = report.format_table(fake, report.summarize(fake))
+        return [line for line in table.splitlines() if line.startswith("Note on")]
+
+    assert note(["ppo", "decoupled_ppo+mis", "decoupled_ppo+mis/gspo"]) == []
+    [line] = note(["ppo", "decoupled_ppo+mis/cispo", "reinforce_is+mis"])
+    assert "`decoupled_ppo+mis/cispo`, `reinforce_is+mis`" in line and "rise" in line
+
+
 # --------------------------------------------------------------------------- presets, names
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["default", "collapse"])
+@pytest.mark.parametrize("preset", ["default", "collapse", "router"])
 def test_each_preset_runs_at_a_tiny_size(preset, tmp_path):
     """Both presets, all their rows, a few steps: the command works and writes every row."""
     from offpolicy_jax.demo.experiment import PRESETS
@@ -467,3 +494,173 @@ def test_tiny_sampler_run_has_no_mismatch_and_dumps_its_batches(tmp_path):
                 assert d["advantages"].shape == (2, 16)
                 np.testing.assert_allclose(d["old_logp"], d["rollout_logp"], rtol=0, atol=2e-6)
                 assert np.all(d["mask"] == 1)
+
+
+# --------------------------------------------------------------------------- MoE, fp8
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_fp8_is_a_scaled_ml_dtypes_cast(fmt):
+    """q(x) = s · fp8(x / s) with s = max|x| / F_max, the cast rounding as ml_dtypes does."""
+    import ml_dtypes
+
+    from offpolicy_jax.demo.model import quantize_fp8
+
+    x = np.array(jax.random.normal(jax.random.key(0), (512,)), np.float32)
+    x[:3] = [40.0, -1e-12, 0.0]  # an outlier, a value that flushes to 0, an exact 0
+    dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+    scale = np.float32(np.abs(x).max() / np.float32(ml_dtypes.finfo(dtype).max))
+    expected = (x / scale).astype(dtype).astype(np.float32) * scale
+    got = np.asarray(quantize_fp8(jnp.asarray(x), fmt))
+    np.testing.assert_array_equal(got, expected)
+    assert got[0] == 40.0 and got[1] == 0.0 and got[2] == 0.0
+    assert len(np.unique(got)) < len(np.unique(x))  # it does round
+    np.testing.assert_array_equal(quantize_fp8(jnp.zeros(4), fmt), np.zeros(4))
+
+
+def _routed(top_k=1):
+    cfg = train.TrainConfig(d_model=16, prompt_len=3, n_experts=4, top_k=top_k)
+    graphdef, state = train.init_state(cfg, train.Mismatch("router", 30), [0])
+    return cfg, graphdef, jax.tree.map(lambda x: x[0], state["params"])
+
+
+def test_routing_replay_makes_engine_and_trainer_log_probs_equal():
+    """A router-mismatched engine (same weights) flips some routes; the trainer replaying
+    its routes computes its log-probs (K3 <= 1e-12), without replay it does not."""
+    from offpolicy_jax.demo.model import Routing
+
+    cfg, graphdef, params = _routed()
+    prompts = task.sample_prompts(jax.random.key(1), 64, cfg.prompt_len)
+    numerics = train.Mismatch("router", 30).numerics()
+    n = cfg.prompt_len
+
+    @jax.jit
+    def both():
+        resp, rollout_logp, routes = engine.generate_routed(
+            graphdef, params, prompts, jax.random.key(2), numerics
+        )
+        tokens = task.join(prompts, resp)
+        replayed = train.token_logp(
+            graphdef, params, tokens, n, routing=Routing(routes=routes, replay=True)
+        )
+        own, own_routes = train.token_logp_and_routes(graphdef, params, tokens, n)
+        return rollout_logp, replayed, own, routes, own_routes
+
+    rollout_logp, replayed, own, routes, own_routes = map(np.asarray, both())
+    assert routes.shape == (1, 64, 2 * n + 1, 1) and routes.dtype == np.int32
+
+    def k3(a, b):
+        d = a.astype(np.float64) - b
+        return float(np.mean(np.exp(d) - d - 1))
+
+    assert k3(replayed, rollout_logp) <= 1e-12
+    flipped = (routes != own_routes)[0, :, n : 2 * n, 0]
+    assert 0.05 < flipped.mean() < 0.9  # severity 30: about a third of the decisions
+    assert k3(own, rollout_logp) > 1e-6
+    # Only flipped positions differ (one layer: a route changes its own position's output).
+    np.testing.assert_allclose(own[~flipped], rollout_logp[~flipped], rtol=0, atol=2e-6)
+
+
+def test_routed_policy_trains():
+    """A top-2 routed policy fits a batch of sequences: the loss falls over a few Adam
+    steps and the router, the experts and attention all get gradient."""
+    import optax
+    from flax import nnx
+
+    cfg, graphdef, params = _routed(top_k=2)
+    tokens = task.join(*[task.sample_prompts(jax.random.key(3), 32, cfg.prompt_len)] * 2)
+    tx = optax.adam(1e-2)
+
+    def loss(p):
+        return -jnp.mean(train.token_logp(graphdef, p, tokens, cfg.prompt_len))
+
+    @jax.jit
+    def step(p, opt):
+        value, grads = jax.value_and_grad(loss)(p)
+        updates, opt = tx.update(grads, opt, p)
+        return optax.apply_updates(p, updates), opt, value, grads
+
+    opt = tx.init(params)
+    values = []
+    for _ in range(4):
+        params, opt, value, grads = step(params, opt)
+        values.append(float(value))
+    assert values[-1] < values[0] - 0.05, values
+    flat = dict(nnx.to_flat_state(grads))
+    moe = {"/".join(map(str, k)): v for k, v in flat.items() if "moe" in k}
+    for name in ("router/kernel", "w_up", "w_down"):
+        g = next(v for k, v in moe.items() if name in k)
+        assert float(jnp.abs(g[...]).max()) > 0, name
+
+
+def test_fp8_engine_differs_a_little_and_e5m2_more():
+    """The fp8 engine's forward pass (fp8 weights and matmul inputs, bf16 rest) is close
+    to the trainer's, e5m2 (2 mantissa bits) farther than e4m3 (3 bits)."""
+    from flax import nnx
+
+    cfg, graphdef, params = _routed()
+    tokens = task.join(*[task.sample_prompts(jax.random.key(1), 16, cfg.prompt_len)] * 2)
+    exact = nnx.merge(graphdef, params)(tokens)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def gap(fmt):
+        quantized, rnd, quant = engine._fp8_numerics(params, fmt, True)
+        logits = nnx.merge(graphdef, quantized)(tokens, rnd, quant=quant)
+        return jnp.abs(jax.nn.log_softmax(logits) - jax.nn.log_softmax(exact)).mean()
+
+    e4m3, e5m2 = float(gap("e4m3")), float(gap("e5m2"))
+    assert 0 < e4m3 < e5m2 < 0.5
+
+
+def test_replay_rows_and_the_routing_replay_flag():
+    r = train.row("decoupled_ppo+tis2+replay/clip_eps=0.1")
+    assert (
+        r.routing_replay
+        and r.loss.correction == train.ALGORITHMS["decoupled_ppo+tis2"].loss.correction
+    )
+    assert not train.row("decoupled_ppo+tis2").routing_replay
+    with pytest.raises(ValueError, match="nothing to replay"):
+        train.row("ppo:no-mismatch+replay")
+    assert cli._with_replay("decoupled_tis/gspo") == "decoupled_ppo+tis2+replay/gspo"
+    assert cli._with_replay("ppo:no-mismatch") == "ppo:no-mismatch"
+    assert cli._with_replay("ppo+replay") == "ppo+replay"
+
+
+@pytest.mark.slow  # an end-to-end routed run (~30 s)
+def test_tiny_routed_run_with_replay(tmp_path):
+    """--experts, --mismatch router, --routing-replay: the replay rows have no mismatch
+    (K3 ~ 0, weights 1) while routes still differ; the table has the routing columns."""
+    flags = ["--experts", "4", "--mismatch", "router", "--severity", "30", "--routing-replay"]
+    flags += ["--algorithms", "ppo:no-mismatch,ppo,decoupled_ppo+icepop", "--max-grad-norm", "0"]
+    proc = run_cli(tmp_path, *flags)
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "metrics.csv") as f:
+        metrics = list(csv.DictReader(f))
+    replay = [r for r in metrics if r["algorithm"].endswith("+replay")]
+    assert {r["algorithm"] for r in replay} == {"ppo+replay", "decoupled_ppo+icepop+replay"}
+    assert all(abs(float(r["mis_k3_kl"])) < 1e-9 for r in replay)
+    assert any(float(r["route_flip_fraction"]) > 0 for r in replay)
+    assert "routes differ" in (tmp_path / "results.md").read_text()
+
+
+def test_diagnose_heavy_tail_section():
+    """diagnose's heavy-tail summary: 1% of tokens at |log ρ| = 3 and the rest near 0 is
+    heavy-tailed (quantiles, tail share); a smooth N(0, 0.3) mismatch is not."""
+    from offpolicy_jax.diagnose import analysis, report
+
+    edges = analysis.delta_bin_edges()
+    rng = np.random.default_rng(0)
+    spiky = np.concatenate([rng.normal(0, 1e-3, 9900), np.full(50, 3.0), np.full(50, -3.0)])
+    smooth = rng.normal(0, 0.3, 10000)
+    worst = [{"abs_log_ratio": 3.0}]
+    tail = report.heavy_tail(np.histogram(spiky, edges)[0], worst)
+    assert tail["heavy"] and tail["tail_token_share"] == pytest.approx(0.01)
+    assert tail["tail_abs_log_ratio_share"] > 0.9
+    q = tail["weight_quantiles"]
+    assert q["0.5"] == pytest.approx(1.0, abs=0.01)
+    assert q["0.999"] == pytest.approx(np.exp(3.0), rel=0.15)  # log bins: ±6% in δ
+    assert q["0.001"] == pytest.approx(np.exp(-3.0), rel=0.15)
+    calm = report.heavy_tail(np.histogram(smooth, edges)[0], worst)
+    assert not calm["heavy"] and calm["tail_token_share"] < 0.01
+    text = "\n".join(report._heavy_tail_lines(tail))
+    assert "Heavy-tailed" in text and "routing replay" in text

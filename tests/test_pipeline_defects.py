@@ -176,9 +176,15 @@ def test_integer_mask_values_are_membership_only(value, dtype):
     ones = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
     big = ones.astype(dtype) * dtype(value)
     cfg = opj.CorrectionConfig(use_tis=True, tis_level="sequence", tis_upper_bound=1e6)
+    # Eagerly an integer mask other than 0/1 is refused (issue 30); under jit, where its
+    # values are not read, an entry > 0 is membership with weight 1.
+    with pytest.raises(ValueError, match="mask is an integer mask holding"):
+        opj.compute_correction(old, rollout, big, cfg)
+    correct = jax.jit(opj.compute_correction, static_argnames="config")
+    loss = jax.jit(opj.policy_loss, static_argnames="config")
     for mask_a, mask_b in ((ones, big),):
-        a = opj.compute_correction(old, rollout, mask_a, cfg)
-        b = opj.compute_correction(old, rollout, mask_b, cfg)
+        a = correct(old, rollout, mask_a, config=cfg)
+        b = correct(old, rollout, mask_b, config=cfg)
         np.testing.assert_array_equal(a.weights, b.weights)
         np.testing.assert_array_equal(a.mask, b.mask)
         for key in a.metrics:
@@ -187,8 +193,8 @@ def test_integer_mask_values_are_membership_only(value, dtype):
             lcfg = opj.LossConfig(
                 algorithm="decoupled_ppo", correction=cfg, aggregation=aggregation
             )
-            la, _ = opj.policy_loss(logp, old, rollout, np.ones(2), mask_a, lcfg)
-            lb, _ = opj.policy_loss(logp, old, rollout, np.ones(2), mask_b, lcfg)
+            la, _ = loss(logp, old, rollout, np.ones(2), mask_a, config=lcfg)
+            lb, _ = loss(logp, old, rollout, np.ones(2), mask_b, config=lcfg)
             assert float(la) == float(lb), aggregation
 
 

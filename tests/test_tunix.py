@@ -193,6 +193,37 @@ def test_correction_off_packed_equals_tunix_grpo(model, example):
     assert float(aux["opj/segment_overflow_fraction"]) == 0.0
 
 
+def _ppo_example(example):
+    from tunix.rl.ppo import ppo_learner
+
+    fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
+    fields.pop("rollout_per_token_logps")
+    shape = example.completion_ids.shape  # GAE advantages are per token
+    fields["advantages"] = example.advantages[:, None] * jnp.linspace(0.5, 1.5, shape[1])
+    plain = ppo_learner.TrainExample(**fields)
+    tokens, logps = _rollout_output(example)
+    return otx.with_rollout_logps(plain, logps, tokens)
+
+
+def test_correction_off_equals_tunix_ppo(model, example):
+    """tunix's ``ppo`` loss (token-mean, temperature 1, dual clip, entropy bonus)."""
+    from tunix.rl.ppo import ppo_learner
+
+    ppo_example = _ppo_example(example)
+    assert isinstance(ppo_example, otx.OffPolicyPPOTrainExample)
+    kwargs = dict(epsilon=0.2, epsilon_high=0.28, epsilon_c=3.0, entropy_coef=0.01)
+    tunix_config = ppo_learner.PPOConfig(**kwargs)
+    ours = otx.OffPolicyPPOConfig(correction=opj.CorrectionConfig(use_tis=False), **kwargs)
+    tunix_loss, tunix_aux, tunix_grads = _loss_and_grads(
+        algo_core.ppo_policy_loss_fn, model, ppo_example, tunix_config
+    )
+    loss, aux, grads = _loss_and_grads(otx.offpolicy_policy_loss, model, ppo_example, ours)
+    assert float(tunix_aux["pg_clipfrac"]) > 0
+    _assert_rel(loss, tunix_loss, 1e-6)
+    _assert_rel(grads, tunix_grads, 1e-6)
+    assert "opj/mis_k3_kl" in aux and "opj/entropy" in aux
+
+
 # --------------------------------------------------------------------------- correction on
 
 
@@ -256,14 +287,35 @@ def test_correction_packed_equals_policy_loss(model, example):
     config = _config(
         otx.OffPolicyGRPOConfig,
         correction=opj.CorrectionConfig.preset("mis"),
-        max_segments_per_row=3,  # one sequence too many: counted, never silent
+        max_segments_per_row=4,
     )
     loss, aux, grads = _loss_and_grads(otx.offpolicy_policy_loss, model, packed, config)
-    ref_loss, _, ref_grads = _reference(model, packed, config.offpolicy_loss_config, 3)
+    ref_loss, _, ref_grads = _reference(model, packed, config.offpolicy_loss_config, 4)
     _assert_rel(loss, ref_loss, 1e-6)
     _assert_rel(grads, ref_grads, 1e-6)
-    assert float(aux["opj/segment_overflow_fraction"]) == pytest.approx(5 / 15)
+    assert float(aux["opj/segment_overflow_fraction"]) == 0.0
     assert set(otx.metric_keys(config.offpolicy_loss_config, packed=True)) <= set(aux)
+
+
+def test_too_few_segments_is_never_silent(model, example):
+    """max_segments_per_row below the packer's count: the library refuses concrete ids;
+    inside tunix's jitted step (traced ids) the dropped share is a metric."""
+    packed = _packed(example)
+    config = _config(
+        otx.OffPolicyGRPOConfig,
+        correction=opj.CorrectionConfig.preset("mis"),
+        max_segments_per_row=3,
+    )
+    with pytest.raises(ValueError, match="num_segments"):
+        otx.offpolicy_policy_loss(model, packed, config, PAD, EOS)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def aux_of(state, packed):
+        return otx.offpolicy_policy_loss(nnx.merge(graphdef, state), packed, config, PAD, EOS)[1]
+
+    aux = aux_of(state, packed)
+    assert float(aux["opj/segment_overflow_fraction"]) == pytest.approx(5 / 15)
 
 
 def test_logps_from_hidden_matches_logits_path(model, example):

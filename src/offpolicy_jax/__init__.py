@@ -23,6 +23,7 @@ from offpolicy_jax.packing import PackedSequences, pack_sequences, unpack_sequen
 from offpolicy_jax.ratios import METRIC_LOG_CAP
 from offpolicy_jax.reduction import MeanParts, MeshAxes
 from offpolicy_jax.registry import SurrogateInput, SurrogateTerms, register_surrogate
+from offpolicy_jax.sampling_support import support_from_csr
 from offpolicy_jax.surrogates import PPOTerms, ppo_surrogate
 
 __version__ = "0.1.0"
@@ -50,6 +51,7 @@ __all__ = [
     "policy_loss_terms",
     "ppo_surrogate",
     "register_surrogate",
+    "support_from_csr",
     "token_logprobs",
     "token_logprobs_from_hidden",
     "unpack_sequences",

@@ -39,6 +39,8 @@ AGGREGATIONS: tuple[str, ...] = (
 )
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 METRIC_REDUCTIONS: tuple[str, ...] = ("sequence", "token")
+NONFINITE_ROLLOUT: tuple[str, ...] = ("reject", "neutral")
+STALENESS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -298,6 +300,22 @@ class CorrectionConfig:
         ``mis_token_mult_prob_error`` and ``mis_js_divergence`` (docs/semantics.md §8).
         Off by default: their ``exp`` and ``log`` per token cost a pass of their own
         (about a quarter of ``compute_correction``'s time on CPU).
+      nonfinite_rollout: what a non-finite ``rollout_logp`` at a valid token does:
+        ``"reject"`` (default) rejects its sequence like any non-finite input (§0);
+        ``"neutral"`` reads it as ``π_rollout = π_old`` there (ratio 1, ``δ = 0``),
+        keeps the sequence and counts such tokens in
+        ``mis_nonfinite_rollout_token_fraction`` (engines that return None/NaN for
+        some tokens, TRL #6297). A non-finite ``old_logp`` is always rejected.
+      max_weight_staleness: asynchronous RL (docs/guide/async.md): with per-token
+        ``versions`` and the ``current_version``, reject what is older than this many
+        policy versions, ``current_version − version > max_weight_staleness`` (miles
+        ``--max-weight-staleness``; AReaL ``max_head_offpolicyness``, prime-rl
+        ``max_off_policy_steps``). An int ``>= 0``; ``None`` disables it.
+      staleness_level: ``"sequence"`` (default; a sequence is rejected when its oldest
+        valid token is too stale, as miles drops stale samples) or ``"token"``.
+      mask_offpolicy_in_partial_rollout: reject the off-policy prefix of a partial
+        rollout, the tokens sampled by an older version than the newest one of their
+        sequence (miles ``--mask-offpolicy-in-partial-rollout``); needs ``versions``.
 
     Ratio bounds and the veto threshold are checked as the float32 values the
     computation uses: each must be a normal, finite float32 (``1.2e-38`` to
@@ -319,6 +337,10 @@ class CorrectionConfig:
     seq_logprob_error_threshold: float | None = None
     m2po_tau: float | None = None
     probability_metrics: bool = False
+    nonfinite_rollout: Literal["reject", "neutral"] = "reject"
+    max_weight_staleness: int | None = None
+    staleness_level: Literal["token", "sequence"] = "sequence"
+    mask_offpolicy_in_partial_rollout: bool = False
 
     def __post_init__(self):
         owner = "CorrectionConfig"
@@ -346,6 +368,7 @@ class CorrectionConfig:
                 owner, "tis_upper_bound", self.lower_bound, label="1 / tis_upper_bound"
             )
         self._check_rules(owner)
+        self._check_async(owner)
         if self.tis_mode == "band" and self.lower_bound > self.upper_bound:
             raise ValueError(
                 f"{owner}: tis_lower_bound must be <= tis_upper_bound for tis_mode='band', "
@@ -411,6 +434,46 @@ class CorrectionConfig:
                 f"{owner}.seq_logprob_error_threshold must be >= 1 (exp|δ| >= 1, so a smaller "
                 f"threshold rejects every sequence), got {shown(threshold)}"
             )
+
+    def _check_async(self, owner: str) -> None:
+        """The asynchronous-RL keys (docs/guide/async.md)."""
+        set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen)
+        set_(
+            "nonfinite_rollout",
+            _check_choice(owner, "nonfinite_rollout", self.nonfinite_rollout, NONFINITE_ROLLOUT),
+        )
+        set_(
+            "staleness_level",
+            _check_choice(owner, "staleness_level", self.staleness_level, STALENESS_LEVELS),
+        )
+        set_(
+            "mask_offpolicy_in_partial_rollout",
+            _check_bool(
+                owner, "mask_offpolicy_in_partial_rollout", self.mask_offpolicy_in_partial_rollout
+            ),
+        )
+        limit = self.max_weight_staleness
+        if limit is not None:
+            whole = isinstance(limit, int | np.integer) and not isinstance(limit, bool)
+            if not whole or limit < 0:
+                raise ValueError(
+                    f"{owner}.max_weight_staleness must be an int >= 0 (policy versions) or "
+                    f"None, got {shown(limit)}"
+                )
+            set_("max_weight_staleness", int(limit))
+        if not self.use_tis:
+            for name in ("max_weight_staleness", "mask_offpolicy_in_partial_rollout"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(
+                        f"{owner}.{name} rejects tokens, but use_tis is false (metrics only); "
+                        "set use_tis: true (with tis_mode: none for rejection without IS "
+                        "weights)"
+                    )
+
+    @property
+    def uses_versions(self) -> bool:
+        """Whether a rule of this config reads the per-token policy ``versions``."""
+        return self.max_weight_staleness is not None or self.mask_offpolicy_in_partial_rollout
 
     @property
     def criteria(self):

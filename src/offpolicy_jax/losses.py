@@ -699,9 +699,10 @@ def policy_loss(
         None only for plain ``ppo`` without correction or mismatch metrics).
       advantages: ``[..., T]`` per token or ``[...]`` per sequence.
       mask: ``[..., T]`` bool, 0/1 integers, or floats; > 0 = token is trained on. A
-        float value is the token's weight in every sum (so a uniform 0.5 mask gives the
-        same mean losses as 1); an integer mask must be 0/1 (a concrete one holding
-        another value raises ``ValueError``); docs/semantics.md §0.
+        float value is the token's weight in every sum (a uniform 0.5 mask leaves the
+        means unchanged but halves sums such as the sequence-level log-ratio); an
+        integer mask must be 0/1 (a concrete one holding another value raises
+        ``ValueError``); docs/semantics.md §0.
       config: a :class:`LossConfig` (static: hashable).
       axis_names: mesh axes to ``psum`` over inside ``shard_map`` (see
         :func:`~offpolicy_jax.compute_correction`).

@@ -19,6 +19,7 @@ _fail = fail
 _severity = typed(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 _fraction = typed(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 _positive = typed(float, lambda v: 0 < v < float("inf"), "a positive number")
+_count = typed(int, lambda v: 0 <= v <= 64, "an integer in [0, 64]")
 
 
 def add_parser(sub, positive_int) -> argparse.ArgumentParser:
@@ -46,7 +47,9 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         choices=tuple(PRESETS),
         help="named settings, which the other flags override: default (the comparison of "
         "the docs' demo table), collapse (an engine 128 updates behind and a 3x learning "
-        "rate, where mismatched training collapses, truncated IS included; see docs/demo.md) "
+        "rate, where mismatched training collapses, truncated IS included; see docs/demo.md), "
+        "router (a 4-expert routed policy whose engine flips about a third of the routing "
+        "decisions, lr 1e-2 without gradient clipping; see docs/demo_moe.md) "
         "(default: default)",
     )
     demo.add_argument(
@@ -80,9 +83,38 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         default=None,
         help="how strong the mismatch is, 0 = none: precision = 8 − mantissa "
         "bits kept (1 = bfloat16), stale = optimizer updates behind, "
-        "sampling = temperature 1 + 0.25·s and top-p 1 − 0.05·s (default: "
+        "sampling = temperature 1 + 0.25·s and top-p 1 − 0.05·s, router = about s%% of the "
+        "routing decisions flipped (needs --experts), fp8 = 1 (e4m3) or 2 (e5m2) (default: "
         + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_SEVERITY.items())
         + ")",
+    )
+    demo.add_argument(
+        "--experts",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="a routed policy: every FFN becomes a mixture of N experts (0 = dense; "
+        "default: the preset's)",
+    )
+    demo.add_argument(
+        "--top-k",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="with --experts: experts per token (default: the preset's, 1)",
+    )
+    demo.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="routing replay (R3) in every mismatched row: the trainer routes each token "
+        "through the experts the engine used (rows get the +replay suffix; needs --experts)",
+    )
+    demo.add_argument(
+        "--max-grad-norm",
+        type=_severity,
+        default=None,
+        metavar="NORM",
+        help="clip the gradient's global norm at NORM; 0 = no clipping (default: the preset's, 1)",
     )
     demo.add_argument(
         "--threshold",
@@ -183,8 +215,18 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
         train_changes["learning_rate"] = args.lr
     if args.trainer_logprobs is not None:
         train_changes["trainer_logprobs"] = args.trainer_logprobs
+    if args.experts is not None:
+        train_changes["n_experts"] = args.experts
+    if args.top_k is not None:
+        train_changes["top_k"] = args.top_k
+    if args.max_grad_norm is not None:
+        train_changes["max_grad_norm"] = args.max_grad_norm
     if train_changes:
         changes["train"] = dataclasses.replace(config.train, **train_changes)
+    if args.routing_replay:
+        changes["algorithms"] = tuple(
+            _with_replay(a) for a in changes.get("algorithms") or config.algorithms
+        )
     try:
         config = dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
         if args.dump_logprobs is not None:
@@ -232,6 +274,21 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
     print(paths["table"].read_text().split("\n", 2)[2])  # the table, without the title
     print(f"Wrote {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def _with_replay(name: str) -> str:
+    """``name`` with routing replay: ``+replay`` after its base row (rows without mismatch
+    and rows that already replay are kept)."""
+    from offpolicy_jax.demo.train import REPLAY_SUFFIX, resolve, row
+
+    try:
+        algo = row(name)
+    except ValueError:
+        return name  # DemoConfig reports the unknown row
+    if not algo.mismatch or algo.routing_replay:
+        return name
+    base, sep, rest = resolve(name).partition("/")
+    return base + REPLAY_SUFFIX + sep + rest
 
 
 def dump_name(row: str, seed: int) -> str:

@@ -8,7 +8,15 @@ inference server (vLLM, SGLang) differs from the training framework:
 - ``temperature != 1`` / ``top_p < 1``: the sampler draws from a distorted distribution
   the trainer does not apply — the ``sampling`` mismatch;
 - the ``stale`` mismatch is the engine holding weights that are k updates old (the
-  trainer decides which weights it hands over, see ``train.py``).
+  trainer decides which weights it hands over, see ``train.py``);
+- ``router_noise > 0`` (a routed, MoE policy): the engine picks experts by router logits
+  perturbed by ``router_noise`` times each token's router-logit spread, so near-ties
+  flip — the ``router`` mismatch; ``return_routes`` hands the routes it used to the
+  trainer (routing replay, R3);
+- ``fp8 = "e4m3" | "e5m2"``: the matmul weights and inputs in fp8 with per-tensor
+  scales (``model.quantize_fp8``), everything else in bfloat16, as fp8 rollout engines
+  (vLLM, SGLang) run: embeddings, norms, biases, the router and the output head stay
+  bfloat16 — the ``fp8`` mismatch.
 
 The reported log-prob of each token is log q(token) under the engine's own sampling
 distribution, exactly what an inference server returns. With a sampling mismatch it is
@@ -28,7 +36,7 @@ from flax import nnx
 
 import offpolicy_jax as opj
 from offpolicy_jax.demo import task
-from offpolicy_jax.demo.model import round_mantissa
+from offpolicy_jax.demo.model import Routing, quantize_fp8, round_mantissa
 
 Array = jax.Array
 
@@ -40,6 +48,47 @@ class Numerics:
     mantissa_bits: int = 23
     temperature: float = 1.0
     top_p: float = 1.0
+    router_noise: float = 0.0
+    fp8: str = ""
+
+
+#: Weights an fp8 engine runs in fp8: the kernels of the attention projections and of the
+#: FFN / experts (the router, embeddings and head stay in bfloat16, as in vLLM's fp8).
+def _name(path: tuple) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def _fp8_weight(path: tuple) -> bool:
+    name = _name(path)
+    if "router" in name or name.startswith("head"):
+        return False
+    return name.endswith(("kernel", "kernel/value", "w_up", "w_up/value", "w_down", "w_down/value"))
+
+
+def _fp8_numerics(params: Any, fmt: str, active: Array | bool):
+    """``(params, rnd, quant)`` of an fp8 engine: fp8 weights and matmul inputs, bf16 rest."""
+
+    def bf16(x):
+        return jnp.where(active, round_mantissa(x, 7), x)
+
+    def fp8(x):
+        return jnp.where(active, quantize_fp8(x, fmt), x)
+
+    def weight(path, p):
+        if not (_fp8_weight(path) and p.ndim >= 2):
+            return bf16(p)
+        # One scale per expert, as fp8 MoE kernels keep them; per tensor otherwise.
+        return jax.vmap(fp8)(p) if "/w_" in _name(path) else fp8(p)
+
+    params = jax.tree.map_with_path(weight, params)
+    return params, bf16, fp8
+
+
+def router_noise(model: nnx.Module, key: Array, shape: tuple[int, ...], scale: Array) -> Array:
+    """The engine's router perturbation ``[n_layers, *shape, n_experts]`` (``Routing.noise``)."""
+    n_experts = model.blocks[0].moe.router.out_features  # type: ignore[attr-defined]
+    z = jax.random.normal(key, (len(model.blocks), *shape, n_experts))  # type: ignore[arg-type]
+    return scale * z
 
 
 def _sampling_log_probs(logits: Array, temperature: Array, top_p: Array) -> Array:
@@ -68,8 +117,31 @@ def generate(
 ) -> tuple[Array, Array]:
     """Sample one response per prompt with the engine's numerics (plain float32
     sampling where ``active`` is false). Returns ``(responses [B, n], rollout_logp [B, n])``."""
-    rnd = None  # model(rnd=None): exact float32
-    if numerics.mantissa_bits < 23:
+    responses, logq, _ = _generate(graphdef, params, prompts, key, numerics, active, False)
+    return responses, logq
+
+
+def generate_routed(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    prompts: Array,
+    key: Array,
+    numerics: Numerics,
+    active: Array | bool = True,
+) -> tuple[Array, Array, Array]:
+    """:func:`generate` for a routed policy: also the experts the engine used for the
+    full sequence, ``int32 [n_layers, B, 2n + 1, top_k]`` (what routing replay replays)."""
+    responses, logq, routes = _generate(graphdef, params, prompts, key, numerics, active, True)
+    assert routes is not None
+    return responses, logq, routes
+
+
+def _generate(graphdef, params, prompts, key, numerics, active, return_routes):
+    """``(responses, rollout_logp, routes or None)``: :func:`generate`'s body."""
+    rnd = quant = None  # model(rnd=None): exact float32
+    if numerics.fp8:
+        params, rnd, quant = _fp8_numerics(params, numerics.fp8, active)
+    elif numerics.mantissa_bits < 23:
 
         def rounded(x):
             return jnp.where(active, round_mantissa(x, numerics.mantissa_bits), x)
@@ -81,6 +153,13 @@ def generate(
     model = nnx.merge(graphdef, params)
     n = prompts.shape[-1]
     tokens = task.join(prompts, jnp.zeros_like(prompts))
+    routing = Routing()
+    if numerics.router_noise > 0:
+        # One draw per rollout: every forward pass of the scan perturbs a position alike,
+        # so a position's route is the same in every step (the model is causal).
+        scale = jnp.where(active, numerics.router_noise, 0.0)
+        key, k_noise = jax.random.split(key)
+        routing = Routing(noise=router_noise(model, k_noise, tokens.shape, scale))
 
     # Static: only a sampling mismatch reports through token_logprobs, so the other
     # settings keep their float32 rounding (and the docs' tables) bit for bit.
@@ -88,7 +167,9 @@ def generate(
 
     def step(tokens, xs):
         i, k = xs
-        logits = model(tokens, rnd=rnd)[:, n + i].astype(jnp.float32)
+        logits = model(tokens, rnd=rnd, quant=quant, routing=routing)
+        assert isinstance(logits, jax.Array)  # return_routes=False: the logits alone
+        logits = logits[:, n + i].astype(jnp.float32)
         logq = _sampling_log_probs(logits, temperature, top_p)
         tok = jax.random.categorical(k, logq, axis=-1).astype(jnp.int32)
         tokens = tokens.at[:, n + 1 + i].set(tok)
@@ -106,4 +187,9 @@ def generate(
         return tokens, reported
 
     tokens, logq = jax.lax.scan(step, tokens, (jnp.arange(n), jax.random.split(key, n)))
-    return tokens[:, n + 1 :], logq.T
+    if not return_routes:
+        return tokens[:, n + 1 :], logq.T, None
+    # The routes of every position as sampling saw them (causal: a position's route does
+    # not depend on later tokens, so one pass over the finished sequence recomputes them).
+    _, routes, _ = model(tokens, rnd=rnd, quant=quant, routing=routing, return_routes=True)
+    return tokens[:, n + 1 :], logq.T, routes

@@ -67,6 +67,7 @@ class DemoConfig:
                 f"a stale engine can be at most {train.MAX_STALENESS} updates "
                 f"behind, got severity {self.mismatch.severity:g}"
             )
+        self._check_routing()
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if not 0 < self.train.learning_rate < float("inf"):
@@ -81,6 +82,31 @@ class DemoConfig:
             raise ValueError(f"dump_steps must lie in [1, {self.steps}], got {self.dump_steps}")
         if self.train.prompts_per_step % self.train.minibatches:
             raise ValueError("prompts_per_step must be a multiple of minibatches")
+
+    def _check_routing(self) -> None:
+        """The routed-policy settings: experts, top-k, and what needs them."""
+        experts, top_k = self.train.n_experts, self.train.top_k
+        if experts < 0 or (experts and not 1 <= top_k <= experts):
+            raise ValueError(
+                f"n_experts must be >= 0 and top_k in [1, n_experts], got n_experts={experts}, "
+                f"top_k={top_k}"
+            )
+        source = self.mismatch.source
+        if source in train.ROUTED_SOURCES and not experts and self.mismatch.severity > 0:
+            raise ValueError(
+                f"the {source} mismatch needs a routed policy: set n_experts (--experts N)"
+            )
+        replaying = [a for a in self.algorithms if train.row(a).routing_replay]
+        if replaying and not experts:
+            raise ValueError(
+                f"routing replay ({', '.join(replaying)}) needs a routed policy: set n_experts "
+                "(--experts N)"
+            )
+        if source == "fp8" and self.mismatch.severity not in (0, *train.FP8_SEVERITY):
+            raise ValueError(
+                "fp8 severity must be 1 (e4m3) or 2 (e5m2) (0: no mismatch), got "
+                f"{self.mismatch.severity:g}"
+            )
 
 
 #: Named settings of the demo (``offpolicy-jax demo --preset NAME``); flags override them.
@@ -101,6 +127,25 @@ PRESETS: dict[str, DemoConfig] = {
         mismatch=Mismatch("stale", 128),
         train=TrainConfig(learning_rate=3e-3),
         preset="collapse",
+    ),
+    # docs/demo_moe.md: a 4-expert top-1 routed policy whose engine flips about a third
+    # of the routing decisions (severity 30), lr 1e-2 without gradient clipping: the
+    # MoE sweep's setting 0, where uncorrected ppo collapsed and IS / TIS / replay did not.
+    "router": DemoConfig(
+        steps=300,
+        algorithms=(
+            "ppo:no-mismatch",
+            "ppo",
+            "decoupled_ppo+is",
+            "decoupled_ppo+tis2",
+            "decoupled_ppo+mis",
+            "decoupled_ppo+icepop",
+            "ppo+replay",
+        ),
+        mismatch=Mismatch("router", 30),
+        train=TrainConfig(n_experts=4, top_k=1, learning_rate=1e-2, max_grad_norm=0.0),
+        chunk=20,
+        preset="router",
     ),
 }
 

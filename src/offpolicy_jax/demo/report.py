@@ -86,9 +86,16 @@ def summarize(history: History) -> list[dict]:
                 "peak_is_weight": float(np.nanmax(m["is_weight_max"])),
                 "peak_grad_norm": float(np.nanmax(m["grad_norm"])),
                 "rejected_fraction": float(np.nanmean(m["rejected_fraction"])),
+                # NaN for a dense policy (no routes): json writes it as NaN, kept honest.
+                "route_flip_fraction": _nanmean(m["route_flip_fraction"]),
+                "log_ratio_above_1": float(np.nanmean(m["log_ratio_above_1"])),
             }
         )
     return rows
+
+
+def _nanmean(x: np.ndarray) -> float:
+    return float(np.nanmean(x)) if np.isfinite(x).any() else float("nan")
 
 
 def _std(x: np.ndarray) -> float:
@@ -107,6 +114,10 @@ def _steps_cell(row: dict, seeds: int) -> str:
     )
 
 
+def _clip(norm: float) -> str:
+    return "not clipped" if norm in (0.0, math.inf) else f"at {norm:g}"
+
+
 def _big(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.1e}"
 
@@ -120,9 +131,12 @@ def format_table(history: History, rows: list[dict]) -> str:
         f"| steps to reward ≥ {cfg.threshold:g} | collapsed seeds | final rollout reward "
         "| peak mis_k3_kl | peak IS weight | peak grad norm | rejected tokens |"
     )
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    routed = cfg.train.n_experts > 0
+    if routed:  # the mismatch as MoE reports give it (a dense run keeps the table above)
+        header += " routes differ | tokens with abs(log ρ) > 1 |"
+    lines = [header, "|---" * header.count(" | ") + "|---|"]
     for r in rows:
-        lines.append(
+        line = (
             f"| `{r['algorithm']}` "
             f"| {r['final_reward_mean']:.3f} ± {r['final_reward_std']:.3f} "
             f"| {_steps_cell(r, cfg.seeds)} | {r['collapsed_seeds']}/{cfg.seeds} "
@@ -130,6 +144,11 @@ def format_table(history: History, rows: list[dict]) -> str:
             f"| {r['peak_mis_k3_kl']:.3g} | {_big(r['peak_is_weight'])} "
             f"| {_big(r['peak_grad_norm'])} | {100 * r['rejected_fraction']:.1f}% |"
         )
+        if routed:
+            line += (
+                f" {100 * r['route_flip_fraction']:.1f}% | {100 * r['log_ratio_above_1']:.2f}% |"
+            )
+        lines.append(line)
     lines += [
         "",
         (
@@ -146,10 +165,19 @@ def format_table(history: History, rows: list[dict]) -> str:
             "mis_k3_kl: largest per-step seed-mean K3 KL between the engine's and the trainer's "
             "log-probs. Peak IS weight: largest per-token π_old/π_rollout of any step and seed "
             "(before any cap; the library clamps the log-ratio at ±20). Peak grad norm: largest "
-            "per-step gradient norm before clipping (at 1). Rejected tokens: share of tokens "
+            f"per-step gradient norm before clipping ({_clip(cfg.train.max_grad_norm)}). "
+            "Rejected tokens: share of tokens "
             "the row's correction drops, averaged over training."
         ),
     ]
+    if routed:
+        lines[-1] += (
+            " Routes differ: share of routing decisions (response positions × layers) where "
+            "the engine's experts differ from those the trainer's router picks, averaged over "
+            "training (a `+replay` row trains on the engine's, but the share is still "
+            "measured). abs(log ρ) > 1: share of tokens whose log π_old − log π_rollout "
+            "exceeds 1 in magnitude, averaged over training."
+        )
     log_prob_rows = [r["algorithm"] for r in rows if _reports_log_prob_loss(r["algorithm"])]
     if log_prob_rows:
         lines += ["", _LOG_PROB_LOSS_NOTE.format(rows=", ".join(f"`{r}`" for r in log_prob_rows))]

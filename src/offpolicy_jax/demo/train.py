@@ -25,15 +25,24 @@ from flax import nnx
 
 import offpolicy_jax as opj
 from offpolicy_jax.demo import engine, task
-from offpolicy_jax.demo.model import Policy
+from offpolicy_jax.demo.model import Policy, Routing
 
 Array = jax.Array
 
-MISMATCH_SOURCES = ("precision", "stale", "sampling")
+MISMATCH_SOURCES = ("precision", "stale", "sampling", "router", "fp8")
+#: Sources that need a routed (MoE) policy (``TrainConfig.n_experts > 0``).
+ROUTED_SOURCES = ("router",)
+#: The ``router`` engine's perturbation per unit of severity, in units of each token's
+#: router-logit standard deviation: calibrated so that severity s flips about s% of the
+#: routing decisions of a freshly initialised 4-expert top-1 policy (the share then moves
+#: with training; ``route_flip_fraction`` reports it).
+ROUTER_NOISE_PER_SEVERITY = 0.03
+#: ``fp8`` severities: 1 = e4m3 weights and matmul inputs, 2 = e5m2.
+FP8_SEVERITY = {1: "e4m3", 2: "e5m2"}
 TRAINER_LOGPROBS = ("raw", "sampler")
 #: Default severity per source. The stale default is deliberately severe: in this tiny
 #: problem milder mismatches give smaller gaps (docs/demo.md has the numbers).
-DEFAULT_SEVERITY = {"stale": 64.0, "precision": 1.0, "sampling": 1.0}
+DEFAULT_SEVERITY = {"stale": 64.0, "precision": 1.0, "sampling": 1.0, "router": 10.0, "fp8": 1.0}
 MAX_STALENESS = 256
 
 #: The reference rollout-correction settings, as shipped with the package (mis.yaml).
@@ -66,6 +75,19 @@ class Algorithm:
     label: str
     loss: opj.LossConfig
     mismatch: bool = True
+    #: Routing replay (R3): the trainer routes each token through the experts the engine
+    #: used (a routed policy only); row names end in ``+replay``.
+    routing_replay: bool = False
+
+
+#: IcePop's band (verl ``decoupled_token_icepop``, ``rollout_is_threshold "0.5_5.0"``):
+#: token weight π_old/π_rollout kept inside [0.5, 5], set to 0 outside (no gradient).
+ICEPOP = opj.CorrectionConfig(
+    use_tis=True, tis_level="token", tis_mode="band", tis_lower_bound=0.5, tis_upper_bound=5.0
+)
+
+#: A row name ending in this (before any ``/`` override) trains with routing replay.
+REPLAY_SUFFIX = "+replay"
 
 
 def _tis(cap: float) -> opj.LossConfig:
@@ -100,6 +122,11 @@ ALGORITHMS: dict[str, Algorithm] = {
             "reinforce_is + MIS (mis.yaml)",
             opj.LossConfig(algorithm="reinforce_is", correction=MIS),
         ),
+        Algorithm(
+            "decoupled_ppo+icepop",
+            "decoupled_ppo + IcePop band [0.5, 5]",
+            opj.LossConfig(algorithm="decoupled_ppo", correction=ICEPOP),
+        ),
     )
 }
 
@@ -125,7 +152,9 @@ DEFAULT_OVERRIDE = "policy_loss"
 def row(name: str) -> Algorithm:
     """The row called ``name``: ``ROW[/field=value]...``.
 
-    ``ROW`` is a row of :data:`ALGORITHMS` (or an alias); each ``/field=value`` replaces
+    ``ROW`` is a row of :data:`ALGORITHMS` (or an alias), optionally followed by
+    ``+replay`` (routing replay, R3: the trainer reuses the engine's expert choices;
+    ``ppo+replay``, ``decoupled_ppo+tis2+replay``); each ``/field=value`` replaces
     one field of its ``opj.LossConfig`` (the value is read as a YAML scalar:
     ``/clip_eps=0.1``, ``/aggregation=token_mean``), and a bare ``/value`` sets
     :data:`DEFAULT_OVERRIDE` (``decoupled_ppo+mis/gspo`` is ``decoupled_ppo+mis`` with
@@ -138,9 +167,20 @@ def row(name: str) -> Algorithm:
     import yaml
 
     base, *overrides = resolve(name).split("/")
+    replay = base.endswith(REPLAY_SUFFIX) and base.removesuffix(REPLAY_SUFFIX) in ALGORITHMS
+    if replay:
+        base = base.removesuffix(REPLAY_SUFFIX)
     if base not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {base!r} (choose from {', '.join(ALGORITHMS)})")
+        raise ValueError(
+            f"unknown algorithm {base!r} (choose from {', '.join(ALGORITHMS)}; any of them "
+            f"may end in {REPLAY_SUFFIX})"
+        )
     algo = ALGORITHMS[base]
+    if replay:
+        if not algo.mismatch:
+            raise ValueError(f"row {name!r}: a row without mismatch has nothing to replay")
+        label = algo.label + ", routing replay (R3)"
+        algo = Algorithm(base + REPLAY_SUFFIX, label, algo.loss, algo.mismatch, True)
     if not overrides:
         return algo
     fields = list(opj.LossConfig.keys())  # its fields and every surrogate's hyperparameters
@@ -165,7 +205,7 @@ def row(name: str) -> Algorithm:
     except (TypeError, ValueError) as e:
         raise ValueError(f"row {name!r}: {e}") from None
     label = algo.label + ", " + ", ".join(f"{k}={v}" for k, v in changes.items())
-    return Algorithm(name, label, loss, algo.mismatch)
+    return Algorithm(name, label, loss, algo.mismatch, algo.routing_replay)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +220,14 @@ class Mismatch:
       as an asynchronous RL system does (at most ``MAX_STALENESS``: the engine keeps
       that many copies of the weights per run);
     - ``sampling``: the engine samples at temperature ``1 + 0.25 * severity`` with
-      top-p ``1 - 0.05 * severity`` (at least 0.05), which the trainer does not apply.
+      top-p ``1 - 0.05 * severity`` (at least 0.05), which the trainer does not apply;
+    - ``router`` (a routed policy): the engine picks experts by router logits perturbed
+      by ``ROUTER_NOISE_PER_SEVERITY * severity`` times each token's router-logit standard
+      deviation (Gaussian), so near-ties flip: severity ≈ the percentage of routing
+      decisions that differ from the trainer's at equal weights at initialisation
+      (measured each step: ``route_flip_fraction``);
+    - ``fp8``: the engine's matmul weights and inputs in fp8 with per-tensor scales, the
+      rest in bfloat16; severity 1 = e4m3, 2 = e5m2 (:data:`FP8_SEVERITY`).
     """
 
     source: str = "stale"
@@ -192,6 +239,10 @@ class Mismatch:
             return engine.Numerics(mantissa_bits=max(1, 8 - round(s)))
         if self.source == "sampling" and s > 0:
             return engine.Numerics(temperature=1.0 + 0.25 * s, top_p=max(0.05, 1.0 - 0.05 * s))
+        if self.source == "router" and s > 0:
+            return engine.Numerics(router_noise=ROUTER_NOISE_PER_SEVERITY * s)
+        if self.source == "fp8" and s > 0:
+            return engine.Numerics(fp8=FP8_SEVERITY[min(2, max(1, round(s)))])
         return engine.Numerics()
 
     def staleness(self) -> int:
@@ -210,12 +261,16 @@ class TrainConfig:
     group_size: int = 8
     minibatches: int = 2
     learning_rate: float = 1e-3
+    #: Global-norm gradient clip; 0 or inf: no clipping.
     max_grad_norm: float = 1.0
     eval_prompts: int = 64
     #: How the trainer scores the sampled tokens: ``"raw"`` (``log_softmax`` of its
     #: logits, temperature 1, no top-p) or ``"sampler"`` (``opj.token_logprobs`` with
     #: the engine's temperature and top-p: the sampler-consistent log-prob).
     trainer_logprobs: str = "raw"
+    #: Experts per block (0: the dense FFN) and how many each token is routed to.
+    n_experts: int = 0
+    top_k: int = 1
 
 
 def make_model(cfg: TrainConfig, seed: int | Array) -> Policy:
@@ -225,11 +280,15 @@ def make_model(cfg: TrainConfig, seed: int | Array) -> Policy:
         cfg.d_model,
         cfg.n_heads,
         cfg.n_layers,
+        cfg.n_experts,
+        cfg.top_k,
         rngs=nnx.Rngs(jax.random.key(seed)),
     )
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    if cfg.max_grad_norm in (0.0, math.inf):
+        return optax.adam(cfg.learning_rate)
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), optax.adam(cfg.learning_rate))
 
 
@@ -239,15 +298,40 @@ def token_logp(
     tokens: Array,
     n: int,
     sampler: tuple[Array, Array] | None = None,
+    routing: Routing | None = None,
 ) -> Array:
     """float32 log-prob of each response token under the trainer's policy, ``[B, n]``.
 
     ``sampler = (temperature, top_p)`` scores the tokens with
     ``opj.token_logprobs(..., temperature=, top_p=)``, the distribution the engine
     sampled from (−inf for a token outside the trainer's own top-p support); None
-    is the raw ``log_softmax`` of the logits.
+    is the raw ``log_softmax`` of the logits. ``routing`` (a routed policy) replays
+    the engine's routes (:class:`~offpolicy_jax.demo.model.Routing`).
     """
-    logits = nnx.merge(graphdef, params)(tokens)[:, n : 2 * n].astype(jnp.float32)
+    logits = nnx.merge(graphdef, params)(tokens, routing=routing or Routing())
+    assert isinstance(logits, jax.Array)  # return_routes=False: the logits alone
+    return _score(logits[:, n : 2 * n].astype(jnp.float32), tokens, n, sampler)
+
+
+def token_logp_and_routes(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: Array,
+    n: int,
+    sampler: tuple[Array, Array] | None = None,
+    routing: Routing | None = None,
+) -> tuple[Array, Array]:
+    """:func:`token_logp` of a routed policy, and the experts the trainer's router itself
+    picks (whatever ``routing`` replays), ``int32 [n_layers, B, 2n + 1, top_k]``."""
+    model = nnx.merge(graphdef, params)
+    out = model(tokens, routing=routing or Routing(), return_routes=True)
+    assert isinstance(out, tuple)  # return_routes=True: (logits, used, own)
+    logits, _, own = out
+    return _score(logits[:, n : 2 * n].astype(jnp.float32), tokens, n, sampler), own
+
+
+def _score(logits: Array, tokens: Array, n: int, sampler: tuple[Array, Array] | None) -> Array:
+    """Log-prob of each response token from the logits that score it, ``[B, n]``."""
     if sampler is not None:
         temperature, top_p = sampler
         logp = opj.token_logprobs(logits, tokens[:, n + 1 :], temperature=temperature, top_p=top_p)
@@ -300,6 +384,8 @@ STEP_METRICS = (
     "is_weight_mean",
     "is_weight_above_2",
     "nonfinite_seq_fraction",
+    "log_ratio_above_1",
+    "route_flip_fraction",
 )
 
 #: The monitor: the untruncated per-token weight π_old / π_rollout as the library computes
@@ -343,6 +429,10 @@ def make_train_step(
     tx = make_optimizer(cfg)
     numerics, stale = mismatch.numerics(), mismatch.staleness()
     n, g, mbs = cfg.prompt_len, cfg.group_size, cfg.minibatches
+    routed = cfg.n_experts > 0
+    replay_rows = jnp.array([a.routing_replay for a in algorithms])
+    if any(a.routing_replay for a in algorithms) and not routed:
+        raise ValueError("routing replay (+replay rows) needs a routed policy (n_experts > 0)")
     # Runs that share a loss share a switch branch (e.g. ppo:no-mismatch and ppo).
     loss_configs = list(dict.fromkeys(a.loss for a in algorithms))
     loss_index = jnp.array([loss_configs.index(a.loss) for a in algorithms], jnp.int32)
@@ -372,8 +462,17 @@ def make_train_step(
 
     losses = [policy_loss(c) for c in loss_configs]
 
-    def loss_fn(params, algo_index, sampler, tokens, old_logp, rollout_logp, adv, mask):
-        logp = token_logp(graphdef, params, tokens, n, sampler)
+    def routing(algo_index, routes):
+        """The trainer's routing: the engine's routes in a replay row (``routes`` is
+        ``[n_layers, B, L, k]``), its own pick otherwise; None for a dense policy."""
+        if not routed:
+            return None
+        return Routing(routes=routes, replay=replay_rows[algo_index])
+
+    def loss_fn(params, algo_index, sampler, tokens, old_logp, rollout_logp, adv, mask, routes):
+        # Minibatches split the leading axis: routes travel batch-major, [B, n_layers, L, k].
+        route = routing(algo_index, jnp.moveaxis(routes, 0, 1) if routed else None)
+        logp = token_logp(graphdef, params, tokens, n, sampler, route)
         return jax.lax.switch(
             loss_index[algo_index], losses, logp, old_logp, rollout_logp, adv, mask
         )
@@ -390,7 +489,10 @@ def make_train_step(
         # Sequences with a non-finite log-prob (a token outside the trainer's top-p
         # support) leave every metric, as compute_correction drops them (§0).
         valid = res.mask > 0
+        log_ratio = jnp.where(valid, old_logp - rollout_logp, 0.0)
         return {
+            "log_ratio_above_1": jnp.sum(valid & (jnp.abs(log_ratio) > 1.0))
+            / jnp.maximum(jnp.sum(valid), 1),
             "mis_k3_kl": res.metrics["mis_k3_kl"],
             "is_weight_max": jnp.max(jnp.where(valid, res.weights, 0.0)),
             "is_weight_mean": res.metrics["mis_tis_weight_before_bound"],
@@ -409,9 +511,15 @@ def make_train_step(
             engine_params = jax.tree.map(lambda o, p: jnp.where(mismatched, o, p), old, params)
         else:
             engine_params = params
-        responses, rollout_logp = engine.generate(
-            graphdef, engine_params, prompts, k_sample, numerics, active=mismatched
-        )
+        routes = jnp.zeros(0, jnp.int32)  # a dense policy has none
+        if routed:
+            responses, rollout_logp, routes = engine.generate_routed(
+                graphdef, engine_params, prompts, k_sample, numerics, mismatched
+            )
+        else:
+            responses, rollout_logp = engine.generate(
+                graphdef, engine_params, prompts, k_sample, numerics, active=mismatched
+            )
         rewards = task.reward(prompts, responses)
         tokens = task.join(prompts, responses)
         if cfg.trainer_logprobs == "sampler":
@@ -422,7 +530,18 @@ def make_train_step(
             )
         else:
             sampler = None
-        old_logp = jax.lax.stop_gradient(token_logp(graphdef, params, tokens, n, sampler))
+        if routed:
+            old_logp, own = token_logp_and_routes(
+                graphdef, params, tokens, n, sampler, routing(algo_index, routes)
+            )
+            old_logp = jax.lax.stop_gradient(old_logp)
+            # A decision differs when the set of experts differs, at the positions whose
+            # outputs score the response tokens (n .. 2n - 1), in any layer.
+            differ = jnp.any(jnp.sort(routes, -1) != jnp.sort(own, -1), -1)[:, :, n : 2 * n]
+            flips = jnp.mean(differ.astype(jnp.float32))
+        else:
+            old_logp = jax.lax.stop_gradient(token_logp(graphdef, params, tokens, n, sampler))
+            flips = jnp.float32(jnp.nan)
         mask = jnp.ones_like(old_logp)
         if sampler is None:
             train_mask = mask
@@ -443,7 +562,8 @@ def make_train_step(
 
         # Minibatches are whole groups, in order: one PPO epoch over the batch.
         advantages = group_advantages(rewards, g)
-        batch = (tokens, old_logp, rollout_logp, advantages, train_mask)
+        batch_routes = jnp.moveaxis(routes, 1, 0) if routed else jnp.zeros(len(tokens))
+        batch = (tokens, old_logp, rollout_logp, advantages, train_mask, batch_routes)
         batch = jax.tree.map(lambda x: x.reshape((mbs, -1) + x.shape[1:]), batch)
         (params, opt), (loss_met, grad_norm) = jax.lax.scan(update, (params, state["opt"]), batch)
         # The trained policy itself, sampled with exact float32 numerics on fresh prompts:
@@ -464,6 +584,7 @@ def make_train_step(
             # Before clipping: the size of the raw update direction.
             "grad_norm": grad_norm.mean(),
             **diagnostics(old_logp, rollout_logp, mask),
+            "route_flip_fraction": flips,
             **{f"loss/{k}": v.mean() for k, v in loss_met.items()},
         }
         if dump:

@@ -127,6 +127,48 @@ def _edges() -> np.ndarray:
     return np.clip(analysis.delta_bin_edges(), -1e3, 1e3)
 
 
+#: Per-token weight quantiles of the heavy-tail table (shares of the valid tokens).
+TAIL_QUANTILES = (0.001, 0.01, 0.5, 0.99, 0.999)
+#: A token is in the tail when its |log ρ| = |old − rollout| exceeds this (ρ beyond
+#: [1/e, e]); the share of such tokens is what MoE routing reports quote.
+TAIL_LOG_RATIO = 1.0
+#: The mismatch is "heavy-tailed" when the tail tokens are at most this share of the
+#: tokens but carry at least :data:`HEAVY_TAIL_MASS` of Σ|log ρ|.
+HEAVY_TAIL_SHARE = 0.05
+HEAVY_TAIL_MASS = 0.5
+
+
+def heavy_tail(counts: np.ndarray, worst_tokens: list[dict]) -> dict:
+    """How concentrated the mismatch is, from the token log-ratio histogram.
+
+    Per-token weight ``ρ = exp(old − rollout)`` quantiles (:data:`TAIL_QUANTILES`, read off
+    the 20-per-decade log bins: ±6%), the share of tokens with ``|log ρ| > 1`` and the
+    share of ``Σ |log ρ|`` they carry (from the bin centres), and the largest ``|log ρ|``
+    (exact, the worst token). ``heavy`` when few tokens (≤ :data:`HEAVY_TAIL_SHARE`)
+    carry most of the mismatch (≥ :data:`HEAVY_TAIL_MASS`): a discrete mismatch (a
+    flipped MoE route, a stale token), which a per-token cap bounds and a sequence-level
+    filter over-reacts to.
+    """
+    counts = np.asarray(counts, float)
+    edges = analysis.delta_bin_edges()
+    centres = analysis.delta_bin_centres()
+    total = counts.sum()
+    tail = (edges[:-1] >= TAIL_LOG_RATIO) | (edges[1:] <= -TAIL_LOG_RATIO)
+    mass = counts * np.abs(centres)
+    share = float(counts[tail].sum() / total) if total else 0.0
+    tail_mass = float(mass[tail].sum() / mass.sum()) if mass.sum() else 0.0
+    quantiles = _quantiles(counts[None], TAIL_QUANTILES)[0]
+    return {
+        "weight_quantiles": {
+            f"{q:g}": float(np.exp(v)) for q, v in zip(TAIL_QUANTILES, quantiles, strict=True)
+        },
+        "tail_token_share": share,
+        "tail_abs_log_ratio_share": tail_mass,
+        "max_abs_log_ratio": worst_tokens[0]["abs_log_ratio"] if worst_tokens else 0.0,
+        "heavy": bool(0 < share <= HEAVY_TAIL_SHARE and tail_mass >= HEAVY_TAIL_MASS),
+    }
+
+
 def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
     """The report as a JSON-able dict (``report.json``)."""
     metrics = acc.metrics("metrics")
@@ -168,6 +210,7 @@ def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
         "worst_tokens": worst_tokens,
         "worst_sequences": worst_seqs,
     }
+    report["heavy_tail"] = heavy_tail(report["token_log_ratio_hist"]["counts"], worst_tokens)
     return _jsonable(report)
 
 
@@ -203,6 +246,8 @@ def markdown(report: dict) -> str:
         f"**{rec['name']}** ({rec['severity']}): {rec['reason']}.",
     ]
     lines += ["", "```yaml", yaml.safe_dump(rec["config"], sort_keys=False).rstrip(), "```"]
+    if "heavy_tail" in report:
+        lines += _heavy_tail_lines(report["heavy_tail"])
     lines += [
         "",
         "## Mismatch metrics (`compute_correction`)",
@@ -271,6 +316,44 @@ def markdown(report: dict) -> str:
             f"{_g(s['rollout_logp'])} | {_g(s['log_ratio'])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _heavy_tail_lines(tail: dict) -> list[str]:
+    """The heavy-tail section of report.md (:func:`heavy_tail`)."""
+    q = tail["weight_quantiles"]
+    lines = ["", "## Heavy tail of the per-token weights ρ = π_old / π_rollout", ""]
+    lines += [
+        "| " + " | ".join(f"ρ p{100 * float(k):g}" for k in q) + " | max abs log ρ "
+        f"| tokens with abs log ρ > {TAIL_LOG_RATIO:g} | their share of Σ abs log ρ |"
+    ]
+    lines += ["|" + "---:|" * (len(q) + 3)]
+    lines += [
+        "| " + " | ".join(_g(v, 3) for v in q.values()) + f" | {_g(tail['max_abs_log_ratio'], 3)} "
+        f"| {_pct(tail['tail_token_share'])} | {_pct(tail['tail_abs_log_ratio_share'])} |"
+    ]
+    lines.append("")
+    if tail["heavy"]:
+        lines.append(
+            f"**Heavy-tailed:** {_pct(tail['tail_token_share'])} of the tokens carry "
+            f"{_pct(tail['tail_abs_log_ratio_share'])} of the mismatch, the rest sit near "
+            "ρ = 1: a discrete mismatch (an MoE route that flipped, a token of a stale "
+            "policy), not a smooth one (precision). A per-token cap (token TIS, "
+            "`token_tis`) bounds exactly those tokens' weight; sequence-level rejection "
+            "(`geo_rs`, `seq_rs`) drops whole sequences for one token. If the engine is a "
+            "mixture of experts, routing replay (R3: the trainer reuses the engine's "
+            "experts) removes the cause."
+        )
+    else:
+        lines.append(
+            "Not heavy-tailed: the mismatch is spread over the tokens (or there is none) "
+            f"rather than concentrated in the {_pct(tail['tail_token_share'])} with "
+            f"abs log ρ > {TAIL_LOG_RATIO:g}."
+        )
+    lines.append(
+        "Quantiles are read off 20-per-decade log bins (±6%); the share of Σ abs log ρ "
+        "from the bin centres."
+    )
+    return lines
 
 
 def _where(item: dict) -> str:

@@ -1,4 +1,4 @@
-"""tunix integration: rollout correction inside tunix's GRPO learner.
+"""tunix integration: rollout correction inside tunix's GRPO and PPO learners.
 
 `tunix <https://github.com/google/tunix>`_ (``google-tunix``) computes a policy loss as
 ``fn(model, train_example, algo_config, pad_id, eos_id)``, registered by name with
@@ -21,7 +21,9 @@ What tunix 0.1.7 lacks, as small pieces:
   per-token log-probs (``RolloutOutput.logprobs``, with
   ``RolloutConfig(return_logprobs=True)``) checked against the completion tokens and
   right-padded like ``completion_ids``, in a ``TrainExample`` field.
-* :class:`OffPolicyGRPOLearner`: tunix's ``GRPOLearner`` that puts them there.
+* :class:`OffPolicyGRPOLearner`: tunix's ``GRPOLearner`` that puts them there;
+  :class:`OffPolicyPPOConfig`, :class:`OffPolicyPPOLearner` and
+  :class:`OffPolicyPPOTrainExample` do the same for tunix's PPO.
 * ``logps_from_hidden=True``: θ's log-probs from the last hidden states and the
   unembedding with :func:`~offpolicy_jax.token_logprobs_from_hidden`, so the
   ``[B, T, V]`` logits of tunix's log-prob pass are never built.
@@ -48,6 +50,7 @@ from tunix.rl import common as tunix_common
 from tunix.rl import function_registry
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
+from tunix.rl.ppo import ppo_learner
 
 import offpolicy_jax as opj
 
@@ -56,6 +59,9 @@ __all__ = [
     "POLICY_LOSS_NAME",
     "OffPolicyGRPOConfig",
     "OffPolicyGRPOLearner",
+    "OffPolicyPPOConfig",
+    "OffPolicyPPOLearner",
+    "OffPolicyPPOTrainExample",
     "OffPolicyTrainExample",
     "hidden_states_and_unembedding",
     "loss_config_from_tunix",
@@ -93,23 +99,37 @@ def _lookup(table: Mapping[str, str], key: str, value: Any) -> str:
     return table[value]
 
 
+def _kl_settings(algo_config: Any) -> tuple[float, str]:
+    """(kl_coef, kl_estimator) of the loss: GRPO's ``beta`` with its ``kl_loss_mode``;
+    tunix's PPO loss reads a ``kl_coef`` attribute (k1) instead (its ``beta`` is a
+    reward penalty, not a loss term)."""
+    if isinstance(algo_config, ppo_learner.PPOConfig):
+        return float(getattr(algo_config, "kl_coef", 0.0) or 0.0), "k1"
+    beta = float(getattr(algo_config, "beta", 0.0) or 0.0)
+    mode = getattr(algo_config, "kl_loss_mode", "kl")
+    return beta, _lookup(TUNIX_KL_ESTIMATORS, "kl_loss_mode", mode) if beta else "k3"
+
+
 def loss_config_from_tunix(algo_config: Any, correction: Any = None) -> opj.LossConfig:
     """The :class:`~offpolicy_jax.LossConfig` of a tunix algorithm config's own fields.
 
     ``epsilon`` → ``clip_eps`` (``epsilon_low`` if set), ``epsilon_high`` (if the config
     has it) → ``clip_eps_high``, ``epsilon_c`` → ``dual_clip_c``, ``loss_agg_mode`` →
-    ``aggregation`` (:data:`TUNIX_AGGREGATIONS`), ``loss_algo`` → ``policy_loss``
-    (``"grpo"`` → ``ppo_clip``, ``"gspo-token"`` → ``gspo_token``), ``beta`` →
-    ``kl_coef`` and ``kl_loss_mode`` → ``kl_estimator`` (``kl``/``mse_kl``/
-    ``low_var_kl`` → ``k1``/``k2``/``k3``). With ``correction=None``, or a
+    ``aggregation`` (:data:`TUNIX_AGGREGATIONS`; tunix's PPO loss, which has none, is
+    ``token-mean``), ``loss_algo`` → ``policy_loss`` (``"grpo"`` → ``ppo_clip``,
+    ``"gspo-token"`` → ``gspo_token``), ``entropy_coef`` → ``entropy_coef``, and the KL
+    term: GRPO's ``beta`` → ``kl_coef`` with ``kl_loss_mode`` → ``kl_estimator``
+    (``kl``/``mse_kl``/``low_var_kl`` → ``k1``/``k2``/``k3``); for PPO a ``kl_coef``
+    attribute (k1), as tunix's ``ppo`` loss reads it. With ``correction=None``, or a
     ``CorrectionConfig`` with ``use_tis=False`` (the mismatch metrics only), the
-    algorithm is ``"ppo"``: tunix's ``grpo`` loss (to float32 rounding); with a
-    correction that weights (a :class:`~offpolicy_jax.CorrectionConfig` with
+    algorithm is ``"ppo"``: tunix's own ``grpo`` / ``ppo`` loss (to float32 rounding);
+    with a correction that weights (a :class:`~offpolicy_jax.CorrectionConfig` with
     ``use_tis=True``, a :class:`~offpolicy_jax.VanillaTIS` or a callable) it is
     ``"decoupled_ppo"``: ``w(π_old/π_rollout) · ℓ(θ; π_old)``.
 
     Args:
-      algo_config: a tunix ``GRPOConfig`` (or any object with those attributes).
+      algo_config: a tunix ``GRPOConfig`` or ``PPOConfig`` (or any object with those
+        attributes).
       correction: the correction, or None.
 
     Returns:
@@ -119,8 +139,7 @@ def loss_config_from_tunix(algo_config: Any, correction: Any = None) -> opj.Loss
     epsilon = float(algo_config.epsilon)
     low = getattr(algo_config, "epsilon_low", None) or epsilon
     high = getattr(algo_config, "epsilon_high", None) or epsilon
-    beta = float(getattr(algo_config, "beta", 0.0) or 0.0)
-    kl_mode = getattr(algo_config, "kl_loss_mode", "kl")
+    kl_coef, kl_estimator = _kl_settings(algo_config)
     metrics_only = isinstance(correction, opj.CorrectionConfig) and not correction.use_tis
     return opj.LossConfig(
         algorithm="ppo" if correction is None or metrics_only else "decoupled_ppo",
@@ -136,13 +155,65 @@ def loss_config_from_tunix(algo_config: Any, correction: Any = None) -> opj.Loss
         policy_loss=_lookup(
             TUNIX_SURROGATES, "loss_algo", getattr(algo_config, "loss_algo", "grpo")
         ),
-        kl_coef=beta,
-        kl_estimator=_lookup(TUNIX_KL_ESTIMATORS, "kl_loss_mode", kl_mode) if beta else "k3",
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        entropy_coef=float(getattr(algo_config, "entropy_coef", 0.0) or 0.0),
     )
 
 
 @dataclasses.dataclass(kw_only=True)
-class OffPolicyGRPOConfig(grpo_learner.GRPOConfig):
+class _OffPolicyOptions:
+    """The settings :class:`OffPolicyGRPOConfig` and :class:`OffPolicyPPOConfig` add
+    (documented there)."""
+
+    policy_loss_fn: str = POLICY_LOSS_NAME
+    correction: Any = None
+    loss_config: opj.LossConfig | None = None
+    logps_from_hidden: bool = False
+    hidden_chunk_size: int = 512
+    vocab_chunk_size: int | None = None
+    max_segments_per_row: int | None = None
+    trainer_old_logps: bool = False
+
+    def _validate_with(self, tunix_post_init: Callable[[Any], None]) -> None:
+        """tunix's validation with the loss name it knows, then the fields added here."""
+        requested = self.policy_loss_fn
+        self.policy_loss_fn = self._replaces  # the name tunix's validation knows
+        try:
+            tunix_post_init(self)
+        finally:
+            self.policy_loss_fn = requested
+        if self.loss_config is not None and not isinstance(self.loss_config, opj.LossConfig):
+            raise TypeError(
+                f"loss_config must be an offpolicy_jax.LossConfig, got {type(self.loss_config)}"
+            )
+        for key in ("hidden_chunk_size", "vocab_chunk_size", "max_segments_per_row"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{key} must be a positive int, got {value!r}")
+        self.offpolicy_loss_config  # noqa: B018 (builds and validates it now)
+
+    _replaces = "grpo"
+
+    @property
+    def offpolicy_loss_config(self) -> opj.LossConfig:
+        """The ``LossConfig`` the loss applies (rebuilt from the fields on each read)."""
+        if self.loss_config is None:
+            return loss_config_from_tunix(self, self.correction)
+        if self.correction is not None:
+            raise ValueError("give either loss_config or correction, not both")
+        kl_coef, _ = _kl_settings(self)
+        if self.loss_config.kl_coef != kl_coef:
+            raise ValueError(
+                f"loss_config.kl_coef ({self.loss_config.kl_coef}) must equal tunix's KL "
+                f"coefficient ({kl_coef}; GRPO: beta): tunix computes the reference "
+                "log-probs only when it is not 0"
+            )
+        return self.loss_config
+
+
+@dataclasses.dataclass(kw_only=True)
+class OffPolicyGRPOConfig(_OffPolicyOptions, grpo_learner.GRPOConfig):
     """tunix's ``GRPOConfig`` with the offpolicy-jax loss and its settings.
 
     tunix validates ``policy_loss_fn`` against its built-in names; this config runs
@@ -157,8 +228,8 @@ class OffPolicyGRPOConfig(grpo_learner.GRPOConfig):
         ``kl_coef == beta``. Default 0 (tunix's default is 0.04).
       correction: the rollout correction (a :class:`~offpolicy_jax.CorrectionConfig`,
         e.g. ``CorrectionConfig.preset("mis")``, a :class:`~offpolicy_jax.VanillaTIS`,
-        or None for metrics-free plain GRPO). The loss is then
-        :func:`loss_config_from_tunix` of this config.
+        or None for plain GRPO). The loss is then :func:`loss_config_from_tunix` of
+        this config.
       loss_config: a whole :class:`~offpolicy_jax.LossConfig` instead (any algorithm,
         surrogate, aggregation, e.g. ``LossConfig.from_verl(...)``); exclusive with
         ``correction``.
@@ -168,54 +239,33 @@ class OffPolicyGRPOConfig(grpo_learner.GRPOConfig):
       vocab_chunk_size: vocabulary columns per chunk (None: the whole vocabulary).
       max_segments_per_row: for packed ``TrainExample``\\ s (``segment_ids``): the
         static most sequences a row holds, ``num_segments`` of
-        :func:`~offpolicy_jax.policy_loss`; a token of a higher id is padding (its
-        share is the ``opj/segment_overflow_fraction`` metric).
-      trainer_old_logps: :class:`OffPolicyGRPOLearner` recomputes π_old with the
-        trainer's weights at sampling time (``rl_cluster.get_actor_per_token_logps``)
-        instead of tunix's choice (``None`` → ``sg(θ)`` when ``num_iterations == 1``,
-        else the rollout model's recomputation).
+        :func:`~offpolicy_jax.policy_loss`; a token of a higher id is padding (refused
+        for concrete ids; under jit its share is the ``opj/segment_overflow_fraction``
+        metric).
+      trainer_old_logps: the learner recomputes π_old with the trainer's weights at
+        sampling time (``rl_cluster.get_actor_per_token_logps``) instead of tunix's
+        choice (GRPO: ``None`` → ``sg(θ)`` when ``num_iterations == 1``, else the
+        rollout model's recomputation).
     """
 
-    policy_loss_fn: str = POLICY_LOSS_NAME
     beta: float = 0.0
-    correction: Any = None
-    loss_config: opj.LossConfig | None = None
-    logps_from_hidden: bool = False
-    hidden_chunk_size: int = 512
-    vocab_chunk_size: int | None = None
-    max_segments_per_row: int | None = None
-    trainer_old_logps: bool = False
 
     def __post_init__(self):
-        requested = self.policy_loss_fn
-        self.policy_loss_fn = "grpo"  # the name tunix's validation knows
-        try:
-            super().__post_init__()
-        finally:
-            self.policy_loss_fn = requested
-        if self.loss_config is not None and not isinstance(self.loss_config, opj.LossConfig):
-            raise TypeError(
-                f"loss_config must be an offpolicy_jax.LossConfig, got {type(self.loss_config)}"
-            )
-        for key in ("hidden_chunk_size", "vocab_chunk_size", "max_segments_per_row"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{key} must be a positive int, got {value!r}")
-        self.offpolicy_loss_config  # noqa: B018 (builds and validates it now)
+        self._validate_with(grpo_learner.GRPOConfig.__post_init__)
 
-    @property
-    def offpolicy_loss_config(self) -> opj.LossConfig:
-        """The ``LossConfig`` the loss applies (rebuilt from the fields on each read)."""
-        if self.loss_config is None:
-            return loss_config_from_tunix(self, self.correction)
-        if self.correction is not None:
-            raise ValueError("give either loss_config or correction, not both")
-        if self.loss_config.kl_coef != self.beta:
-            raise ValueError(
-                f"loss_config.kl_coef ({self.loss_config.kl_coef}) must equal beta "
-                f"({self.beta}): tunix computes the reference log-probs only when beta != 0"
-            )
-        return self.loss_config
+
+@dataclasses.dataclass(kw_only=True)
+class OffPolicyPPOConfig(_OffPolicyOptions, ppo_learner.PPOConfig):
+    """tunix's ``PPOConfig`` with the offpolicy-jax loss; the fields of
+    :class:`OffPolicyGRPOConfig` (``correction``, ``loss_config``,
+    ``logps_from_hidden``, ...). tunix's PPO loss has no temperature and aggregates
+    with ``token-mean``; :class:`OffPolicyPPOLearner` sets ``temperature`` from the
+    rollout config, so that θ is scored as the sampler scored π_rollout."""
+
+    _replaces = "ppo"
+
+    def __post_init__(self):
+        self._validate_with(ppo_learner.PPOConfig.__post_init__)
 
 
 def _resolve(algo_config: Any) -> opj.LossConfig:
@@ -254,6 +304,21 @@ class OffPolicyTrainExample(grpo_learner.TrainExample):
     rollout_per_token_logps: jax.Array | None = None
 
 
+@struct.dataclass(frozen=True)
+class OffPolicyPPOTrainExample(ppo_learner.TrainExample):
+    """tunix's PPO ``TrainExample`` (``returns``, ``old_values``) with
+    ``rollout_per_token_logps`` as in :class:`OffPolicyTrainExample`."""
+
+    rollout_per_token_logps: jax.Array | None = None
+
+
+def _carrier(example: Any) -> type:
+    """The example class with a rollout field for ``example``'s class."""
+    if isinstance(example, ppo_learner.TrainExample):
+        return OffPolicyPPOTrainExample
+    return OffPolicyTrainExample
+
+
 def with_rollout_logps(
     example: Any, logprobs: Any, tokens: Any, *, pad_value: float = 0.0
 ) -> OffPolicyTrainExample:
@@ -274,8 +339,8 @@ def with_rollout_logps(
       pad_value: the value after each completion (masked; never read).
 
     Returns:
-      An :class:`OffPolicyTrainExample` with ``example``'s fields and
-      ``rollout_per_token_logps``.
+      An :class:`OffPolicyTrainExample` (:class:`OffPolicyPPOTrainExample` for a PPO
+      example) with ``example``'s fields and ``rollout_per_token_logps``.
 
     Raises:
       ValueError: log-probs missing, or a count, length or token that does not match.
@@ -306,14 +371,15 @@ def with_rollout_logps(
                 "completion_ids[row, :n] (right-padded completions expected)"
             )
         padded[row, : row_tokens.size] = row_logps
+    carrier = _carrier(example)
     fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
-    known = {f.name for f in dataclasses.fields(OffPolicyTrainExample)}
+    known = {f.name for f in dataclasses.fields(carrier)}
     extra = sorted(k for k, v in fields.items() if k not in known and v is not None)
     if extra:
-        raise ValueError(f"OffPolicyTrainExample has no field for {extra} of {type(example)}")
+        raise ValueError(f"{carrier.__name__} has no field for {extra} of {type(example)}")
     fields = {k: v for k, v in fields.items() if k in known}
     fields["rollout_per_token_logps"] = jnp.asarray(padded)
-    return OffPolicyTrainExample(**fields)
+    return carrier(**fields)
 
 
 # --------------------------------------------------------------------------- θ's log-probs
@@ -532,19 +598,20 @@ def offpolicy_policy_loss(
     π_rollout = ``train_example.rollout_per_token_logps``
     (:class:`OffPolicyTrainExample`); advantages, mask, reference log-probs and, for
     packed rows, ``segment_ids`` as tunix sets them. The ``LossConfig`` is
-    ``algo_config.offpolicy_loss_config`` (:class:`OffPolicyGRPOConfig`).
+    ``algo_config.offpolicy_loss_config`` (:class:`OffPolicyGRPOConfig`,
+    :class:`OffPolicyPPOConfig`).
 
     Args:
       model: the policy, an ``nnx.Module`` (differentiated).
       train_example: a tunix ``TrainExample``.
-      algo_config: an :class:`OffPolicyGRPOConfig`.
+      algo_config: an :class:`OffPolicyGRPOConfig` or :class:`OffPolicyPPOConfig`.
       pad_id, eos_id: the tokenizer's ids.
       **kwargs: ignored (tunix's signature).
 
     Returns:
       ``(loss, aux)``: the float32 loss and a flat dict of float32 scalars, the
       library's metrics as ``opj/<key>`` plus ``pg_clipfrac`` and ``kl`` (the names
-      tunix's GRPO learner logs).
+      tunix's GRPO learner logs; ``kl`` is ``opj/kl_loss``, or 0 without a KL term).
 
     Raises:
       TypeError / ValueError at trace time for bad wiring: a config without a
@@ -606,25 +673,28 @@ def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[s
     keys). Found with ``jax.eval_shape`` on a tiny batch.
     """
     shape = (2, 4)
-    zeros = jnp.zeros(shape, jnp.float32)
-    example = cast(Any, grpo_learner.TrainExample)(
-        prompt_ids=jnp.zeros((2, 0), jnp.int32),
-        prompt_mask=jnp.zeros((2, 0), bool),
-        completion_ids=jnp.zeros(shape, jnp.int32),
-        completion_mask=jnp.ones(shape, bool),
-        advantages=zeros,
-        ref_per_token_logps=zeros,
-        old_per_token_logps=zeros,
-        segment_ids=jnp.ones(shape, jnp.int32) if packed else None,
-    )
+    # Abstract inputs (eval_shape arguments): nothing is computed or checked on values.
+    zeros = jax.ShapeDtypeStruct(shape, jnp.float32)
+    ints = jax.ShapeDtypeStruct(shape, jnp.int32)
+    mask = jax.ShapeDtypeStruct(shape, jnp.bool_)
 
-    def run():
+    def run(zeros, ints, mask):
+        example = cast(Any, grpo_learner.TrainExample)(
+            prompt_ids=ints[:, :0],
+            prompt_mask=mask[:, :0],
+            completion_ids=ints,
+            completion_mask=mask,
+            advantages=zeros,
+            ref_per_token_logps=zeros,
+            old_per_token_logps=zeros,
+            segment_ids=ints if packed else None,
+        )
         loss, metrics = opj.policy_loss(
             zeros,
             zeros,
             zeros if _needs_rollout_logps(loss_config) else None,
             zeros if packed else zeros[:, 0],
-            example.completion_mask,
+            mask,
             loss_config,
             segment_ids=example.segment_ids,
             num_segments=1 if packed else None,
@@ -633,7 +703,7 @@ def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[s
         )
         return _aux(metrics, example, 1 if packed else None)
 
-    return tuple(sorted(jax.eval_shape(run)))
+    return tuple(sorted(jax.eval_shape(run, zeros, ints, mask)))
 
 
 # --------------------------------------------------------------------------- the learner
@@ -651,23 +721,15 @@ def _capture_outputs(rl_cluster: Any, store: threading.local) -> None:
     rl_cluster.generate = generate_and_keep
 
 
-class OffPolicyGRPOLearner(grpo_learner.GRPOLearner):
-    """tunix's ``GRPOLearner`` whose train examples carry the sampler's log-probs.
+class _CarriesRolloutLogps:
+    """What :class:`OffPolicyGRPOLearner` and :class:`OffPolicyPPOLearner` add to
+    tunix's learners (a mixin before the tunix class)."""
 
-    Each batch's ``RolloutOutput`` (kept per thread by a thin wrapper around
-    ``rl_cluster.generate``) goes through :func:`with_rollout_logps` into an
-    :class:`OffPolicyTrainExample`; the registered loss then applies the correction of
-    ``algo_config`` (an :class:`OffPolicyGRPOConfig`), and the learner logs every
-    ``opj/`` metric. Checked when built: the rollout configs return log-probs when the
-    loss needs them, and tunix's sequence packing (which would drop them) is off.
-    """
+    algo_config: Any
+    rl_cluster: Any
 
-    def __init__(
-        self, rl_cluster: Any, algo_config: OffPolicyGRPOConfig, reward_fns: Any, **kwargs
-    ):
-        if not isinstance(algo_config, OffPolicyGRPOConfig):
-            raise TypeError(f"algo_config must be an OffPolicyGRPOConfig, got {type(algo_config)}")
-        super().__init__(rl_cluster, algo_config, reward_fns, **kwargs)
+    def _wire(self, rl_cluster: Any, algo_config: Any) -> None:
+        """Checks, keeps the rollout outputs, and logs every ``opj/`` metric."""
         loss_config = algo_config.offpolicy_loss_config
         self._needs_rollout = _needs_rollout_logps(loss_config)
         if self._needs_rollout:
@@ -692,14 +754,14 @@ class OffPolicyGRPOLearner(grpo_learner.GRPOLearner):
         self, training_input: Any, mode: Any = rl_cluster_lib.Mode.TRAIN
     ) -> Any:
         self._rollouts.output = None
-        example = super()._generate_and_compute_advantage(training_input, mode)
+        example = super()._generate_and_compute_advantage(training_input, mode)  # pyright: ignore[reportAttributeAccessIssue]
         if self.algo_config.trainer_old_logps:
             old = self.rl_cluster.get_actor_per_token_logps(
                 prompt_tokens=example.prompt_ids,
                 completion_tokens=example.completion_ids,
                 pad_id=self.rl_cluster.rollout.pad_id(),
                 eos_id=self.rl_cluster.rollout.eos_id(),
-                temperature=self.algo_config.temperature,
+                temperature=self.rl_cluster.get_rollout_config(mode).temperature,
             )
             example = cast(Any, example).replace(old_per_token_logps=old)
         output = self._rollouts.output
@@ -708,3 +770,40 @@ class OffPolicyGRPOLearner(grpo_learner.GRPOLearner):
         if output is None or (output.logprobs is None and not self._needs_rollout):
             return example
         return with_rollout_logps(example, output.logprobs, output.tokens)
+
+
+class OffPolicyGRPOLearner(_CarriesRolloutLogps, grpo_learner.GRPOLearner):
+    """tunix's ``GRPOLearner`` whose train examples carry the sampler's log-probs.
+
+    Each batch's ``RolloutOutput`` (kept per thread by a thin wrapper around
+    ``rl_cluster.generate``) goes through :func:`with_rollout_logps` into an
+    :class:`OffPolicyTrainExample`; the registered loss then applies the correction of
+    ``algo_config`` (an :class:`OffPolicyGRPOConfig`), and the learner logs every
+    ``opj/`` metric. Checked when built: the rollout configs return log-probs when the
+    loss needs them, and tunix's sequence packing (which would drop them) is off.
+    """
+
+    def __init__(
+        self, rl_cluster: Any, algo_config: OffPolicyGRPOConfig, reward_fns: Any, **kwargs
+    ):
+        if not isinstance(algo_config, OffPolicyGRPOConfig):
+            raise TypeError(f"algo_config must be an OffPolicyGRPOConfig, got {type(algo_config)}")
+        super().__init__(rl_cluster, algo_config, reward_fns, **kwargs)  # pyright: ignore[reportCallIssue]
+        self._wire(rl_cluster, algo_config)
+
+
+class OffPolicyPPOLearner(_CarriesRolloutLogps, ppo_learner.PPOLearner):
+    """tunix's ``PPOLearner`` (actor and critic) with the sampler's log-probs carried
+    into its train examples (:class:`OffPolicyPPOTrainExample`), as
+    :class:`OffPolicyGRPOLearner` does; ``algo_config`` is an
+    :class:`OffPolicyPPOConfig`. It also sets ``algo_config.temperature`` from the
+    rollout config (tunix's PPO loss scores θ at temperature 1)."""
+
+    def __init__(self, rl_cluster: Any, ppo_config: OffPolicyPPOConfig, **kwargs):
+        if not isinstance(ppo_config, OffPolicyPPOConfig):
+            raise TypeError(f"ppo_config must be an OffPolicyPPOConfig, got {type(ppo_config)}")
+        super().__init__(rl_cluster, ppo_config, **kwargs)  # pyright: ignore[reportCallIssue]
+        cast(Any, ppo_config).temperature = rl_cluster.get_rollout_config(
+            rl_cluster_lib.Mode.TRAIN
+        ).temperature
+        self._wire(rl_cluster, ppo_config)
