@@ -19,7 +19,7 @@ import offpolicy_jax  # noqa: E402
 
 project = "offpolicy-jax"
 author = "offpolicy-jax developers"
-copyright = "offpolicy-jax developers"  # noqa: A001 - Sphinx's name
+copyright = "offpolicy-jax developers"
 release = offpolicy_jax.__version__
 version = release
 

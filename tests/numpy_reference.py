@@ -496,8 +496,15 @@ def correction(
     seq_logprob_error_threshold=None,
     m2po_tau=None,
     probability_metrics=False,
+    nonfinite_rollout="reject",
+    max_weight_staleness=None,
+    staleness_level="sequence",
+    mask_offpolicy_in_partial_rollout=False,
 ):
     """Reference ``compute_correction`` (§0, §2-§4, §7, §8).
+
+    The asynchronous-RL keys are accepted at their defaults only (they change nothing
+    without versions); tests/test_staleness.py has their reference.
 
     With ``δ = o − b`` over the valid tokens of finite sequences:
 
@@ -513,6 +520,12 @@ def correction(
     dict of Python floats.  With ``use_tis=False``: ``weights = m``, ``mask_out = m``,
     §4 metrics only.
     """
+    _only_async_defaults(
+        nonfinite_rollout=nonfinite_rollout,
+        max_weight_staleness=max_weight_staleness,
+        staleness_level=staleness_level,
+        mask_offpolicy_in_partial_rollout=mask_offpolicy_in_partial_rollout,
+    )
     o, b, m = _as_float(old_logp), _as_float(rollout_logp), _as_mask(mask)
     if not (o.shape == b.shape == m.shape):
         raise ValueError(
@@ -641,6 +654,20 @@ def aggregate_loss(ell, m_final, m_den, aggregation: str):
     return float(per_seq.sum()) / n_seq, np.where(keep, m_final / n_seq, 0.0)
 
 
+ASYNC_DEFAULTS = dict(
+    nonfinite_rollout="reject",
+    max_weight_staleness=None,
+    staleness_level="sequence",
+    mask_offpolicy_in_partial_rollout=False,
+)
+
+
+def _only_async_defaults(**keys) -> None:
+    for key, value in keys.items():
+        if value != ASYNC_DEFAULTS[key]:
+            raise NotImplementedError(f"this reference does not implement {key}={value!r}")
+
+
 def _correction_kwargs(corr: dict) -> dict:
     """Fill a correction dict with :func:`correction`'s defaults (unknown keys rejected)."""
     defaults = dict(
@@ -660,6 +687,10 @@ def _correction_kwargs(corr: dict) -> dict:
         m2po_tau=None,
         probability_metrics=False,
     )
+    # The asynchronous-RL keys (tests/test_staleness.py has their own reference): only
+    # their defaults, which change nothing without versions, are accepted here.
+    _only_async_defaults(**{k: v for k, v in corr.items() if k in ASYNC_DEFAULTS})
+    corr = {k: v for k, v in corr.items() if k not in ASYNC_DEFAULTS}
     unknown = set(corr) - set(defaults)
     if unknown:
         raise ValueError(f"unknown correction keys: {sorted(unknown)}")

@@ -507,6 +507,7 @@ def packed_loss(num_segments):
     )
 
 
+@pytest.mark.slow  # its own programs; fixed examples in test_reliability.py
 @budget(ci=20)
 @given(
     batch=campaign_batches(),
@@ -535,6 +536,7 @@ def test_ids_above_num_segments_raise_eagerly_and_are_padding_under_jit(batch, n
     assert_identical(traced, padded)
 
 
+@pytest.mark.slow  # its own programs; fixed examples in test_reliability.py
 @budget(ci=20)
 @given(
     batch=campaign_batches(),
@@ -553,12 +555,26 @@ def test_masks_other_than_0_1(batch, config, values, scale):
         loss_vg(logp, old, rollout, adv, values, config=config),
         loss_vg(logp, old, rollout, adv, members.astype(np.int32), config=config),
     )
-    # A float mask weights its tokens: a uniform scale leaves every mean unchanged.
-    if config.aggregation in ("token_mean", "sequence_mean", "row_mean"):
+    # A float mask weights its tokens in every sum: a uniform scale leaves every mean
+    # unchanged, but not a sum (the sequence-level log-ratio Σ δ m, seq_sum_* criteria).
+    if config.aggregation in ("token_mean", "sequence_mean", "row_mean") and not _sums_mask(
+        config.correction
+    ):
         ones = members.astype(np.float32)
         (loss, _), _ = loss_vg(logp, old, rollout, adv, ones, config=config)
         (scaled, _), _ = loss_vg(logp, old, rollout, adv, ones * scale, config=config)
         assert_close(scaled, loss, rtol=1e-5, atol=1e-6)
+
+
+def _sums_mask(correction) -> bool:
+    """Whether a correction decides on a mask-weighted sum (docs/semantics.md §0)."""
+    if not isinstance(correction, opj.CorrectionConfig) or not correction.use_tis:
+        return False
+    return (
+        correction.tis_level == "sequence"
+        or (correction.use_rs and correction.rs_level == "sequence")
+        or any(spec.startswith("seq_sum_") for spec in correction.rs_criteria)
+    )
 
 
 VERL_OPTIONS = (*criteria.KL_CRITERIA, "binary_kl", "seq_max_k1", "token_k4", "")
@@ -691,14 +707,6 @@ def test_every_config_entry_point_builds_or_raises_a_bounded_named_error(entry, 
         pass  # safe_dump of a value YAML cannot represent: not the library's input
 
 
-class _PlainBackend:
-    """``jax`` as the library's reduction modules see it on an accelerator: every
-    reduction takes the plain path (one reduce per column, no windows)."""
-
-    def __getattr__(self, name):
-        return (lambda: "gpu") if name == "default_backend" else getattr(jax, name)
-
-
 def _entry_points(config, logp, old, rollout, adv, mask):
     (loss, metrics), grad = jax.value_and_grad(opj.policy_loss, has_aux=True)(
         logp, old, rollout, adv, mask, config
@@ -716,20 +724,30 @@ def _entry_points(config, logp, old, rollout, adv, mask):
 
 
 @functools.cache
-def entry_points(plain: bool, config):
-    return jax.jit(functools.partial(_entry_points, config))
+def entry_points(config, shapes):
+    """``(fused, plain)`` programs of :func:`_entry_points` for ``config``, compiled ahead
+    of time. The switch ``OFFPOLICY_JAX_REDUCTION`` is read when a program is traced,
+    and JAX reuses the traces of the library's inner jitted functions whatever it says:
+    each path is traced from cleared caches, and the compiled programs outlive them."""
+    from offpolicy_jax.reduction import backend
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    programs = []
+    for path in ("fused", "plain"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(backend.ENV, path)
+            jax.clear_caches()
+            function = jax.jit(functools.partial(_entry_points, config))
+            programs.append(function.lower(*args).compile())
+    jax.clear_caches()
+    return tuple(programs)
 
 
 @pytest.mark.slow  # compiles every entry point twice per config
 @budget(ci=5)
 @given(batch=campaign_batches(), config=loss_configs)
 def test_every_entry_point_under_the_plain_reduction_path_equals_the_fused_one(batch, config):
-    from offpolicy_jax import _fusion, _segments
-
-    args = inputs(batch)
-    fused = entry_points(False, config)(*args)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_fusion, "jax", _PlainBackend())
-        patch.setattr(_segments, "jax", _PlainBackend())
-        plain = entry_points(True, config)(*args)
-    assert_close(plain, fused, rtol=2e-5, atol=2e-5)  # two programs: summation order only
+    args = [jnp.asarray(x) for x in inputs(batch)]
+    fused, plain = entry_points(config, tuple((x.shape, x.dtype) for x in args))
+    # The plain path is what TPU/GPU run; two programs: equal up to summation order.
+    assert_close(plain(*args), fused(*args), rtol=2e-5, atol=2e-5)

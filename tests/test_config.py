@@ -43,6 +43,10 @@ def test_defaults_match_reference_mis_yaml_keys():
         "seq_logprob_error_threshold": None,
         "m2po_tau": None,
         "probability_metrics": False,
+        "nonfinite_rollout": "reject",
+        "max_weight_staleness": None,
+        "staleness_level": "sequence",
+        "mask_offpolicy_in_partial_rollout": False,
     }
 
 

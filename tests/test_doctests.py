@@ -12,6 +12,7 @@ MODULES = [
     "offpolicy_jax.config",
     "offpolicy_jax.correction",
     "offpolicy_jax.losses",
+    "offpolicy_jax.sampling_support",
     "offpolicy_jax.surrogates",
 ]
 

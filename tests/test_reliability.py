@@ -57,6 +57,8 @@ def test_int64_segment_ids_beyond_int32_raise_instead_of_wrapping():
     wide[:, -2:] = 2**32 + 1  # would wrap to segment 1 in int32
     with pytest.raises(ValueError, match="segment_ids holds ids outside int32"):
         opj.compute_correction(old, rollout, mask, MIS, segment_ids=wide, num_segments=3)
+    with pytest.raises(ValueError, match="segment_ids holds ids outside int32"):  # a list
+        opj.compute_correction(old, rollout, mask, MIS, segment_ids=wide.tolist(), num_segments=3)
 
 
 # --------------------------------------------------------------------------- masks
@@ -239,6 +241,8 @@ def test_int64_token_ids_beyond_int32_raise_instead_of_wrapping():
     wide = np.array([[2**32 + 1]], np.int64)  # wrapped to 1: -1.204 instead of NaN
     with pytest.raises(ValueError, match="tokens holds ids outside int32"):
         opj.token_logprobs(_LOGITS, wide)
+    with pytest.raises(ValueError, match="tokens holds ids outside int32"):  # a list
+        opj.token_logprobs(_LOGITS, wide.tolist())
 
 
 # --------------------------------------------------------------------------- diagnose
@@ -469,3 +473,36 @@ def test_diagnose_skewed_dump_peak_memory_stays_under_1_gb(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     rss_kb = int(done.stdout.rsplit("RSS_KB", 1)[1].split()[0])
     assert rss_kb < 1024 * 1024, f"peak RSS {rss_kb / 1024:.0f} MiB"  # was a 7.63 GiB allocation
+
+
+def test_value_checks_read_arrays_closed_over_by_a_jitted_function():
+    """A concrete array captured by jax.jit is read by the value checks (not a
+    TracerBoolConversionError): a bad one gets the named error, a good one passes."""
+    z = jnp.zeros((1, 4))
+    good, bad = jnp.array([[1, 1, 2, 2]]), jnp.array([[1, 1, 3, 3]])
+
+    def loss(ids):
+        return jax.jit(
+            lambda lp: opj.policy_loss(
+                lp,
+                z,
+                None,
+                z,
+                jnp.ones((1, 4), bool),
+                opj.LossConfig(),
+                segment_ids=ids,
+                num_segments=2,
+            )[0]
+        )(z)
+
+    assert float(loss(good)) == 0.0
+    with pytest.raises(ValueError, match="num_segments"):
+        loss(bad)
+    int_mask = jnp.array([[1, 2, 0, 1]])
+    with pytest.raises(ValueError, match="mask"):
+        jax.jit(lambda lp: opj.policy_loss(lp, z, None, z, int_mask, opj.LossConfig())[0])(z)
+    temperature = jnp.array([[0.7, 0.0]])
+    with pytest.raises(ValueError, match="temperature"):
+        jax.jit(lambda lg: opj.token_logprobs(lg, jnp.zeros((1, 2), int), temperature=temperature))(
+            jnp.zeros((1, 2, 5))
+        )

@@ -308,3 +308,26 @@ def test_rules_on_packed_rows_equal_one_sequence_per_row(name):
     np.testing.assert_allclose(got_w, np.asarray(want.weights), rtol=1e-5, atol=1e-6)
     for key, value in want.metrics.items():
         np.testing.assert_allclose(got.metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_batch_extremes_pool_as_extremes_over_micro_batches():
+    """P_max / P_min are :class:`Extreme` parts: pooled with ``+`` over micro-batches (an
+    empty one included) they equal the full batch's extremes, where a mean's pooling would
+    give the sequence-weighted mean of the micro-batches' extremes."""
+    from offpolicy_jax.stages import Extreme, pool
+
+    logp, old, rollout, adv, mask = _opsm_batch(0)
+    config = opj.LossConfig(algorithm="bypass_ppo", opsm_delta=0.05)
+    # Rows 1 (empty) and 2 (one token) get a micro-batch of their own.
+    parts = jax.jit(lambda *a: opj.policy_loss_parts(*a, config)[1])
+    full = parts(logp, old, rollout, adv, mask)
+    pooled = None
+    for rows in (slice(0, 1), slice(1, 2), slice(2, 4), slice(4, 7)):
+        p = parts(*(x[rows] for x in (logp, old, rollout, adv, mask)))
+        pooled = p if pooled is None else pool(pooled, p)
+    assert isinstance(full["mis_opsm_max"], Extreme) and full["mis_opsm_min"].kind == "min"
+    got, want = opj.finalize_metrics(pooled), opj.finalize_metrics(full)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    empty = parts(*(x[1:2] for x in (logp, old, rollout, adv, mask)))
+    assert float(empty["mis_opsm_max"].value()) == 0.0  # an empty batch reports 0

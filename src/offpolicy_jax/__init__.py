@@ -22,6 +22,8 @@ from offpolicy_jax.metrics import finalize as finalize_metrics
 from offpolicy_jax.packing import PackedSequences, pack_sequences, unpack_sequences
 from offpolicy_jax.ratios import METRIC_LOG_CAP
 from offpolicy_jax.reduction import MeanParts, MeshAxes
+from offpolicy_jax.registry import SurrogateInput, SurrogateTerms, register_surrogate
+from offpolicy_jax.sampling_support import support_from_csr
 from offpolicy_jax.surrogates import PPOTerms, ppo_surrogate
 
 __version__ = "0.1.0"
@@ -37,6 +39,8 @@ __all__ = [
     "PPOTerms",
     "PolicyLossTerms",
     "PackedSequences",
+    "SurrogateInput",
+    "SurrogateTerms",
     "VanillaTIS",
     "aggregate",
     "compute_correction",
@@ -46,6 +50,8 @@ __all__ = [
     "policy_loss_parts",
     "policy_loss_terms",
     "ppo_surrogate",
+    "register_surrogate",
+    "support_from_csr",
     "token_logprobs",
     "token_logprobs_from_hidden",
     "unpack_sequences",

@@ -1,26 +1,280 @@
-"""The per-token objective of ``policy_loss``: the configured surrogate, weighted.
+"""The built-in surrogates, registered by name, and the per-token objective around them.
 
-:func:`surrogate_columns` turns ``LossConfig.policy_loss`` into the per-token loss
-``ℓ'`` (IS weights applied) and the per-token metric columns that the loss's one
-per-sequence pass sums; :func:`regulariser_terms` gives the KL-to-reference and entropy
-terms. Surrogates that need a per-sequence quantity first (GSPO's sequence ratio, GMPO's
-geometric means) take it from one extra per-sequence pass through the layout, so packed
-sequences (several per row) work unchanged.
-"""
+Each built-in is one registered function plus its hyperparameters (a frozen dataclass
+with its defaults and its validation), exactly like a user's surrogate
+(:func:`offpolicy_jax.register_surrogate`). :func:`surrogate_columns` runs the one
+``LossConfig.policy_loss`` names: the per-token loss ``ℓ'`` (IS weights applied) and
+the metric columns the loss's per-sequence pass sums; :func:`regulariser_terms` gives
+the KL-to-reference and entropy terms. Surrogates that need a per-sequence quantity
+first (GSPO's sequence ratio, GMPO's geometric means) take it through the layout, so
+packed sequences (several per row) work unchanged.
+
+==============  ================================================  =============="""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from offpolicy_jax import policy_losses as pl
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.config import LossConfig
-from offpolicy_jax.reduction import Column, Rows
+from offpolicy_jax.config import (
+    _F32,
+    LossConfig,
+    _check_number,
+    _check_positive,
+    _f32,
+    check_f32_coefficient,
+)
+from offpolicy_jax.reduction import Column
+from offpolicy_jax.registry import (
+    NoParams,
+    SurrogateInput,
+    SurrogateTerms,
+    lookup,
+    register_surrogate,
+)
+from offpolicy_jax.surrogates import ppo_surrogate
 
 PG_METRICS: tuple[str, ...] = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+_OWNER = "LossConfig"
+
+
+def _number(params, key: str, *, positive: bool = False) -> None:
+    """Validates ``params.key`` as a finite number (numeric strings too) and stores the float."""
+    value = _check_number(_OWNER, key, getattr(params, key), optional=True)
+    object.__setattr__(params, key, value)
+    if positive:
+        _check_positive(_OWNER, key, value)
+        check_f32_coefficient(_OWNER, key, value)
+
+
+# --------------------------------------------------------------------------- hyperparameters
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipRange:
+    """A ratio clip range ``[1 − ε, 1 + ε_high]``.
+
+    Attributes:
+      clip_eps: ``ε`` in ``(0, 1)`` (lower side, and upper side unless
+        ``clip_eps_high`` is set).
+      clip_eps_high: ``ε_high`` (DAPO-style clip-higher); None = ``ε``.
+    """
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+
+    def __post_init__(self):
+        _number(self, "clip_eps")
+        _number(self, "clip_eps_high")
+        # In float32 terms: the clip range [1 - ε, 1 + ε_high] must differ from 1 on both
+        # sides and stay finite, and ε < 1 keeps the lower clip above 0 (at ε >= 1 every
+        # ratio, being positive, would pass the lower clip: it would silently be off).
+        one, eps, high = np.float32(1), self.clip_eps, self.clip_eps_high
+        f32 = np.float32(_f32(eps)) if eps is not None else one
+        if eps is None or not (0 < eps < 1 and 0 < np.float32(one - f32) < one < one + f32):
+            raise ValueError(
+                f"{_OWNER}.clip_eps must be in (0, 1), with 0 < 1 - clip_eps < 1 < 1 + clip_eps "
+                f"in float32, got {eps!r}"
+            )
+        if high is not None and not (high > 0 and one < _f32(1 + high) <= _F32.max):
+            raise ValueError(
+                f"{_OWNER}.clip_eps_high must be > 0 with 1 < 1 + clip_eps_high < inf in "
+                f"float32, got {high!r}"
+            )
+
+    @property
+    def upper_clip_eps(self) -> float:
+        """``ε_high``, resolved."""
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOClip(ClipRange):
+    """PPO's clip range and the dual-clip constant ``c > 1`` (Ye et al., 2020; None: off)."""
+
+    dual_clip_c: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        _number(self, "dual_clip_c")
+        c = self.dual_clip_c
+        if c is not None and not np.float32(1) < _f32(c) <= _F32.max:
+            raise ValueError(
+                f"{_OWNER}.dual_clip_c must be > 1 and finite in float32 (or None), got {c!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DPPOTrustRegion(ClipRange):
+    """DPPO: the trust-region thresholds ``δ`` (``clip_eps``), ``δ_high``
+    (``clip_eps_high``) and the cap ``C`` of the stop-gradient ratio."""
+
+    dppo_ratio_cap: float = 20.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _number(self, "dppo_ratio_cap", positive=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SAPOTemperatures:
+    """SAPO's gate temperatures for ``A > 0`` and ``A ≤ 0`` (verl's defaults)."""
+
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def __post_init__(self):
+        _number(self, "tau_pos", positive=True)
+        _number(self, "tau_neg", positive=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class DROPenalty:
+    """DRO's quadratic log-ratio penalty ``β``."""
+
+    dro_beta: float = 0.1
+
+    def __post_init__(self):
+        _number(self, "dro_beta", positive=True)
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+@register_surrogate("ppo_clip", params=PPOClip)
+def ppo_clip(x: SurrogateInput, p: PPOClip) -> SurrogateTerms:
+    """The clipped PPO surrogate (:func:`~offpolicy_jax.ppo_surrogate`), dual clip optional."""
+    terms = ppo_surrogate(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        where=x.valid,
+        clip_eps=p.clip_eps,
+        clip_eps_high=p.upper_clip_eps,
+        dual_clip_c=p.dual_clip_c,
+    )
+    return SurrogateTerms(terms.loss, terms.clipped, terms.clipped_lower)
+
+
+def _gspo(x: SurrogateInput, p: ClipRange, *, token_level: bool) -> SurrogateTerms:
+    sums = x.layout.reduce({"x": _reduce.total(x.log_ratio, x.mask), "n": _reduce.count(x.mask)})
+    seq_log_ratio = x.layout.broadcast(sums["x"] / jnp.maximum(sums["n"], 1.0))
+    return pl.gspo(
+        x.logp,
+        seq_log_ratio,
+        x.advantages,
+        x.valid,
+        clip_eps=p.clip_eps,
+        clip_eps_high=p.upper_clip_eps,
+        token_level=token_level,
+    )
+
+
+@register_surrogate("gspo", params=ClipRange)
+def gspo(x: SurrogateInput, p: ClipRange) -> SurrogateTerms:
+    """GSPO: one clipped ratio per sequence (:func:`.policy_losses.gspo`)."""
+    return _gspo(x, p, token_level=False)
+
+
+@register_surrogate("gspo_token", params=ClipRange)
+def gspo_token(x: SurrogateInput, p: ClipRange) -> SurrogateTerms:
+    """GSPO-token, verl's ``gspo`` (:func:`.policy_losses.gspo`, ``token_level=True``)."""
+    return _gspo(x, p, token_level=True)
+
+
+@register_surrogate("cispo", params=ClipRange)
+def cispo(x: SurrogateInput, p: ClipRange) -> SurrogateTerms:
+    """CISPO (:func:`.policy_losses.cispo`)."""
+    return pl.cispo(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        x.valid,
+        clip_eps=p.clip_eps,
+        clip_eps_high=p.upper_clip_eps,
+    )
+
+
+@register_surrogate("gmpo", params=ClipRange, applies_weights=True)
+def gmpo(x: SurrogateInput, p: ClipRange) -> SurrogateTerms:
+    """GMPO (:func:`.policy_losses.gmpo_sequence_loss`): every token carries its
+    sequence's loss, so any aggregation averages ``L_i`` (sequence_mean / row_mean:
+    each sequence once; token_mean: by length). IS weights enter the geometric mean."""
+    terms = pl.gmpo_token_log_ratio(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        x.valid,
+        clip_eps=p.clip_eps,
+        clip_eps_high=p.upper_clip_eps,
+    )
+    columns = {
+        "x": _reduce.total(terms.loss, x.mask),
+        "adv": _reduce.total(x.advantages, x.mask),
+        "n": _reduce.count(x.mask),
+    }
+    if x.weights is not None:
+        columns["log_w"] = _reduce.total(pl.gmpo_log_weight(x.weights), x.mask)
+    sums = x.layout.reduce(columns)
+    n = jnp.maximum(sums["n"], 1.0)
+    log_w = None if x.weights is None else sums["log_w"] / n
+    per_seq = pl.gmpo_sequence_loss(sums["x"] / n, sums["adv"] / n, log_w)
+    loss = jnp.broadcast_to(x.layout.broadcast(per_seq), x.logp.shape)
+    return SurrogateTerms(loss, terms.clipped, terms.clipped_lower)
+
+
+@register_surrogate("sapo", params=SAPOTemperatures)
+def sapo(x: SurrogateInput, p: SAPOTemperatures) -> SurrogateTerms:
+    """SAPO's soft gate (:func:`.policy_losses.sapo`)."""
+    return pl.sapo(
+        x.logp, x.denominator, x.advantages, x.valid, tau_pos=p.tau_pos, tau_neg=p.tau_neg
+    )
+
+
+@register_surrogate("gpg", params=NoParams)
+def gpg(x: SurrogateInput, p: NoParams) -> SurrogateTerms:
+    """GPG, plain REINFORCE (:func:`.policy_losses.gpg`)."""
+    return pl.gpg(x.logp, x.advantages, x.valid)
+
+
+def _dppo(x: SurrogateInput, p: DPPOTrustRegion, divergence: str) -> SurrogateTerms:
+    return pl.dppo(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        x.valid,
+        divergence=divergence,
+        clip_eps=p.clip_eps,
+        clip_eps_high=p.upper_clip_eps,
+        ratio_cap=p.dppo_ratio_cap,
+    )
+
+
+@register_surrogate("dppo_tv", params=DPPOTrustRegion)
+def dppo_tv(x: SurrogateInput, p: DPPOTrustRegion) -> SurrogateTerms:
+    """DPPO with the binary total-variation trust region (:func:`.policy_losses.dppo`)."""
+    return _dppo(x, p, "tv")
+
+
+@register_surrogate("dppo_kl", params=DPPOTrustRegion)
+def dppo_kl(x: SurrogateInput, p: DPPOTrustRegion) -> SurrogateTerms:
+    """DPPO with the binary-KL trust region (:func:`.policy_losses.dppo`)."""
+    return _dppo(x, p, "kl")
+
+
+@register_surrogate("dro", params=DROPenalty)
+def dro(x: SurrogateInput, p: DROPenalty) -> SurrogateTerms:
+    """DRO (:func:`.policy_losses.dro`)."""
+    return pl.dro(x.logp, x.denominator, x.advantages, x.valid, beta=p.dro_beta)
+
+
+# --------------------------------------------------------------------------- the objective
 
 
 class SurrogateOutput(NamedTuple):
@@ -30,112 +284,29 @@ class SurrogateOutput(NamedTuple):
     columns: dict[str, Column]
 
 
-def surrogate_columns(
-    config: LossConfig,
-    theta: jax.Array,
-    denominator: jax.Array,
-    advantages: jax.Array,
-    valid: jax.Array,
-    final_mask: jax.Array,
-    weights: jax.Array | None,
-    layout: Rows,
-) -> SurrogateOutput:
-    """The configured surrogate (not ``ppo_clip``, which ``policy_loss`` runs itself).
+def surrogate_columns(config: LossConfig, x: SurrogateInput) -> SurrogateOutput:
+    """The surrogate ``config.policy_loss`` names, with its hyperparameters ``config.params``.
 
     Args:
-      config: the loss config (its ``policy_loss`` and hyperparameters).
-      theta: ``[..., T]`` log π_θ.
-      denominator: ``[..., T]`` log π_d (π_old, or π_rollout in bypass mode).
-      advantages: ``[..., T]``, 0 where not ``valid``.
-      valid: ``[..., T]`` bool: the original mask.
-      final_mask: ``[..., T]`` float ``m'`` after the correction's rejection.
-      weights: ``[..., T]`` stop-gradient IS weights (meaningful where ``m' > 0``) or None.
-      layout: the per-sequence seam (rows, or packed segments).
+      config: the loss config.
+      x: the batch as the surrogate sees it (:class:`~offpolicy_jax.SurrogateInput`).
 
     Returns:
-      :class:`SurrogateOutput`.
+      :class:`SurrogateOutput`: ``ℓ`` times the IS weights on ``m'`` (unless the
+      surrogate applies them itself), and the ``ppo_kl`` / ``pg_clipfrac`` /
+      ``pg_clipfrac_lower`` columns.
     """
-    name = config.policy_loss
-    kept = final_mask > 0
-    eps, eps_high = config.clip_eps, config.upper_clip_eps
+    entry = lookup(config.policy_loss)
+    terms = entry.fn(x, config.params)
+    loss = terms.loss
+    if x.weights is not None and not entry.applies_weights:
+        loss = jnp.where(x.mask > 0, x.weights, 0.0) * loss
     sg = jax.lax.stop_gradient
-    x = pl.safe_log_ratio(theta, denominator, valid)
-    columns: dict[str, Column] = {"ppo_kl": _reduce.total(-sg(x), final_mask)}
-
-    def weighted(per_token):
-        return per_token if weights is None else jnp.where(kept, weights, 0.0) * per_token
-
-    if name in ("gspo", "gspo_token"):
-        sums = layout.reduce({"x": _reduce.total(x, final_mask), "n": _reduce.count(final_mask)})
-        seq_log_ratio = layout.broadcast(sums["x"] / jnp.maximum(sums["n"], 1.0))
-        terms = pl.gspo(
-            theta,
-            seq_log_ratio,
-            advantages,
-            valid,
-            clip_eps=eps,
-            clip_eps_high=eps_high,
-            token_level=name == "gspo_token",
-        )
-        loss = weighted(terms.loss)
-    elif name == "gmpo":
-        terms = pl.gmpo_token_log_ratio(
-            theta, denominator, advantages, valid, clip_eps=eps, clip_eps_high=eps_high
-        )
-        seq_columns = {
-            "x": _reduce.total(terms.loss, final_mask),
-            "adv": _reduce.total(advantages, final_mask),
-            "n": _reduce.count(final_mask),
-        }
-        if weights is not None:
-            seq_columns["log_w"] = _reduce.total(pl.gmpo_log_weight(weights), final_mask)
-        sums = layout.reduce(seq_columns)
-        n = jnp.maximum(sums["n"], 1.0)
-        per_seq = pl.gmpo_sequence_loss(
-            sums["x"] / n, sums["adv"] / n, None if weights is None else sums["log_w"] / n
-        )
-        # Every token carries its sequence's loss: any aggregation then averages L_i
-        # (sequence_mean / row_mean: each sequence once; token_mean: by length).
-        loss = jnp.broadcast_to(layout.broadcast(per_seq), theta.shape)
-    elif name == "cispo":
-        terms = pl.cispo(
-            theta, denominator, advantages, valid, clip_eps=eps, clip_eps_high=eps_high
-        )
-        loss = weighted(terms.loss)
-    elif name == "sapo":
-        terms = pl.sapo(
-            theta,
-            denominator,
-            advantages,
-            valid,
-            tau_pos=config.sapo_tau_pos,
-            tau_neg=config.sapo_tau_neg,
-        )
-        loss = weighted(terms.loss)
-    elif name == "gpg":
-        terms = pl.gpg(theta, advantages, valid)
-        loss = weighted(terms.loss)
-    elif name in ("dppo_tv", "dppo_kl"):
-        terms = pl.dppo(
-            theta,
-            denominator,
-            advantages,
-            valid,
-            divergence=name[-2:],
-            clip_eps=eps,
-            clip_eps_high=eps_high,
-            ratio_cap=config.dppo_cap,
-        )
-        loss = weighted(terms.loss)
-    elif name == "dro":
-        terms = pl.dro(theta, denominator, advantages, valid, beta=config.dro_penalty)
-        loss = weighted(terms.loss)
-    else:
-        raise ValueError(f"unknown policy_loss {name!r}")
+    columns: dict[str, Column] = {"ppo_kl": _reduce.total(-sg(x.log_ratio), x.mask)}
     if terms.clipped is not None:
-        columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, final_mask)
+        columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, x.mask)
     if terms.clipped_lower is not None:
-        columns["pg_clipfrac_lower"] = _reduce.count_where(terms.clipped_lower, final_mask)
+        columns["pg_clipfrac_lower"] = _reduce.count_where(terms.clipped_lower, x.mask)
     return SurrogateOutput(loss, columns)
 
 

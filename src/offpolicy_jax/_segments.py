@@ -5,4 +5,10 @@ importable for code written against it. New code imports ``offpolicy_jax.reducti
 """
 
 from offpolicy_jax.reduction import *  # noqa: F403
-from offpolicy_jax.reduction import __all__  # noqa: F401
+
+
+def dispatch(fn, segment_ids, num_segments, *args, axes=None):
+    """Former entry point of the packed path's ``cond`` (removed: a packed call now
+    compiles once); kept for code written against it: simply ``fn(*args)``."""
+    del segment_ids, num_segments, axes
+    return fn(*args)

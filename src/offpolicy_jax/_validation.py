@@ -6,6 +6,8 @@ They run on static shape/dtype information only, so they cost nothing under
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,6 +171,22 @@ def is_concrete(x) -> bool:
     return True
 
 
+def read_now(check):
+    """Runs a value check eagerly even while a trace is active.
+
+    A concrete array closed over by a jitted function is still concrete, but ``jnp``
+    operations on it inside the trace would return tracers (and ``bool`` of one
+    raises); ``jax.ensure_compile_time_eval`` evaluates them on the spot instead.
+    """
+
+    @functools.wraps(check)
+    def eager(*args, **kwargs):
+        with jax.ensure_compile_time_eval():
+            return check(*args, **kwargs)
+
+    return eager
+
+
 def _any(condition) -> bool:
     """``any(condition)``, reduced on the array's own device: one scalar comes back."""
     if isinstance(condition, jax.Array):
@@ -183,6 +201,7 @@ def _xp(x):
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 
 
+@read_now
 def check_int32_ids(name: str, x) -> None:
     """Raises ``ValueError`` naming ``name`` if integer ids do not fit in int32.
 
@@ -203,6 +222,7 @@ def check_int32_ids(name: str, x) -> None:
         )
 
 
+@read_now
 def check_mask_values(name: str, mask) -> None:
     """Raises ``ValueError`` naming ``name`` if a concrete integer mask holds a value other
     than 0 or 1 (docs/semantics.md §0).
@@ -226,6 +246,7 @@ def check_mask_values(name: str, mask) -> None:
         )
 
 
+@read_now
 def check_segment_ids_at_most(segment_ids, num_segments: int) -> None:
     """Raises ``ValueError`` if concrete ``segment_ids`` hold an id above ``num_segments``.
 

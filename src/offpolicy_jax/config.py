@@ -19,14 +19,16 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import yaml
 
+from offpolicy_jax import registry
 from offpolicy_jax._messages import close_match, shown
+from offpolicy_jax.algorithms import ALGORITHMS as ALGORITHM_SPECS
 
 Level = Literal["token", "sequence", "geometric"]
 Mode = Literal["truncate", "clip", "mask", "band", "none"]
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 MODES: tuple[str, ...] = ("truncate", "clip", "mask", "band", "none")
-ALGORITHMS: tuple[str, ...] = ("ppo", "bypass_ppo", "decoupled_ppo", "reinforce_is")
+ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_SPECS)
 AGGREGATIONS: tuple[str, ...] = (
     "sequence_mean",
     "token_mean",
@@ -35,20 +37,10 @@ AGGREGATIONS: tuple[str, ...] = (
     "token_sum",
     "row_mean",
 )
-POLICY_LOSSES: tuple[str, ...] = (
-    "ppo_clip",
-    "gspo",
-    "gspo_token",
-    "cispo",
-    "gmpo",
-    "sapo",
-    "gpg",
-    "dppo_tv",
-    "dppo_kl",
-    "dro",
-)
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 METRIC_REDUCTIONS: tuple[str, ...] = ("sequence", "token")
+NONFINITE_ROLLOUT: tuple[str, ...] = ("reject", "neutral")
+STALENESS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -308,6 +300,22 @@ class CorrectionConfig:
         ``mis_token_mult_prob_error`` and ``mis_js_divergence`` (docs/semantics.md §8).
         Off by default: their ``exp`` and ``log`` per token cost a pass of their own
         (about a quarter of ``compute_correction``'s time on CPU).
+      nonfinite_rollout: what a non-finite ``rollout_logp`` at a valid token does:
+        ``"reject"`` (default) rejects its sequence like any non-finite input (§0);
+        ``"neutral"`` reads it as ``π_rollout = π_old`` there (ratio 1, ``δ = 0``),
+        keeps the sequence and counts such tokens in
+        ``mis_nonfinite_rollout_token_fraction`` (engines that return None/NaN for
+        some tokens, TRL #6297). A non-finite ``old_logp`` is always rejected.
+      max_weight_staleness: asynchronous RL (docs/guide/async.md): with per-token
+        ``versions`` and the ``current_version``, reject what is older than this many
+        policy versions, ``current_version − version > max_weight_staleness`` (miles
+        ``--max-weight-staleness``; AReaL ``max_head_offpolicyness``, prime-rl
+        ``max_off_policy_steps``). An int ``>= 0``; ``None`` disables it.
+      staleness_level: ``"sequence"`` (default; a sequence is rejected when its oldest
+        valid token is too stale, as miles drops stale samples) or ``"token"``.
+      mask_offpolicy_in_partial_rollout: reject the off-policy prefix of a partial
+        rollout, the tokens sampled by an older version than the newest one of their
+        sequence (miles ``--mask-offpolicy-in-partial-rollout``); needs ``versions``.
 
     Ratio bounds and the veto threshold are checked as the float32 values the
     computation uses: each must be a normal, finite float32 (``1.2e-38`` to
@@ -329,6 +337,10 @@ class CorrectionConfig:
     seq_logprob_error_threshold: float | None = None
     m2po_tau: float | None = None
     probability_metrics: bool = False
+    nonfinite_rollout: Literal["reject", "neutral"] = "reject"
+    max_weight_staleness: int | None = None
+    staleness_level: Literal["token", "sequence"] = "sequence"
+    mask_offpolicy_in_partial_rollout: bool = False
 
     def __post_init__(self):
         owner = "CorrectionConfig"
@@ -356,6 +368,7 @@ class CorrectionConfig:
                 owner, "tis_upper_bound", self.lower_bound, label="1 / tis_upper_bound"
             )
         self._check_rules(owner)
+        self._check_async(owner)
         if self.tis_mode == "band" and self.lower_bound > self.upper_bound:
             raise ValueError(
                 f"{owner}: tis_lower_bound must be <= tis_upper_bound for tis_mode='band', "
@@ -421,6 +434,46 @@ class CorrectionConfig:
                 f"{owner}.seq_logprob_error_threshold must be >= 1 (exp|δ| >= 1, so a smaller "
                 f"threshold rejects every sequence), got {shown(threshold)}"
             )
+
+    def _check_async(self, owner: str) -> None:
+        """The asynchronous-RL keys (docs/guide/async.md)."""
+        set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen)
+        set_(
+            "nonfinite_rollout",
+            _check_choice(owner, "nonfinite_rollout", self.nonfinite_rollout, NONFINITE_ROLLOUT),
+        )
+        set_(
+            "staleness_level",
+            _check_choice(owner, "staleness_level", self.staleness_level, STALENESS_LEVELS),
+        )
+        set_(
+            "mask_offpolicy_in_partial_rollout",
+            _check_bool(
+                owner, "mask_offpolicy_in_partial_rollout", self.mask_offpolicy_in_partial_rollout
+            ),
+        )
+        limit = self.max_weight_staleness
+        if limit is not None:
+            whole = isinstance(limit, int | np.integer) and not isinstance(limit, bool)
+            if not whole or limit < 0:
+                raise ValueError(
+                    f"{owner}.max_weight_staleness must be an int >= 0 (policy versions) or "
+                    f"None, got {shown(limit)}"
+                )
+            set_("max_weight_staleness", int(limit))
+        if not self.use_tis:
+            for name in ("max_weight_staleness", "mask_offpolicy_in_partial_rollout"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(
+                        f"{owner}.{name} rejects tokens, but use_tis is false (metrics only); "
+                        "set use_tis: true (with tis_mode: none for rejection without IS "
+                        "weights)"
+                    )
+
+    @property
+    def uses_versions(self) -> bool:
+        """Whether a rule of this config reads the per-token policy ``versions``."""
+        return self.max_weight_staleness is not None or self.mask_offpolicy_in_partial_rollout
 
     @property
     def criteria(self):
@@ -574,21 +627,39 @@ Correction = CorrectionConfig | VanillaTIS | CorrectionFn | None
 # --------------------------------------------------------------------------- losses
 
 
-@keyword_hints
-@dataclasses.dataclass(frozen=True)
+# The spec's order of LossConfig's arguments, which may be given positionally.
+_LOSS_POSITIONAL: tuple[str, ...] = (
+    "algorithm",
+    "clip_eps",
+    "clip_eps_high",
+    "dual_clip_c",
+    "correction",
+    "aggregation",
+    "rejected_in_denominator",
+    "get_mismatch_metrics",
+    "metric_reduction",
+)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class LossConfig:
     """Settings of :func:`~offpolicy_jax.policy_loss` (docs/semantics.md §5).
+
+    Built from keywords, ``LossConfig(algorithm="decoupled_ppo", correction=cfg,
+    policy_loss="gspo", clip_eps=3e-4)``: the fields below, plus the hyperparameters of
+    the surrogate ``policy_loss`` names (its registered params, see
+    :func:`~offpolicy_jax.register_surrogate` and the table in
+    :mod:`offpolicy_jax._objective`), which it holds as ``params`` and reads flat
+    (``cfg.clip_eps``). A hyperparameter left out or ``None`` takes the surrogate's
+    default; one of another surrogate raises ``ValueError``. ``clip_eps`` is accepted
+    whatever the surrogate (validated, and ignored by one without a clip range).
 
     Attributes:
       algorithm: ``"ppo"`` (old log-probs as the ratio denominator), ``"bypass_ppo"``
         (rollout log-probs as the denominator; ``old_logp`` may be None),
         ``"decoupled_ppo"`` (3-policy PPO: IS weights π_old/π_rollout multiply the
-        clipped loss) or ``"reinforce_is"`` (``−sg(w)·A·log π_θ``, no clipping).
-      clip_eps: PPO clip range ``ε`` in ``(0, 1)`` (lower side, and upper side
-        unless ``clip_eps_high`` is set).
-      clip_eps_high: upper clip range ``ε_high`` (DAPO-style clip-higher); None = ``ε``.
-      dual_clip_c: dual-clip constant ``c > 1`` bounding the loss for negative
-        advantages (Ye et al., 2020); None disables it.
+        clipped loss) or ``"reinforce_is"`` (``−sg(w)·A·log π_θ``, no clipping); see
+        :mod:`offpolicy_jax.algorithms`.
       correction: a :class:`CorrectionConfig`, a :class:`VanillaTIS`, a callable
         with the signature of ``compute_correction`` minus ``config``
         (``fn(old_logp, rollout_logp, mask, *, reduction, axis_names)``), or None.
@@ -608,21 +679,18 @@ class LossConfig:
         reference's behaviour); False = they leave it (D5).
       get_mismatch_metrics: add the §4 mismatch metrics without changing the loss.
       metric_reduction: ``"sequence"`` or ``"token"`` reduction of the metrics.
+      policy_loss: the registered surrogate, orthogonal to ``algorithm`` (which decides
+        the ratio denominator ``d`` and the IS weights): ``"ppo_clip"`` (default, the
+        clipped PPO surrogate: ``clip_eps``, ``clip_eps_high``, ``dual_clip_c``),
+        ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"gmpo"``, ``"sapo"``, ``"gpg"``,
+        ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"`` or any registered name; formulas and
+        papers in :mod:`offpolicy_jax.policy_losses`. ``reinforce_is`` has its own
+        term and takes only the default.
+      params: the surrogate's hyperparameters (an instance of its registered params
+        class); built from the flat keywords, or given whole.
       opsm_delta: DeepSeek-V3.2 off-policy sequence masking (docs/semantics.md §8): drop
         a sequence whose mean advantage is negative and whose mean
         ``log π_rollout − log π_θ`` over its tokens exceeds ``δ > 0``; None disables it.
-      policy_loss: the surrogate, orthogonal to ``algorithm`` (which decides the ratio
-        denominator ``d`` and the IS weights): ``"ppo_clip"`` (default, the clipped PPO
-        surrogate), ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"gmpo"``, ``"sapo"``,
-        ``"gpg"``, ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``; formulas and papers in
-        :mod:`offpolicy_jax.policy_losses`. ``reinforce_is`` has its own term and takes
-        only the default.
-      tau_pos: SAPO gate temperature for ``A > 0`` (None = 1.0; only with ``"sapo"``).
-      tau_neg: SAPO gate temperature for ``A ≤ 0`` (None = 1.05; only with ``"sapo"``).
-      dro_beta: DRO's quadratic penalty ``β`` (None = 0.1; only with ``"dro"``).
-      dppo_ratio_cap: DPPO's truncation ``C`` of the stop-gradient ratio (None = 20.0;
-        only with ``"dppo_tv"`` / ``"dppo_kl"``, whose trust-region thresholds are
-        ``clip_eps`` / ``clip_eps_high``).
       loss_scale_factor: the divisor of ``"sequence_sum_norm"`` (None = the padded
         length ``T``; a constant keeps the loss scale independent of padding).
       kl_coef: coefficient of the KL-to-reference term (needs ``ref_logp``); 0 = off.
@@ -634,27 +702,54 @@ class LossConfig:
     """
 
     algorithm: str = "ppo"
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    dual_clip_c: float | None = None
     correction: Correction = None
     aggregation: str = "sequence_mean"
     rejected_in_denominator: bool = False
     get_mismatch_metrics: bool = False
     metric_reduction: Literal["sequence", "token"] = "sequence"
-    opsm_delta: float | None = None
     policy_loss: str = "ppo_clip"
-    tau_pos: float | None = None
-    tau_neg: float | None = None
-    dro_beta: float | None = None
-    dppo_ratio_cap: float | None = None
+    params: Any = None
+    opsm_delta: float | None = None
     loss_scale_factor: float | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_off_policy: bool = False
     entropy_coef: float = 0.0
 
-    def __post_init__(self):
+    def __init__(self, *args: Any, **settings: Any) -> None:
+        if len(args) > len(_LOSS_POSITIONAL):
+            raise TypeError(
+                f"LossConfig takes at most {len(_LOSS_POSITIONAL)} positional arguments "
+                f"({', '.join(_LOSS_POSITIONAL)}), got {len(args)}"
+            )
+        for key, value in zip(_LOSS_POSITIONAL, args, strict=False):
+            if key in settings:
+                raise TypeError(f"LossConfig got multiple values for argument {key!r}")
+            settings[key] = value
+        for field in dataclasses.fields(self):
+            object.__setattr__(self, field.name, settings.pop(field.name, field.default))
+        self._validate(settings)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when ordinary lookup fails: the surrogate's hyperparameters (and
+        # their resolved properties, e.g. upper_clip_eps) read flat; a hyperparameter of
+        # another registered surrogate reads None.
+        params = self.__dict__.get("params")
+        if params is not None and not name.startswith("_") and hasattr(params, name):
+            return getattr(params, name)
+        if params is not None and name in registry.hyperparameter_owners():
+            return None
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The keywords the constructor and :meth:`from_dict` accept: the fields
+        (``params`` aside) and every registered surrogate's hyperparameters."""
+        own = tuple(f.name for f in dataclasses.fields(cls) if f.name != "params")
+        extra = sorted(set(registry.hyperparameter_owners()) | set(registry.UNIVERSAL_KEYS))
+        return own + tuple(k for k in extra if k not in own)
+
+    def _validate(self, hyperparameters: Mapping[str, Any]) -> None:
         owner = "LossConfig"
         set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen)
         set_("algorithm", _check_choice(owner, "algorithm", self.algorithm, ALGORITHMS))
@@ -663,99 +758,41 @@ class LossConfig:
             "metric_reduction",
             _check_choice(owner, "metric_reduction", self.metric_reduction, METRIC_REDUCTIONS),
         )
-        for key in ("rejected_in_denominator", "get_mismatch_metrics"):
+        for key in ("rejected_in_denominator", "get_mismatch_metrics", "kl_off_policy"):
             set_(key, _check_bool(owner, key, getattr(self, key)))
-        set_("clip_eps", _check_number(owner, "clip_eps", self.clip_eps, optional=False))
-        for key in ("clip_eps_high", "dual_clip_c", "opsm_delta"):
+        for key in ("opsm_delta", "loss_scale_factor"):
             set_(key, _check_number(owner, key, getattr(self, key), optional=True))
-        _check_positive(owner, "opsm_delta", self.opsm_delta)
-        # In float32 terms: the clip range [1 - ε, 1 + ε_high] must differ from 1 on both
-        # sides and stay finite, and ε < 1 keeps the lower clip above 0 (at ε >= 1 every
-        # ratio, being positive, would pass the lower clip: it would silently be off).
-        one = np.float32(1)
-        eps = _f32(self.clip_eps)
-        if not (0 < self.clip_eps < 1 and 0 < np.float32(one - eps) < one < np.float32(one + eps)):
-            raise ValueError(
-                f"{owner}.clip_eps must be in (0, 1), with 0 < 1 - clip_eps < 1 < 1 + clip_eps "
-                f"in float32, got {shown(self.clip_eps)}"
-            )
-        if self.clip_eps_high is not None and not (
-            self.clip_eps_high > 0 and one < _f32(1 + self.clip_eps_high) <= _F32.max
-        ):
-            raise ValueError(
-                f"{owner}.clip_eps_high must be > 0 with 1 < 1 + clip_eps_high < inf in float32, "
-                f"got {shown(self.clip_eps_high)}"
-            )
-        if self.dual_clip_c is not None and not one < _f32(self.dual_clip_c) <= _F32.max:
-            raise ValueError(
-                f"{owner}.dual_clip_c must be > 1 and finite in float32 (or None), got "
-                f"{shown(self.dual_clip_c)}"
-            )
-        self._check_policy_loss()
-        self._check_correction()
-
-    def _check_policy_loss(self) -> None:
-        """The surrogate, its hyperparameters and the optional KL / entropy terms."""
-        owner = "LossConfig"
-        set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen)
-        loss = _check_choice(owner, "policy_loss", self.policy_loss, POLICY_LOSSES)
-        set_("policy_loss", loss)
+            _check_positive(owner, key, getattr(self, key))
         set_("kl_estimator", _check_choice(owner, "kl_estimator", self.kl_estimator, KL_ESTIMATORS))
-        set_("kl_off_policy", _check_bool(owner, "kl_off_policy", self.kl_off_policy))
         for key in ("kl_coef", "entropy_coef"):
             set_(key, _check_number(owner, key, getattr(self, key), optional=False))
         if self.kl_coef < 0:
             raise ValueError(f"{owner}.kl_coef must be >= 0, got {shown(self.kl_coef)}")
-        for key in ("kl_coef", "entropy_coef", "opsm_delta"):
+        for key in ("kl_coef", "entropy_coef", "opsm_delta", "loss_scale_factor"):
             check_f32_coefficient(owner, key, getattr(self, key))
-        # A hyperparameter of another surrogate would be silently ignored: refuse it.
-        used_by = {
-            "tau_pos": ("sapo",),
-            "tau_neg": ("sapo",),
-            "dro_beta": ("dro",),
-            "dppo_ratio_cap": ("dppo_tv", "dppo_kl"),
-            "dual_clip_c": ("ppo_clip",),
-            "clip_eps_high": (
-                "ppo_clip",
-                "gspo",
-                "gspo_token",
-                "cispo",
-                "gmpo",
-                "dppo_tv",
-                "dppo_kl",
-            ),
-        }
-        for key, losses in used_by.items():
-            value = _check_number(owner, key, getattr(self, key), optional=True)
-            set_(key, value)
-            if value is not None and loss not in losses:
-                raise ValueError(
-                    f"{owner}.{key} is a hyperparameter of policy_loss "
-                    f"{' / '.join(repr(x) for x in losses)}, not of {shown(loss)}; leave it None"
-                )
-            if key != "dual_clip_c":
-                _check_positive(owner, key, value)
-                check_f32_coefficient(owner, key, value)
-        set_(
-            "loss_scale_factor",
-            _check_number(owner, "loss_scale_factor", self.loss_scale_factor, optional=True),
-        )
-        _check_positive(owner, "loss_scale_factor", self.loss_scale_factor)
-        check_f32_coefficient(owner, "loss_scale_factor", self.loss_scale_factor)
         if self.loss_scale_factor is not None and self.aggregation != "sequence_sum_norm":
             raise ValueError(
                 f"{owner}.loss_scale_factor only applies to aggregation='sequence_sum_norm', "
                 f"not {shown(self.aggregation)}; leave it None"
             )
-        if self.algorithm == "reinforce_is" and loss != "ppo_clip":
+        self._check_surrogate(hyperparameters)
+        self._check_correction()
+
+    def _check_surrogate(self, hyperparameters: Mapping[str, Any]) -> None:
+        """The surrogate's name (did-you-mean) and its hyperparameters, via the registry."""
+        entry = registry.lookup(self.policy_loss)
+        object.__setattr__(
+            self, "params", registry.build_params(entry.name, hyperparameters, self.params)
+        )
+        if self.algorithm == "reinforce_is" and entry.name != "ppo_clip":
             raise ValueError(
-                f"{owner}.policy_loss: algorithm 'reinforce_is' has its own per-token term "
-                f"−sg(w)·A·log π_θ, so policy_loss {shown(loss)} does not apply; use 'gpg' with "
-                "'bypass_ppo' or 'decoupled_ppo', or leave policy_loss at 'ppo_clip'"
+                f"LossConfig.policy_loss: algorithm 'reinforce_is' has its own per-token term "
+                f"−sg(w)·A·log π_θ, so policy_loss {shown(entry.name)} does not apply; use 'gpg' "
+                "with 'bypass_ppo' or 'decoupled_ppo', or leave policy_loss at 'ppo_clip'"
             )
 
     def _check_correction(self) -> None:
-        correction, algorithm = self.correction, self.algorithm
+        correction = self.correction
         if isinstance(correction, Mapping):
             raise ValueError(
                 "LossConfig.correction must be a CorrectionConfig, VanillaTIS or callable, got a "
@@ -768,21 +805,21 @@ class LossConfig:
                 "LossConfig.correction must be a CorrectionConfig, VanillaTIS, callable or None, "
                 f"got {type(correction).__name__}"
             )
-        weights_on = self.reweights
-        if algorithm in ("decoupled_ppo", "reinforce_is") and not weights_on:
+        algo = ALGORITHM_SPECS[self.algorithm]
+        if algo.weighted and not self.reweights:
             what = "None" if correction is None else "a CorrectionConfig with use_tis: false"
             raise ValueError(
-                f"LossConfig.correction: algorithm {shown(algorithm)} needs importance weights "
+                f"LossConfig.correction: algorithm {shown(algo.name)} needs importance weights "
                 f"(a CorrectionConfig with use_tis: true, a VanillaTIS or a callable), got {what}"
             )
         # bypass_ppo takes a rejection-only correction (tis_mode "none", weights 1): its
         # mask, decided on sg(π_θ)/π_rollout, is verl's bypass PPO-clip with rollout_rs.
-        rejects_only = algorithm == "bypass_ppo" and self.rejects_only
-        if algorithm in ("ppo", "bypass_ppo") and weights_on and not rejects_only:
-            instead = "decoupled_ppo" if algorithm == "ppo" else "reinforce_is"
+        allowed = algo.rejection_only and self.rejects_only
+        if not algo.weighted and self.reweights and not allowed:
             raise ValueError(
-                f"LossConfig.correction: algorithm {shown(algorithm)} does not apply importance "
-                f"weights, but the correction enables them; use algorithm={shown(instead)}, or a "
+                f"LossConfig.correction: algorithm {shown(algo.name)} does not apply importance "
+                f"weights, but the correction enables them; use "
+                f"algorithm={shown(algo.weighted_variant)}, or a "
                 "CorrectionConfig with use_tis: false for mismatch metrics only"
             )
 
@@ -805,27 +842,6 @@ class LossConfig:
             and correction.use_tis
             and getattr(correction, "tis_mode", None) == "none"
         )
-
-    @property
-    def upper_clip_eps(self) -> float:
-        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
-
-    # Resolved surrogate hyperparameters (None = the surrogate's default).
-    @property
-    def sapo_tau_pos(self) -> float:
-        return 1.0 if self.tau_pos is None else self.tau_pos
-
-    @property
-    def sapo_tau_neg(self) -> float:
-        return 1.05 if self.tau_neg is None else self.tau_neg
-
-    @property
-    def dro_penalty(self) -> float:
-        return 0.1 if self.dro_beta is None else self.dro_beta
-
-    @property
-    def dppo_cap(self) -> float:
-        return 20.0 if self.dppo_ratio_cap is None else self.dppo_ratio_cap
 
     @property
     def wants_mismatch_metrics(self) -> bool:
@@ -900,11 +916,34 @@ class LossConfig:
         did-you-mean hint (``correction`` may be a mapping of ``CorrectionConfig`` keys)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"LossConfig.from_dict expects a mapping, got {type(data).__name__}")
-        _reject_unknown_keys("LossConfig", data, tuple(f.name for f in dataclasses.fields(cls)))
+        _reject_unknown_keys("LossConfig", data, cls.keys())
         fields = dict(data)
         if isinstance(fields.get("correction"), Mapping):
             fields["correction"] = CorrectionConfig.from_dict(fields["correction"])
         return cls(**fields)
+
+    @classmethod
+    def from_yaml(cls, source: str | os.PathLike[str]) -> LossConfig:
+        """Builds a config from a YAML file path or YAML text (see :meth:`from_dict`)."""
+        return cls.from_dict(_load_yaml_mapping(source, "LossConfig"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as flat keys (the surrogate's hyperparameters beside the fields),
+        the inverse of :meth:`from_dict`. A ``VanillaTIS`` or callable correction has no
+        mapping form: ``ValueError``."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data.update(dataclasses.asdict(data.pop("params")))
+        if isinstance(self.correction, CorrectionConfig):
+            data["correction"] = self.correction.to_dict()
+        elif self.correction is not None:
+            raise ValueError(
+                f"LossConfig.to_dict: correction {type(self.correction).__name__} has no "
+                "mapping form; only a CorrectionConfig (or None) does"
+            )
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
     def from_verl(
@@ -998,22 +1037,24 @@ class LossConfig:
         else:
             surrogate = _VERL_LOSS_MODES[loss_mode]
             aggregation = _VERL_FORCED_AGGREGATIONS.get(loss_mode, _VERL_AGGREGATIONS[agg_mode])
-        fields.update(policy_loss=surrogate, aggregation=aggregation, clip_eps=low)
-        if surrogate not in ("sapo", "gpg", "dro"):
-            fields["clip_eps_high"] = high
-        if surrogate == "ppo_clip":
-            if clip_c <= 1:
-                raise ValueError(
-                    f"actor.clip_ratio_c must be > 1 (verl's dual-clip constant), got {shown(clip_c)}"
-                )
-            fields["dual_clip_c"] = clip_c
-        elif surrogate in ("dppo_tv", "dppo_kl"):
-            fields["dppo_ratio_cap"] = clip_c
-        elif surrogate == "sapo":
-            fields["tau_pos"] = actor.get("tau_pos", 1.0)
-            fields["tau_neg"] = actor.get("tau_neg", 1.05)
-        elif surrogate == "dro":
-            fields["dro_beta"] = actor.get("dro_beta", 0.1)
+        # verl's value of each native hyperparameter (clip_ratio_c is both vanilla's dual
+        # clip and DPPO's ratio cap): the surrogate takes those its registered params have.
+        verl_values = {
+            "clip_eps": low,
+            "clip_eps_high": high,
+            "dual_clip_c": clip_c,
+            "dppo_ratio_cap": clip_c,
+            "tau_pos": actor.get("tau_pos"),
+            "tau_neg": actor.get("tau_neg"),
+            "dro_beta": actor.get("dro_beta"),
+        }
+        takes = registry.lookup(surrogate).param_names
+        if "dual_clip_c" in takes and clip_c <= 1:
+            raise ValueError(
+                f"actor.clip_ratio_c must be > 1 (verl's dual-clip constant), got {shown(clip_c)}"
+            )
+        fields.update(policy_loss=surrogate, aggregation=aggregation)
+        fields.update({key: v for key, v in verl_values.items() if key in takes})
         if aggregation == "sequence_sum_norm" and actor.get("loss_scale_factor") is not None:
             fields["loss_scale_factor"] = actor["loss_scale_factor"]
 
@@ -1036,6 +1077,10 @@ class LossConfig:
         else:
             algorithm = "bypass_ppo"
         return cls(algorithm=algorithm, correction=correction, **fields)
+
+
+# A surrogate's hyperparameters become LossConfig keywords: they may not shadow its fields.
+registry._RESERVED = tuple(f.name for f in dataclasses.fields(LossConfig))
 
 
 # --------------------------------------------------------------------------- verl names

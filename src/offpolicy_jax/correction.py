@@ -29,6 +29,7 @@ from offpolicy_jax import (
     rejection,
     rules,
     stages,
+    staleness,
 )
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax._validation import (
@@ -82,26 +83,42 @@ def correction_stages(config: CorrectionConfig) -> list[stages.Stage]:
 
 
 def correction_parts(
-    old, rollout, mask, config: CorrectionConfig, *, reduction, layout, also_over_final=()
+    old,
+    rollout,
+    mask,
+    config: CorrectionConfig,
+    *,
+    reduction,
+    layout,
+    also_over_final=(),
+    versions=None,
+    current_version=None,
 ):
     """:func:`compute_correction` on validated float32 inputs: ``(w, m', metric parts)``.
 
     ``old`` is whatever plays π_old (``sg(logp)`` in REINFORCE-IS); ``w`` is the IS
     weight on kept tokens, 0 elsewhere, not yet multiplied by the mask value.
     ``also_over_final``: see :func:`~offpolicy_jax.stages.run` (with ``use_tis``,
-    whose ``m'`` this returns).
+    whose ``m'`` this returns). ``versions`` / ``current_version``: float32, checked by
+    :func:`~offpolicy_jax.staleness.check_versions` (or None).
     """
+    chain = correction_stages(config)
+    if config.nonfinite_rollout == "neutral":
+        rollout, filled = staleness.neutral_rollout(old, rollout, mask)
+        chain.append(staleness.NeutralRollout(filled))
+    chain.extend(staleness.async_stages(config, versions, current_version))
     tokens = stages.Tokens(
         old, rollout, ratios.log_ratio(old, rollout, mask > 0), mask, layout, reduction
     )
     norm = normalize.normalizer_reduction(config.tis_level) if config.tis_batch_normalize else None
     weights, final, parts = stages.run(
-        correction_stages(config),
+        chain,
         tokens,
         weight_stats=config.use_tis,
         batch_normalize=norm,
         also_over_final=also_over_final if config.use_tis else (),
     )
+    parts = staleness.pool_maxima(parts)
     if not config.use_tis:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts
     return jax.lax.stop_gradient(weights), final, parts
@@ -118,6 +135,8 @@ def compute_correction(
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
     contiguous_segments: bool = False,
+    versions: jax.typing.ArrayLike | None = None,
+    current_version: jax.typing.ArrayLike | None = None,
 ) -> CorrectionResult:
     """Rollout correction: IS weights, rejection mask and mismatch metrics.
 
@@ -153,6 +172,13 @@ def compute_correction(
         ids 1, 2, 3, ... in order, checked by ``reduction.contiguous_rows``), which
         lets the CPU engine take a faster exact path. A broken promise gives wrong
         values; the default (False) is exact for any ids.
+      versions: asynchronous RL (docs/guide/async.md): int ``[..., T]``, the policy
+        version that sampled each token. Adds ``mis_staleness_mean`` /
+        ``mis_staleness_max`` (age ``current_version − version`` over the valid
+        tokens) and feeds ``config.max_weight_staleness`` and
+        ``config.mask_offpolicy_in_partial_rollout``, which require it.
+      current_version: the trainer's policy version, an int (or an int array
+        broadcastable to ``[..., T]``); required with ``versions``.
 
     Returns:
       A :class:`CorrectionResult` with float32 ``weights`` and ``mask`` of the
@@ -184,16 +210,31 @@ def compute_correction(
         segment_ids,
         num_segments,
         contiguous_segments,
+        versions,
+        current_version,
     )
 
 
 def _compute_correction(
-    old_logp, rollout_logp, mask, config, reduction, axes, segment_ids, num_segments, contiguous
+    old_logp,
+    rollout_logp,
+    mask,
+    config,
+    reduction,
+    axes,
+    segment_ids,
+    num_segments,
+    contiguous,
+    versions=None,
+    current_version=None,
 ) -> CorrectionResult:
     old = jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))
     rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
     weights_mask = as_float_mask("mask", mask)
     check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
+    versions, current = staleness.check_versions(
+        versions, current_version, old.shape, needed_by=_versions_key(config)
+    )
     layout = _reduce.layout(axes, segment_ids, num_segments, old.shape, contiguous)
     weights_mask = _reduce.only_segments(layout, weights_mask, raw=mask)
     check_split_over(
@@ -202,12 +243,29 @@ def _compute_correction(
         rollout_logp=rollout_logp,
         mask=mask,
         segment_ids=segment_ids,
+        versions=versions,
     )
     weights, final_mask, parts = correction_parts(
-        old, rollout, weights_mask, config, reduction=reduction, layout=layout
+        old,
+        rollout,
+        weights_mask,
+        config,
+        reduction=reduction,
+        layout=layout,
+        versions=versions,
+        current_version=current,
     )
     return CorrectionResult(
         weights=jnp.broadcast_to(weights * final_mask, old.shape).astype(jnp.float32),
         mask=jnp.broadcast_to(final_mask, old.shape).astype(jnp.float32),
         metrics=metrics.finalize(parts),
     )
+
+
+def _versions_key(config: CorrectionConfig) -> str | None:
+    """The config key that needs ``versions``, for the error message (None: none)."""
+    if config.max_weight_staleness is not None:
+        return "CorrectionConfig.max_weight_staleness"
+    if config.mask_offpolicy_in_partial_rollout:
+        return "CorrectionConfig.mask_offpolicy_in_partial_rollout"
+    return None

@@ -53,7 +53,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from offpolicy_jax import _validation
+from offpolicy_jax import _validation, sampling_support
+from offpolicy_jax._rowchunks import chunks as _chunks
+from offpolicy_jax._rowchunks import loop as _loop
+from offpolicy_jax._rowchunks import vary as _vary
+from offpolicy_jax._rowchunks import vma as _vma
 
 __all__ = ["token_logprobs", "token_logprobs_from_hidden"]
 
@@ -64,6 +68,7 @@ DEFAULT_CHUNK_SIZE = 512
 
 
 def _check_tokens(tokens, batch_shape, logits_name: str) -> jax.Array:
+    tokens = _validation.as_array("tokens", tokens)  # a list: named errors, int64 checked
     dtype = jnp.result_type(tokens)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"tokens must be an integer array of token ids, got dtype {dtype}")
@@ -126,6 +131,7 @@ def _check_temperature(temperature, batch_shape, *, scalar_only: bool) -> jax.Ar
     return temperature
 
 
+@_validation.read_now
 def _refuse_concrete(name: str, x, invalid, rule: str) -> None:
     """Raises ``ValueError`` naming ``name`` if a concrete array ``x`` has an entry for
     which ``invalid`` holds; under jit (a tracer) such an entry gives NaN instead."""
@@ -254,6 +260,8 @@ def token_logprobs(
     top_k: jax.typing.ArrayLike | None = None,
     top_p: jax.typing.ArrayLike | None = None,
     return_entropy: bool = False,
+    support: jax.typing.ArrayLike | None = None,
+    support_pad: int = -1,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probs of the sampled tokens, optionally under the sampler's support.
 
@@ -286,6 +294,13 @@ def token_logprobs(
         concrete array with an entry outside ``(0, 1]`` (or NaN) raises
         ``ValueError``; under jit such an entry gives NaN at its positions.
       return_entropy: also return the entropy of the same distribution.
+      support: the sampler's exact kept set instead of recomputing it: int
+        ``[..., T, K]`` token ids, ``support_pad`` entries are padding (see
+        :mod:`offpolicy_jax.sampling_support`; :func:`~offpolicy_jax.support_from_csr`
+        builds it from vLLM's CSR sampling mask). ``S_t`` is then exactly these ids
+        (a repeated id counts once; an empty set gives ``−inf``); excludes ``top_k``
+        and ``top_p``.
+      support_pad: the padding id of ``support`` (default ``−1``).
 
     Returns:
       ``logp`` ``[..., T]`` float32, or ``(logp, entropy)`` if ``return_entropy``.
@@ -313,6 +328,8 @@ def token_logprobs(
     temperature = _check_temperature(temperature, batch_shape, scalar_only=False)
     top_k = _check_top_k(top_k, batch_shape)
     top_p = _check_top_p(top_p, batch_shape)
+    if support is not None:
+        support, support_pad = _check_given_support(support, support_pad, batch_shape, top_k, top_p)
     if isinstance(top_p, float) and top_p >= 1.0:
         top_p = None
 
@@ -323,6 +340,11 @@ def token_logprobs(
     if top_p is not None and not isinstance(top_p, float):
         invalid = invalid | jnp.broadcast_to(_bad_top_p(top_p), batch_shape)
     z = _scaled(logits, temperature)
+    if support is not None:
+        out = sampling_support.logprobs_over_support(
+            z, tokens, support, support_pad, return_entropy
+        )
+        return jax.tree.map(lambda x: jnp.where(invalid, jnp.nan, x), out)
     if top_k is not None or top_p is not None:
         keep = _support(z, top_k, top_p)
         z = jnp.where(keep, z, -jnp.inf)
@@ -348,50 +370,16 @@ def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     return (logits - peak) / temperature[..., None]
 
 
+def _check_given_support(support, support_pad, batch_shape, top_k, top_p):
+    if top_k is not None or top_p is not None:
+        raise ValueError(
+            "support is the sampler's kept set itself (the result of its top-k / top-p): "
+            "pass support or top_k / top_p, not both"
+        )
+    return sampling_support.check_support(support, support_pad, tuple(batch_shape))
+
+
 # ------------------------------------------------------------ from the hidden states
-
-
-def _vma(x) -> frozenset:
-    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside or unchecked)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _vary(tree, axes: frozenset):
-    """Marks every leaf as varying over ``axes`` (a no-op outside ``shard_map``).
-
-    Loop carries must keep one type: a zero initial value is invariant while the
-    chunk results it accumulates vary over the axes of ``hidden`` / ``unembedding``.
-    """
-
-    def cast(x):
-        missing = tuple(sorted(axes - _vma(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def _chunks(total: int, size: int) -> tuple[int, int]:
-    """(number of chunks, chunk size) covering ``total``. The last chunk is shifted
-    back to end at ``total`` (overlapping its predecessor), so nothing is padded."""
-    size = max(1, min(size, total))
-    return -(-total // size), size
-
-
-def _loop(num: int, size: int, total: int, body, init):
-    """``body(carry, start, lo)`` over the chunks: ``[start, start + size)``, of which
-    the positions below ``lo`` belong to the previous chunk (the overlap)."""
-    if num == 1:
-        return body(init, 0, 0)
-
-    def step(j, carry):
-        lo = j * size
-        return body(carry, jnp.minimum(lo, total - size), lo)
-
-    return jax.lax.fori_loop(0, num, step, init)
 
 
 def _block(h, w, v_start, v_size, v_lo, inv_t):
@@ -625,6 +613,8 @@ def token_logprobs_from_hidden(
     axis_name: str | None = None,
     top_k=None,
     top_p=None,
+    support=None,
+    support_pad: int = -1,
 ):
     """Token log-probs straight from the last hidden states, never building ``[..., T, V]``.
 
@@ -649,8 +639,12 @@ def token_logprobs_from_hidden(
     of the ``[N, D]`` hidden-state gradient (as any tensor-parallel unembedding does).
     Under plain ``jax.jit`` with sharded inputs no argument is needed.
 
-    top-k / top-p are not supported here (they need the sorted full row of logits):
-    use :func:`token_logprobs` on materialised logits for sampler-consistent scores.
+    top-k / top-p are not recomputed here (they need the sorted full row of logits).
+    Pass the engine's kept set as ``support`` instead (the sampler's exact support,
+    :mod:`offpolicy_jax.sampling_support`): each row then gathers only its ``K`` kept
+    columns of the unembedding (never ``[N, V]``: temporary memory ``O(N·K)`` plus
+    ``O(chunk_size·K·D)``), ``log π(y_t) = z_{t,y_t} − logsumexp_{v∈S_t} z_{t,v}``, and the
+    backward scatter-adds ``dW`` into those columns only.
 
     Args:
       hidden: ``[..., T, D]`` float hidden states (float32, bf16 or fp16).
@@ -665,6 +659,9 @@ def token_logprobs_from_hidden(
       return_entropy: also return the entropy per token.
       axis_name: inside ``shard_map``, the mesh axis the vocabulary is sharded over.
       top_k, top_p: must be ``None`` (see above).
+      support: the sampler's kept ids, int ``[..., T, K]`` (as in
+        :func:`token_logprobs`); ``vocab_chunk_size`` is then unused.
+      support_pad: the padding id of ``support`` (default ``−1``).
 
     Returns:
       ``logp`` ``[..., T]`` float32, or ``(logp, entropy)`` if ``return_entropy``.
@@ -682,9 +679,9 @@ def token_logprobs_from_hidden(
     """
     if top_k is not None or top_p is not None:
         raise NotImplementedError(
-            "token_logprobs_from_hidden does not support top_k / top_p (the support needs "
-            "the sorted full row of logits); use token_logprobs(logits, tokens, top_k=..., "
-            "top_p=...) instead"
+            "token_logprobs_from_hidden does not recompute top_k / top_p (the support needs "
+            "the sorted full row of logits); pass the engine's kept set as support=..., or "
+            "use token_logprobs(logits, tokens, top_k=..., top_p=...)"
         )
     hidden = _check_float("hidden", hidden, "[..., T, D]", 2)
     unembedding = _check_float("unembedding", unembedding, "[D, V]", 2)
@@ -705,29 +702,55 @@ def token_logprobs_from_hidden(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if vocab_chunk_size is not None and vocab_chunk_size >= unembedding.shape[1]:
         vocab_chunk_size = None
+    if support is not None:
+        support, support_pad = sampling_support.check_support(support, support_pad, batch_shape)
 
-    kwargs = dict(
+    kwargs: dict[str, typing.Any] = dict(
         temperature=temperature,
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
         return_entropy=return_entropy,
+        support_pad=support_pad,
     )
     explicit = _explicit_specs(hidden, unembedding, tokens) if axis_name is None else None
     if explicit is not None:
         mesh, lead, vocab_axis = explicit
-        fn = functools.partial(token_logprobs_from_hidden, axis_name=vocab_axis, **kwargs)
         out_spec = P(*lead)
+        in_specs = (P(*lead, None), P(None, vocab_axis), P(*lead))
+        args = (hidden, unembedding, tokens)
+        if support is not None:  # the kept ids travel with their tokens
+            in_specs, args = in_specs + (P(*lead, None),), args + (support,)
+
+        def fn(hidden, unembedding, tokens, support=None):
+            return token_logprobs_from_hidden(
+                hidden, unembedding, tokens, axis_name=vocab_axis, support=support, **kwargs
+            )
+
         return jax.shard_map(
             fn,
             mesh=mesh,
-            in_specs=(P(*lead, None), P(None, vocab_axis), P(*lead)),
+            in_specs=in_specs,
             out_specs=(out_spec, out_spec) if return_entropy else out_spec,
-        )(hidden, unembedding, tokens)
+        )(*args)
 
     n = int(np.prod(batch_shape))
     if n == 0:
         empty = jnp.zeros(batch_shape, jnp.float32)
         return (empty, empty) if return_entropy else empty
+    if support is not None:
+        logp, entropy = sampling_support.kept_logprobs_from_hidden(
+            hidden.reshape(n, hidden.shape[-1]),
+            unembedding,
+            tokens.reshape(n),
+            support.reshape(n, support.shape[-1]),
+            support_pad,
+            inv_t,
+            chunk_size=chunk_size,
+            axis_name=axis_name,
+            return_entropy=return_entropy,
+        )
+        logp = logp.reshape(batch_shape)
+        return (logp, entropy.reshape(batch_shape)) if return_entropy else logp
     # typing.cast: jax types custom_vjp's constructor as returning `custom_vjp3 | Self`,
     # so the call's type is lost; _fused returns (logp, entropy), two arrays.
     logp, entropy = typing.cast(

@@ -21,11 +21,12 @@ Decoupled PPO: Hilton et al., "Batch size-invariance for policy optimization"
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _objective, metrics, rules
+from offpolicy_jax import _objective, metrics, ratios, rules, stages
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax._validation import (
     as_array,
@@ -34,11 +35,14 @@ from offpolicy_jax._validation import (
     check_same_shape,
     check_split_over,
 )
+from offpolicy_jax.algorithms import ALGORITHMS, Algorithm, Policy
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, correction_parts
+from offpolicy_jax.policy_losses import safe_log_ratio
 from offpolicy_jax.ratios import metric_exp
-from offpolicy_jax.reduction import AxisNames, MeanParts
-from offpolicy_jax.surrogates import ppo_surrogate, reinforce_term, vanilla_tis
+from offpolicy_jax.reduction import AxisNames, MeanParts, Reduction
+from offpolicy_jax.registry import SurrogateInput
+from offpolicy_jax.surrogates import reinforce_term, vanilla_tis
 
 METRICS_ONLY = CorrectionConfig()
 """The default correction: §4 mismatch metrics only (non-finite sequences left out)."""
@@ -156,115 +160,6 @@ def aggregation_terms(
     return MeanParts(jnp.where(nonempty, per_seq, 0.0), jnp.where(nonempty, weight, 0.0))
 
 
-def _check_regularisers(config, theta, ref_logp, entropy):
-    """``ref_logp`` / ``entropy``: required by a non-zero coefficient, shaped like ``logp``."""
-    if config.kl_coef > 0 and ref_logp is None:
-        raise ValueError(
-            f"ref_logp is required: LossConfig.kl_coef = {config.kl_coef} adds a KL-to-reference "
-            "term (pass the reference policy's log-probs of the sampled tokens)"
-        )
-    if config.entropy_coef != 0 and entropy is None:
-        raise ValueError(
-            f"entropy is required: LossConfig.entropy_coef = {config.entropy_coef} adds an "
-            "entropy bonus (pass the per-token entropies [..., T])"
-        )
-    ref = None if ref_logp is None else jax.lax.stop_gradient(as_float_logp("ref_logp", ref_logp))
-    ent = None if entropy is None else as_float_logp("entropy", entropy)
-    check_same_shape("logp", theta, ref_logp=ref, entropy=ent)
-    return ref, ent
-
-
-def _check_inputs(config, logp, old_logp, rollout_logp, advantages, mask):
-    if not isinstance(config, LossConfig):
-        raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
-    algorithm = config.algorithm
-    theta = as_float_logp("logp", logp)
-    if old_logp is None and algorithm in ("ppo", "decoupled_ppo"):
-        raise ValueError(
-            f"old_logp is required for algorithm {algorithm!r} (it is the ratio denominator); "
-            "only 'bypass_ppo' and 'reinforce_is' accept old_logp=None"
-        )
-    needs_rollout = (
-        algorithm != "ppo" or config.correction is not None or config.get_mismatch_metrics
-    )
-    if rollout_logp is None and needs_rollout:
-        raise ValueError(
-            f"rollout_logp is required for algorithm {algorithm!r} with this correction/metrics "
-            "setting: without the inference engine's log-probs there is nothing to correct"
-        )
-    # π_old and π_rollout are data, never differentiated: the IS weights and the
-    # ratio denominator must carry no gradient into them.
-    old = None if old_logp is None else jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))
-    rollout = (
-        None
-        if rollout_logp is None
-        else jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
-    )
-    weights_mask = as_float_mask("mask", mask)
-    check_same_shape("logp", theta, old_logp=old, rollout_logp=rollout, mask=weights_mask)
-    if advantages is None:
-        raise ValueError("advantages is required but got None")
-    adv = jnp.asarray(as_array("advantages", advantages))
-    if not (jnp.issubdtype(adv.dtype, jnp.floating) or jnp.issubdtype(adv.dtype, jnp.integer)):
-        raise TypeError(f"advantages must be a numeric array, got dtype {adv.dtype}")
-    if adv.shape == theta.shape[:-1]:
-        adv = adv[..., None]
-    elif adv.shape != theta.shape:
-        raise ValueError(
-            f"advantages has shape {adv.shape}; expected {theta.shape} (per token) or "
-            f"{theta.shape[:-1]} (per sequence) to match logp {theta.shape}"
-        )
-    return theta, old, rollout, adv.astype(jnp.float32), weights_mask
-
-
-def _precomputed(name, result, shape):
-    final = jnp.asarray(result.mask, jnp.float32)
-    weights = jnp.asarray(result.weights, jnp.float32)
-    for field, value in (("mask", final), ("weights", weights)):
-        if value.shape != tuple(shape):
-            raise ValueError(
-                f"{name}.{field} has shape {value.shape} but logp has shape {tuple(shape)}; "
-                f"{name} must be computed for exactly these tokens"
-            )
-    # CorrectionResult weights are w·m'; the loss applies m' once, itself.
-    return jax.lax.stop_gradient(_reduce.safe_divide(weights, final)), final
-
-
-def _correct(config, old, rollout, mask, reduction, layout, precomputed, also_over_final=()):
-    """IS weights (unmasked), final mask and metric parts of the configured correction
-    (``also_over_final``: see :func:`~offpolicy_jax.correction.correction_parts`)."""
-    correction = config.correction
-    if precomputed is not None:
-        # Its metrics describe the whole batch and live in precomputed.metrics;
-        # repeating them here would count them once per micro-batch when pooled.
-        return (*_precomputed("correction_result", precomputed, mask.shape), {})
-    if isinstance(correction, CorrectionConfig):
-        return correction_parts(
-            old,
-            rollout,
-            mask,
-            correction,
-            reduction=reduction,
-            layout=layout,
-            also_over_final=also_over_final,
-        )
-    if isinstance(correction, VanillaTIS):
-        clip_low, clip = correction.clip_low, correction.clip
-        weights, parts = vanilla_tis(
-            old, rollout, mask, clip_low=clip_low, clip=clip, reduction=reduction, layout=layout
-        )
-        return weights, mask, parts
-    result = correction(
-        old,
-        rollout,
-        mask,
-        reduction=reduction,
-        axis_names=layout.axes,
-        **_reduce.segment_arguments(layout),
-    )
-    return (*_precomputed("config.correction's result", result, mask.shape), dict(result.metrics))
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PolicyLossTerms:
@@ -329,53 +224,89 @@ def policy_loss_terms(
       >>> jax.grad(loss_fn)(logp).shape
       (2, 3)
     """
-    return _policy_loss_terms(
+    inputs = LossInputs(
         logp,
         old_logp,
         rollout_logp,
         advantages,
         mask,
-        config,
-        axis_names=axis_names,
-        correction_result=correction_result,
-        segment_ids=segment_ids,
-        num_segments=num_segments,
-        contiguous_segments=contiguous_segments,
-        ref_logp=ref_logp,
-        entropy=entropy,
+        correction_result,
+        segment_ids,
+        ref_logp,
+        entropy,
     )
+    return _terms(inputs, config, axis_names, num_segments, contiguous_segments)
 
 
-def _policy_loss_terms(
-    logp,
-    old_logp,
-    rollout_logp,
-    advantages,
-    mask,
-    config: LossConfig,
-    *,
-    axis_names: AxisNames = None,
-    correction_result: CorrectionResult | None = None,
-    segment_ids=None,
-    num_segments: int | None = None,
-    contiguous_segments: bool = False,
-    ref_logp=None,
-    entropy=None,
+def _terms(
+    inputs: LossInputs, config: LossConfig, axis_names, num_segments, contiguous_segments
 ) -> PolicyLossTerms:
-    raw_mask = mask
-    theta, old, rollout, adv, mask = _check_inputs(
-        config, logp, old_logp, rollout_logp, advantages, mask
-    )
     axes = _reduce.as_mesh_axes(axis_names)
-    layout = _reduce.layout(axes, segment_ids, num_segments, theta.shape, contiguous_segments)
-    if segment_ids is not None and jnp.shape(advantages) != theta.shape:
+    return _pipeline(inputs, config, axes, (num_segments, contiguous_segments))
+
+
+class LossInputs(NamedTuple):
+    """The array arguments of :func:`policy_loss`, as one pytree (the internal input type).
+
+    Built once by each public function from its keyword arguments; the pipeline below
+    reads them from here only. Fields as the arguments of :func:`policy_loss`.
+    """
+
+    logp: Any
+    old_logp: Any = None
+    rollout_logp: Any = None
+    advantages: Any = None
+    mask: Any = None
+    correction_result: CorrectionResult | None = None
+    segment_ids: Any = None
+    ref_logp: Any = None
+    entropy: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The checked inputs of one call: float32 ``[..., T]`` arrays and the layout.
+
+    ``old`` / ``rollout`` / ``ref`` are stop-gradient; ``adv`` is 0 where not valid or
+    not finite; ``bad_model`` marks the valid tokens whose ``θ``, advantage (or a
+    reference log-prob or entropy the loss uses) is not finite.
+    """
+
+    theta: jax.Array
+    old: jax.Array | None
+    rollout: jax.Array | None
+    adv: jax.Array
+    mask: jax.Array
+    valid: jax.Array
+    bad_model: jax.Array
+    ref: jax.Array | None
+    ent: jax.Array | None
+    layout: _reduce.Rows
+    reduction: Reduction
+
+    @property
+    def theta_sg(self) -> jax.Array:
+        return jax.lax.stop_gradient(self.theta)
+
+    def policy(self, name: Policy) -> jax.Array | None:
+        """log π of an :class:`~offpolicy_jax.algorithms.Algorithm` role's policy."""
+        return {"old": self.old, "rollout": self.rollout, "theta": self.theta_sg}[name]
+
+
+def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
+    """Checks the arguments (errors name them) and builds the layout; ``packing`` is
+    the static ``(num_segments, contiguous_segments)``."""
+    theta, old, rollout, adv, mask = _check_inputs(config, inputs)
+    num_segments, contiguous = packing
+    layout = _reduce.layout(axes, inputs.segment_ids, num_segments, theta.shape, contiguous)
+    if inputs.segment_ids is not None and jnp.shape(inputs.advantages) != theta.shape:
         raise ValueError(
-            f"advantages has shape {jnp.shape(advantages)}; with segment_ids they must be "
-            f"per token, {theta.shape} (give each token its sequence's advantage)"
+            f"advantages has shape {jnp.shape(inputs.advantages)}; with segment_ids they must "
+            f"be per token, {theta.shape} (give each token its sequence's advantage)"
         )
-    mask = _reduce.only_segments(layout, mask, raw=raw_mask)
-    ref, ent = _check_regularisers(config, theta, ref_logp, entropy)
-    if correction_result is not None and not config.reweights:
+    mask = _reduce.only_segments(layout, mask, raw=inputs.mask)
+    ref, ent = _check_regularisers(config, theta, inputs.ref_logp, inputs.entropy)
+    if inputs.correction_result is not None and not config.reweights:
         raise ValueError(
             f"correction_result is only used by algorithms that apply IS weights "
             f"(decoupled_ppo, reinforce_is), not {config.algorithm!r}"
@@ -383,59 +314,156 @@ def _policy_loss_terms(
     # Per-sequence advantages are legitimately replicated across token shards.
     check_split_over(
         axes.batch + axes.token,
-        logp=logp,
-        old_logp=old_logp,
-        rollout_logp=rollout_logp,
+        logp=inputs.logp,
+        old_logp=inputs.old_logp,
+        rollout_logp=inputs.rollout_logp,
         mask=mask,
-        segment_ids=segment_ids,
+        segment_ids=inputs.segment_ids,
     )
-    reduction = config.metric_reduction
-    algorithm = config.algorithm
     valid = mask > 0
     # A non-finite θ or advantage at a valid token takes its sequence out of the loss
-    # (§0); garbage advantages elsewhere would turn 0-cotangents into NaN.
+    # (§0); garbage advantages elsewhere would turn 0-cotangents into NaN. So does a
+    # non-finite reference log-prob or entropy that enters the loss: read as 0 it
+    # would silently drop the KL / entropy term of that token (§5.2).
     bad_model = ~jnp.isfinite(theta) | ~jnp.isfinite(adv)
-    # So does a non-finite reference log-prob or entropy that enters the loss: read as
-    # 0 it would silently drop the KL / entropy term of that token (§5.2).
     if ref is not None and config.kl_coef > 0:
         bad_model = bad_model | ~jnp.isfinite(ref)
     if ent is not None and config.entropy_coef != 0:
         bad_model = bad_model | ~jnp.isfinite(ent)
     adv = jnp.where(valid & jnp.isfinite(adv), adv, 0.0)
-    theta_sg = jax.lax.stop_gradient(theta)
-    # π_old for the IS ratio and the mismatch metrics: sg(θ) where it is absent.
-    proxy_old = old if old is not None else theta_sg
-
-    sg = jax.lax.stop_gradient
-    abs_diff = None
-    if algorithm != "reinforce_is" and rollout is not None:
-        # D8b: in bypass mode π_old is sg(θ); the reference reports 0 here.
-        source = theta_sg if algorithm == "bypass_ppo" else old
-        assert source is not None  # ppo / decoupled_ppo require old_logp
-        diff = jnp.abs(source - rollout)
-        abs_diff = sg(jnp.where(jnp.isfinite(diff), diff, 0.0))
-
-    parts: dict[str, MeanParts | jax.Array] = {}
-    if config.reweights:
-        # In reinforce_is (and a rejection-only bypass_ppo) π_old is sg(θ).
-        is_numerator = theta_sg if algorithm in ("reinforce_is", "bypass_ppo") else old
-        weights, final_mask, correction_metrics = _correct(
-            config,
-            is_numerator,
-            rollout,
-            mask,
-            reduction,
-            layout,
-            correction_result,
-            also_over_final=() if abs_diff is None else (abs_diff,),
-        )
-        parts.update(correction_metrics)
-    else:
-        weights, final_mask = None, mask
-    correction_has_them = algorithm == "decoupled_ppo" and isinstance(
-        config.correction, CorrectionConfig
+    return _Batch(
+        theta, old, rollout, adv, mask, valid, bad_model, ref, ent, layout, config.metric_reduction
     )
-    if config.wants_mismatch_metrics and not correction_has_them:
+
+
+def _check_regularisers(config, theta, ref_logp, entropy):
+    """``ref_logp`` / ``entropy``: required by a non-zero coefficient, shaped like ``logp``."""
+    if config.kl_coef > 0 and ref_logp is None:
+        raise ValueError(
+            f"ref_logp is required: LossConfig.kl_coef = {config.kl_coef} adds a KL-to-reference "
+            "term (pass the reference policy's log-probs of the sampled tokens)"
+        )
+    if config.entropy_coef != 0 and entropy is None:
+        raise ValueError(
+            f"entropy is required: LossConfig.entropy_coef = {config.entropy_coef} adds an "
+            "entropy bonus (pass the per-token entropies [..., T])"
+        )
+    ref = None if ref_logp is None else jax.lax.stop_gradient(as_float_logp("ref_logp", ref_logp))
+    ent = None if entropy is None else as_float_logp("entropy", entropy)
+    check_same_shape("logp", theta, ref_logp=ref, entropy=ent)
+    return ref, ent
+
+
+def _check_inputs(config, inputs: LossInputs):
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
+    algo = ALGORITHMS[config.algorithm]
+    theta = as_float_logp("logp", inputs.logp)
+    if inputs.old_logp is None and algo.needs_old:
+        takes_none = [a.name for a in ALGORITHMS.values() if not a.needs_old]
+        raise ValueError(
+            f"old_logp is required for algorithm {algo.name!r} (it is the ratio denominator); "
+            f"only {' and '.join(repr(a) for a in takes_none)} accept old_logp=None"
+        )
+    if inputs.rollout_logp is None and (
+        algo.needs_rollout or config.correction is not None or config.get_mismatch_metrics
+    ):
+        raise ValueError(
+            f"rollout_logp is required for algorithm {algo.name!r} with this correction/metrics "
+            "setting: without the inference engine's log-probs there is nothing to correct"
+        )
+    # π_old and π_rollout are data, never differentiated: the IS weights and the
+    # ratio denominator must carry no gradient into them.
+    old, rollout = (
+        None if x is None else jax.lax.stop_gradient(as_float_logp(name, x))
+        for name, x in (("old_logp", inputs.old_logp), ("rollout_logp", inputs.rollout_logp))
+    )
+    weights_mask = as_float_mask("mask", inputs.mask)
+    check_same_shape("logp", theta, old_logp=old, rollout_logp=rollout, mask=weights_mask)
+    if inputs.advantages is None:
+        raise ValueError("advantages is required but got None")
+    adv = jnp.asarray(as_array("advantages", inputs.advantages))
+    if not (jnp.issubdtype(adv.dtype, jnp.floating) or jnp.issubdtype(adv.dtype, jnp.integer)):
+        raise TypeError(f"advantages must be a numeric array, got dtype {adv.dtype}")
+    if adv.shape == theta.shape[:-1]:
+        adv = adv[..., None]
+    elif adv.shape != theta.shape:
+        raise ValueError(
+            f"advantages has shape {adv.shape}; expected {theta.shape} (per token) or "
+            f"{theta.shape[:-1]} (per sequence) to match logp {theta.shape}"
+        )
+    return theta, old, rollout, adv.astype(jnp.float32), weights_mask
+
+
+def _precomputed(name, result, shape):
+    final = jnp.asarray(result.mask, jnp.float32)
+    weights = jnp.asarray(result.weights, jnp.float32)
+    for field, value in (("mask", final), ("weights", weights)):
+        if value.shape != tuple(shape):
+            raise ValueError(
+                f"{name}.{field} has shape {value.shape} but logp has shape {tuple(shape)}; "
+                f"{name} must be computed for exactly these tokens"
+            )
+    # CorrectionResult weights are w·m'; the loss applies m' once, itself.
+    return jax.lax.stop_gradient(_reduce.safe_divide(weights, final)), final
+
+
+class _Corrected(NamedTuple):
+    """The correction's IS weights (None: no reweighting), final mask ``m'`` and metric
+    parts; ``counts_nonfinite``: it rejected (and counted, as
+    ``mis_nonfinite_seq_fraction``) the sequences with a non-finite log-prob itself."""
+
+    weights: jax.Array | None
+    mask: jax.Array
+    parts: dict[str, MeanParts | jax.Array]
+    counts_nonfinite: bool = False
+
+
+def _correct(config: LossConfig, old, b: _Batch, precomputed) -> _Corrected:
+    """The configured correction, with ``old`` as the IS numerator."""
+    correction, mask, layout, rollout = config.correction, b.mask, b.layout, b.rollout
+    assert rollout is not None  # _check_inputs: a correction requires rollout_logp
+    if precomputed is not None:
+        # Its metrics describe the whole batch and live in precomputed.metrics;
+        # repeating them here would count them once per micro-batch when pooled.
+        return _Corrected(*_precomputed("correction_result", precomputed, mask.shape), {})
+    if isinstance(correction, CorrectionConfig):
+        weights, final, parts = correction_parts(
+            old, rollout, mask, correction, reduction=b.reduction, layout=layout
+        )
+        return _Corrected(weights, final, dict(parts), counts_nonfinite=True)
+    if isinstance(correction, VanillaTIS):
+        clip_low, clip = correction.clip_low, correction.clip
+        weights, parts = vanilla_tis(
+            old, rollout, mask, clip_low=clip_low, clip=clip, reduction=b.reduction, layout=layout
+        )
+        return _Corrected(weights, mask, dict(parts))
+    assert correction is not None  # config.reweights
+    result = correction(
+        old,
+        rollout,
+        mask,
+        reduction=b.reduction,
+        axis_names=layout.axes,
+        **_reduce.segment_arguments(layout),
+    )
+    parts = dict(result.metrics)
+    weights, final = _precomputed("config.correction's result", result, mask.shape)
+    return _Corrected(weights, final, parts, "mis_nonfinite_seq_fraction" in parts)
+
+
+def _corrected(b: _Batch, config: LossConfig, algo: Algorithm, precomputed) -> _Corrected:
+    """The correction (if it reweights), the mismatch metrics and OPSM: ``w``, ``m'``."""
+    done = _Corrected(None, b.mask, {})
+    if config.reweights:
+        done = _correct(config, b.policy(algo.is_numerator), b, precomputed)
+    proxy_old = b.old if b.old is not None else b.theta_sg
+    has_metrics = (
+        algo.weighted
+        and algo.is_numerator == "old"
+        and isinstance(config.correction, CorrectionConfig)
+    )
+    if config.wants_mismatch_metrics and not has_metrics:
         # §4 metrics of π_old (sg(θ) where absent) against π_rollout; the loss is
         # unchanged. In reinforce_is they replace those of the correction's sg(θ).
         probability = (
@@ -444,109 +472,108 @@ def _policy_loss_terms(
         )
         metrics_only = CorrectionConfig(probability_metrics=True) if probability else METRICS_ONLY
         _, _, mismatch = correction_parts(
-            proxy_old, rollout, mask, metrics_only, reduction=reduction, layout=layout
+            proxy_old, b.rollout, b.mask, metrics_only, reduction=b.reduction, layout=b.layout
         )
-        parts.update(mismatch)
+        done.parts.update(mismatch)
+    if config.opsm_delta is None:
+        return done
+    # §8 OPSM drops sequences, like a rejection: a stage of its own over the valid tokens.
+    behaviour = b.rollout if b.rollout is not None else proxy_old
+    tokens = stages.Tokens(
+        b.theta_sg,
+        behaviour,
+        ratios.log_ratio(b.theta_sg, behaviour, b.valid),
+        b.mask,
+        b.layout,
+        b.reduction,
+    )
+    opsm = rules.OffPolicySequenceMask(config.opsm_delta, b.adv)
+    _, kept, opsm_parts = stages.run([opsm], tokens, weight_stats=False, batch_normalize=None)
+    done.parts.update(opsm_parts)
+    return done._replace(mask=jnp.where(kept > 0, done.mask, 0.0))
 
-    if config.opsm_delta is not None:  # §8 OPSM: drops sequences, like a rejection
-        behaviour = rollout if rollout is not None else proxy_old
-        keep, opsm_parts = rules.opsm(
-            theta_sg, behaviour, adv, mask, config.opsm_delta, layout, reduction
-        )
-        final_mask = jnp.where(keep, final_mask, 0.0)
-        parts.update(opsm_parts)
 
-    # The loss and its metrics are per-sequence sums of per-token terms: one pass
-    # (layout.reduce) takes them all, and its backward is one elementwise pass.
-    kept = final_mask > 0
+def _policy_term(
+    b: _Batch, config: LossConfig, algo: Algorithm, c: _Corrected
+) -> tuple[jax.Array, dict[str, _reduce.Column]]:
+    """The per-token policy loss ``ℓ'`` and its metric columns (over ``m'``)."""
+    if algo.ratio is None:  # the REINFORCE term: the IS weights are its only correction
+        assert c.weights is not None  # a weighted algorithm always reweights
+        return reinforce_term(jnp.where(c.mask > 0, b.theta, 0.0), b.adv, c.weights), {}
+    denominator = b.policy(algo.ratio)
+    assert denominator is not None  # _check_inputs: required by the algorithm
+    log_ratio = safe_log_ratio(b.theta, denominator, b.valid)
+    x = SurrogateInput(b.theta, log_ratio, denominator, b.adv, b.valid, c.mask, c.weights, b.layout)
+    out = _objective.surrogate_columns(config, x)
+    columns = dict(out.columns)
+    if b.rollout is not None:
+        # D8b: where π_old is sg(θ) (bypass) the reference reports 0 here.
+        source = b.policy(algo.is_numerator)
+        assert source is not None
+        diff = jnp.abs(source - b.rollout)
+        diff = jax.lax.stop_gradient(jnp.where(jnp.isfinite(diff), diff, 0.0))
+        columns["train_rollout_logprob_abs_diff"] = _reduce.total(diff, c.mask)
+    if config.correction is not None or config.get_mismatch_metrics:
+        # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
+        # divergence it exists to show; capped like every metric exponential.
+        ois = metric_exp(jax.lax.stop_gradient(log_ratio))
+        columns["ois"] = _reduce.total(ois, b.mask)
+    return out.loss, columns
+
+
+def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLossTerms:
+    b = _prepare(inputs, config, axes, packing)
+    algo = ALGORITHMS[config.algorithm]
+    c = _corrected(b, config, algo, inputs.correction_result)
+    per_token, policy_columns = _policy_term(b, config, algo, c)
     columns = {
-        "count": _reduce.count(final_mask),
-        "mask_count": _reduce.count(mask),
-        "bad_model": _reduce.count_where(bad_model, mask),
+        "count": _reduce.count(c.mask),
+        "mask_count": _reduce.count(b.mask),
+        "bad_model": _reduce.count_where(b.bad_model, b.mask),
     }
-    if "mis_nonfinite_seq_fraction" not in parts:
+    if not c.counts_nonfinite:
         # Not rejected by a correction pipeline: reject (and count) here, alike.
-        logps = [
-            x
-            for x in (old, rollout, theta_sg if algorithm == "reinforce_is" else None)
-            if x is not None
-        ]
-        bad_logp = jnp.zeros(mask.shape, bool)
+        logps = (b.old, b.rollout, b.theta_sg if algo.theta_weighs else None)
+        bad_logp = jnp.zeros(b.mask.shape, bool)
         for x in logps:
-            bad_logp = bad_logp | ~jnp.isfinite(x)
-        columns["bad_logp"] = _reduce.count_where(bad_logp, mask)
-    ratio_denominator = rollout if algorithm == "bypass_ppo" else old
-    ratio_columns: dict[str, _reduce.Column] = {}
-    ois_token = None
-    if algorithm == "reinforce_is":
-        assert weights is not None  # reinforce_is always reweights (LossConfig.reweights)
-        per_token = reinforce_term(jnp.where(kept, theta, 0.0), adv, weights)
-    elif config.policy_loss != "ppo_clip":
-        # _check_inputs: ppo / decoupled_ppo require old_logp, bypass_ppo rollout_logp.
-        assert ratio_denominator is not None
-        surrogate = _objective.surrogate_columns(
-            config, theta, ratio_denominator, adv, valid, final_mask, weights, layout
-        )
-        per_token = surrogate.loss
-        columns.update(surrogate.columns)
-    else:
-        assert ratio_denominator is not None  # as above
-        terms = ppo_surrogate(
-            theta,
-            ratio_denominator,
-            adv,
-            where=valid,
-            clip_eps=config.clip_eps,
-            clip_eps_high=config.upper_clip_eps,
-            dual_clip_c=config.dual_clip_c,
-        )
-        per_token = terms.loss if weights is None else jnp.where(kept, weights, 0.0) * terms.loss
-        ratio_columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, final_mask)
-        if terms.clipped_lower is not None:
-            ratio_columns["pg_clipfrac_lower"] = _reduce.count_where(
-                terms.clipped_lower, final_mask
-            )
-        columns["ppo_kl"] = _reduce.total(sg(terms.log_ratio), final_mask)
-        # exp(θ − d) as the surrogate takes it for its ratio (one exponential for both).
-        ois_token = metric_exp(-terms.log_ratio)
-    if algorithm != "reinforce_is":
-        if abs_diff is not None:
-            # Taken in the correction's second pass when its final mask is this one
-            # (the layout then finds it done): one pass reads `rollout`, not two.
-            columns["train_rollout_logprob_abs_diff"] = _reduce.total(abs_diff, final_mask)
-        if config.correction is not None or config.get_mismatch_metrics:
-            # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
-            # divergence it exists to show; capped like every metric exponential.
-            assert ratio_denominator is not None  # only reinforce_is may lack it
-            if ois_token is None:
-                raw = jnp.where(valid, theta_sg - sg(ratio_denominator), 0.0)
-                ois_token = metric_exp(jnp.where(jnp.isnan(raw), 0.0, raw))
-            columns["ois"] = _reduce.total(ois_token, mask)
+            if x is not None:
+                bad_logp = bad_logp | ~jnp.isfinite(x)
+        columns["bad_logp"] = _reduce.count_where(bad_logp, b.mask)
+    # The clip indicators are taken beside "loss" (below): both read the ratio.
+    clip_keys = ("pg_clipfrac", "pg_clipfrac_lower")
+    columns |= {k: v for k, v in policy_columns.items() if k not in clip_keys}
     # KL-to-reference and entropy join the policy term per token: one sum, one
     # aggregation, the same final mask.
-    regularisers = _objective.regulariser_terms(config, theta, ratio_denominator, valid, ref, ent)
+    kl_denominator = b.policy(algo.ratio or "old")
+    regularisers = _objective.regulariser_terms(
+        config, b.theta, kl_denominator, b.valid, b.ref, b.ent
+    )
     pg_per_token = per_token
     if "kl_loss" in regularisers:
-        columns["kl_loss"] = _reduce.total(regularisers["kl_loss"], final_mask)
+        columns["kl_loss"] = _reduce.total(regularisers["kl_loss"], c.mask)
         if config.kl_coef:
             per_token = per_token + config.kl_coef * regularisers["kl_loss"]
     if "entropy" in regularisers:
-        columns["entropy"] = _reduce.total(regularisers["entropy"], final_mask)
+        columns["entropy"] = _reduce.total(regularisers["entropy"], c.mask)
         if config.entropy_coef:
             per_token = per_token - config.entropy_coef * regularisers["entropy"]
     if per_token is not pg_per_token:
-        columns["pg_loss"] = _reduce.total(pg_per_token, final_mask)
-    columns.update(ratio_columns)
-    columns["loss"] = _reduce.total(per_token, final_mask)
-    sums = layout.reduce(columns)
+        columns["pg_loss"] = _reduce.total(pg_per_token, c.mask)
+    columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
+    columns["loss"] = _reduce.total(per_token, c.mask)
+    return _aggregated(b, config, per_token, c, b.layout.reduce(columns))
 
+
+def _aggregated(b: _Batch, config: LossConfig, per_token, c: _Corrected, sums) -> PolicyLossTerms:
+    """The per-sequence sums as the loss's and the metrics' batch parts."""
+    reduction, layout = b.reduction, b.layout
     ok = sums["bad_model"] == 0
     means = {
         "pg_nonfinite_seq_fraction": _reduce.seq_mean_of_values(
             jnp.where(ok, 0.0, 1.0), sums["mask_count"], reduction
         )
     }
-    if "bad_logp" in sums:
+    if not c.counts_nonfinite:
         logp_ok = sums["bad_logp"] == 0
         means["mis_nonfinite_seq_fraction"] = _reduce.seq_mean_of_values(
             jnp.where(logp_ok, 0.0, 1.0), sums["mask_count"], reduction
@@ -557,7 +584,7 @@ def _policy_loss_terms(
     count = jnp.where(ok, sums["count"], 0.0)
     mask_count = jnp.where(ok, sums["mask_count"], 0.0)
     denominator = sums["mask_count"] if config.rejected_in_denominator else count
-    horizon = _horizon(config.aggregation, config.loss_scale_factor, mask.shape[-1], layout)
+    horizon = _horizon(config.aggregation, config.loss_scale_factor, b.mask.shape[-1], layout)
     for key in ("loss", "pg_loss", "kl_loss", "entropy"):
         if key in sums:
             means[key] = aggregation_terms(
@@ -569,16 +596,14 @@ def _policy_loss_terms(
             means[key] = _reduce.seq_mean(jnp.where(ok, sums[key], 0.0), count, reduction)
     if "ois" in sums:
         means["ois"] = _reduce.seq_mean(jnp.where(ok, sums["ois"], 0.0), mask_count, reduction)
-    parts.update(layout.batch_means(means))
-    keep = layout.broadcast(ok)
-    final_mask = jnp.where(keep, final_mask, 0.0)
-    denominator_mask = mask if config.rejected_in_denominator else final_mask
+    parts = {**c.parts, **layout.batch_means(means)}
+    final_mask = jnp.where(layout.broadcast(ok), c.mask, 0.0)
     loss_parts = parts.pop("loss")
     assert isinstance(loss_parts, MeanParts)  # aggregation_terms -> batch_means
     return PolicyLossTerms(
         loss=jnp.where(final_mask > 0, per_token, 0.0),
         mask=final_mask,
-        denominator_mask=denominator_mask,
+        denominator_mask=b.mask if config.rejected_in_denominator else final_mask,
         parts=loss_parts,
         metrics=parts,
     )
@@ -624,21 +649,18 @@ def policy_loss_parts(
       >>> float((a + b).value())
       -1.0
     """
-    terms = policy_loss_terms(
+    inputs = LossInputs(
         logp,
         old_logp,
         rollout_logp,
         advantages,
         mask,
-        config,
-        axis_names=axis_names,
-        correction_result=correction_result,
-        segment_ids=segment_ids,
-        num_segments=num_segments,
-        contiguous_segments=contiguous_segments,
-        ref_logp=ref_logp,
-        entropy=entropy,
+        correction_result,
+        segment_ids,
+        ref_logp,
+        entropy,
     )
+    terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
     return terms.parts, terms.metrics
 
 
@@ -677,9 +699,10 @@ def policy_loss(
         None only for plain ``ppo`` without correction or mismatch metrics).
       advantages: ``[..., T]`` per token or ``[...]`` per sequence.
       mask: ``[..., T]`` bool, 0/1 integers, or floats; > 0 = token is trained on. A
-        float value is the token's weight in every sum (so a uniform 0.5 mask gives the
-        same mean losses as 1); an integer mask must be 0/1 (a concrete one holding
-        another value raises ``ValueError``); docs/semantics.md §0.
+        float value is the token's weight in every sum (a uniform 0.5 mask leaves the
+        means unchanged but halves sums such as the sequence-level log-ratio); an
+        integer mask must be 0/1 (a concrete one holding another value raises
+        ``ValueError``); docs/semantics.md §0.
       config: a :class:`LossConfig` (static: hashable).
       axis_names: mesh axes to ``psum`` over inside ``shard_map`` (see
         :func:`~offpolicy_jax.compute_correction`).
@@ -723,19 +746,17 @@ def policy_loss(
       ...     logp).shape
       (2, 3)
     """
-    loss, parts = policy_loss_parts(
+    inputs = LossInputs(
         logp,
         old_logp,
         rollout_logp,
         advantages,
         mask,
-        config,
-        axis_names=axis_names,
-        correction_result=correction_result,
-        segment_ids=segment_ids,
-        num_segments=num_segments,
-        contiguous_segments=contiguous_segments,
-        ref_logp=ref_logp,
-        entropy=entropy,
+        correction_result,
+        segment_ids,
+        ref_logp,
+        entropy,
     )
+    terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
+    loss, parts = terms.parts, terms.metrics
     return loss.value().astype(jnp.float32), metrics.finalize(parts)

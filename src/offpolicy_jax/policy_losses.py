@@ -33,12 +33,11 @@ reaches neither the loss nor its gradient.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from offpolicy_jax.ratios import LOG_RATIO_CLAMP
+from offpolicy_jax.registry import SurrogateTerms
 from offpolicy_jax.surrogates import clamp
 
 GSPO_LOG_RATIO_MAX = 10.0
@@ -53,18 +52,6 @@ DPPO_KL_EPS = 1e-8
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 K3_MAX = 10.0
 """verl's ``low_var_kl`` clamps the k3 value to ``[−10, 10]`` (it is never negative)."""
-
-
-class SurrogateTerms(NamedTuple):
-    """Per-token outputs of a surrogate, all ``[..., T]``.
-
-    ``clipped`` feeds ``pg_clipfrac`` and ``clipped_lower`` ``pg_clipfrac_lower``
-    (None where the surrogate has no such notion).
-    """
-
-    loss: jax.Array
-    clipped: jax.Array | None = None
-    clipped_lower: jax.Array | None = None
 
 
 def _sg(x):

@@ -6,9 +6,9 @@ own (its keep mask is ANDed into ``m'`` by the pipeline) and reports, with prefi
 * ``P_mean``: its statistic over the valid tokens (a per-sequence statistic broadcast
   to its tokens), with the call's reduction;
 * ``P_max`` / ``P_min``: the batch extremes of the statistic (over valid tokens, or over
-  non-empty sequences for a per-sequence statistic); as per-sequence terms that all
-  carry the global value, so pooled micro-batches report the sequence-weighted mean of
-  their extremes;
+  non-empty sequences for a per-sequence statistic), as
+  :class:`~offpolicy_jax.stages.Extreme` parts: pooled micro-batches (``+``) report the
+  extreme of their extremes;
 * ``P_fraction_low`` (two-sided bounds only) / ``P_fraction_high``: the share of valid
   tokens below / above the bound;
 * ``P_seq_fraction``: the share of sequences the rule rejects tokens of.
@@ -31,8 +31,7 @@ import jax.numpy as jnp
 from offpolicy_jax import criteria
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.criteria import Criterion
-from offpolicy_jax.reduction import MeanParts, Reduction, Rows
-from offpolicy_jax.stages import Decision, Mean, Stage
+from offpolicy_jax.stages import Decision, Extreme, Mean, Stage
 
 RuleFactory = Callable[[float], Stage]
 
@@ -52,19 +51,21 @@ def _all_axes(t) -> tuple[str, ...]:
     return tuple(axes.batch) + tuple(axes.token)
 
 
-def batch_extreme(layout, per_seq: jax.Array, count: jax.Array, kind: str) -> MeanParts:
+def batch_extreme(layout, per_seq: jax.Array, count: jax.Array, kind: str) -> Extreme:
     """The batch max (``kind="max"``) or min of per-sequence values over non-empty
-    sequences, as per-sequence :class:`MeanParts` terms ``(g·[N>0], [N>0])`` whose batch
-    total divides out to ``g`` (0 for an empty batch)."""
+    sequences (and devices), as an :class:`~offpolicy_jax.stages.Extreme`: 0 for an empty
+    batch, pooled over micro-batches as an extreme, not a mean."""
     nonempty = count > 0
     fill = -jnp.inf if kind == "max" else jnp.inf
     values = jnp.where(nonempty, per_seq, fill)
     extreme = jnp.max(values, initial=fill) if kind == "max" else jnp.min(values, initial=fill)
+    n = jnp.sum(_indicator(nonempty))
     axes = _batch_axes(layout)
     if axes:
         extreme = (jax.lax.pmax if kind == "max" else jax.lax.pmin)(extreme, axes)
+        n = jax.lax.psum(n, axes)
     extreme = jnp.where(jnp.isfinite(extreme), extreme, 0.0)
-    return MeanParts(jnp.where(nonempty, extreme, 0.0), _indicator(nonempty))
+    return Extreme(extreme, n, kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,57 +276,47 @@ def rule_stages(config) -> list[Stage]:
     return out
 
 
-def opsm(
-    theta: jax.Array,
-    behaviour: jax.Array,
-    advantages: jax.Array,
-    population: jax.Array,
-    delta: float,
-    layout: Rows,
-    reduction: Reduction,
-) -> tuple[jax.Array, dict[str, MeanParts]]:
-    """DeepSeek-V3.2 off-policy sequence masking (OPSM), decided per sequence in the loss.
+@dataclasses.dataclass(frozen=True)
+class OffPolicySequenceMask(Stage):
+    """DeepSeek-V3.2 off-policy sequence masking (OPSM), a stage of ``policy_loss``.
 
-    A sequence is dropped iff its mean advantage is ``< 0`` and
-    ``Σ_t (b_t − sg(θ_t)) m_t / N > δ`` (``b``: the sampling policy's log-probs). No
-    gradient flows through the decision. A sequence with a non-finite ``θ`` or ``b`` at a
-    valid token is left to the loss's own non-finite rule and out of the metrics.
+    Run with ``o = sg(θ)`` and ``b`` the sampling policy's log-probs (π_rollout), so
+    ``δ = sg(θ) − b``: a sequence is dropped iff its mean advantage is ``< 0`` and
+    ``Σ_t (b_t − sg(θ_t)) m_t / N > δ``. No gradient flows through the decision. A
+    sequence with a non-finite ``θ`` or ``b`` at a valid token is left to the loss's
+    own non-finite rule and out of the metrics (the pipeline's own rule).
 
-    Args:
-      theta: ``[..., T]`` current log-probs (stop-gradient is applied here).
-      behaviour: ``[..., T]`` log-probs of the policy that sampled (π_rollout).
-      advantages: ``[..., T]`` advantages (0 where not valid).
-      population: ``[..., T]`` float mask of the valid tokens.
+    Metrics (``P = mis_opsm``): ``P_mean/_max/_min`` (the statistic),
+    ``P_fraction_high`` (share above ``δ``, whatever the advantage) and
+    ``P_seq_fraction`` (share dropped).
+
+    Attributes:
       delta: the threshold ``δ > 0``.
-      layout: the pipeline's layout (per-sequence sums, broadcast, batch totals).
-      reduction: the metrics' reduction.
-
-    Returns:
-      ``(keep, parts)``: ``[..., T]`` bool keep mask and batch-total metric parts
-      ``mis_opsm_mean/_max/_min`` (the statistic), ``mis_opsm_fraction_high`` (share
-      above ``δ``, whatever the advantage) and ``mis_opsm_seq_fraction`` (share dropped).
+      advantages: ``[..., T]`` advantages (0 where not valid): data of the call, so the
+        stage is built inside it.
     """
-    diff = behaviour - jax.lax.stop_gradient(theta)
-    finite = jnp.isfinite(diff)
-    sums = layout.reduce(
-        {
-            "ratio": _reduce.total(jnp.where(finite, diff, 0.0), population),
-            "adv": _reduce.total(advantages, population),
-            "count": _reduce.count(population),
-            "bad": _reduce.count_where(~finite, population),
-        }
-    )
-    count = jnp.where(sums["bad"] > 0, 0.0, sums["count"])
-    stat = _reduce.safe_divide(sums["ratio"], count)
-    keep = criteria.opsm_keep(stat, _reduce.safe_divide(sums["adv"], count), delta)
-    keep = keep | (count == 0)
-    parts = {
-        "mis_opsm_mean": _reduce.seq_mean_of_values(stat, count, reduction),
-        "mis_opsm_max": batch_extreme(layout, stat, count, "max"),
-        "mis_opsm_min": batch_extreme(layout, stat, count, "min"),
-        "mis_opsm_fraction_high": _reduce.seq_mean_of_values(
-            _indicator(stat > delta), count, reduction
-        ),
-        "mis_opsm_seq_fraction": _reduce.seq_mean_of_values(_indicator(~keep), count, reduction),
-    }
-    return layout.broadcast(keep), layout.batch_means(parts)
+
+    delta: float
+    advantages: jax.Array
+    prefix: str = "mis_opsm"
+
+    def columns(self, t):
+        return {"adv": _reduce.total(self.advantages, t.population)}
+
+    def decide(self, t, sums):
+        count, p = sums["count"], self.prefix
+        # Σ (b − o) m = −Σ δ m exactly (negation commutes with rounding).
+        stat = _reduce.safe_divide(-sums["delta"], count)
+        keep = criteria.opsm_keep(stat, _reduce.safe_divide(sums["adv"], count), self.delta)
+        keep = keep | (count == 0)
+        return Decision(
+            keep=keep,
+            per_seq=True,
+            metrics={
+                f"{p}_mean": Mean(stat, per_seq=True),
+                f"{p}_max": batch_extreme(t.layout, stat, count, "max"),
+                f"{p}_min": batch_extreme(t.layout, stat, count, "min"),
+                f"{p}_fraction_high": Mean(_indicator(stat > self.delta), per_seq=True),
+                f"{p}_seq_fraction": Mean(_indicator(~keep), per_seq=True),
+            },
+        )

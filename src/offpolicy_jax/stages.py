@@ -119,6 +119,41 @@ class EffectiveSampleSize(MeanParts):
         )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Extreme(MeanParts):
+    """A batch maximum (``kind="max"``) or minimum, kept so that it pools exactly.
+
+    ``numerator`` is the extreme over the batch's non-empty sequences (0 when it has
+    none) and ``denominator`` their number. ``a + b`` (micro-batches, devices) is the
+    extreme over the parts that hold a sequence, and :meth:`value` is 0 for an empty
+    batch. Pool it with ``+`` (or :func:`pool`): ``jax.tree.map(jnp.add, ...)`` adds
+    its leaves, which pools a mean, not an extreme.
+    """
+
+    kind: str = dataclasses.field(default="max", metadata={"static": True})
+
+    def value(self) -> jax.Array:
+        return jnp.where(self.denominator > 0, self.numerator, 0.0)
+
+    def __add__(self, other: MeanParts) -> MeanParts:
+        if not isinstance(other, Extreme) or other.kind != self.kind:
+            return NotImplemented
+        pick = jnp.maximum if self.kind == "max" else jnp.minimum
+        both = pick(self.numerator, other.numerator)
+        value = jnp.where(
+            self.denominator > 0,
+            jnp.where(other.denominator > 0, both, self.numerator),
+            other.numerator,
+        )
+        return Extreme(value, self.denominator + other.denominator, self.kind)
+
+
+def pool(a: Mapping[str, MeanParts], b: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
+    """Pools two dicts of metric parts key by key, each by its type's ``+``."""
+    return {key: a[key] + b[key] for key in a}
+
+
 class Stage:
     """One rule. ``columns`` runs before pass 1, ``decide`` after it.
 
@@ -396,7 +431,10 @@ def run(
     mu = jnp.ones((), jnp.float32)
     if weight_stats:
         mu = _weight_statistics(t, d, count(len(d.populations) - 1), pass2, batch_normalize)
-    parts = t.layout.batch_means(d.parts)
+    # Batch extremes are batch totals already; every other part is per sequence.
+    extremes = {k: v for k, v in d.parts.items() if isinstance(v, Extreme)}
+    parts = t.layout.batch_means({k: v for k, v in d.parts.items() if k not in extremes})
+    parts.update(extremes)
     if weight_stats:
         w_parts, n_parts = parts.pop(_ESS_W), parts.pop(_ESS_N)
         parts["mis_ess"] = EffectiveSampleSize(

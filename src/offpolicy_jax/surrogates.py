@@ -83,7 +83,9 @@ def ppo_surrogate(
       [True, False, False]
     """
     logp = jnp.asarray(logp, jnp.float32)
-    valid = jnp.ones(logp.shape, bool) if where is None else jnp.asarray(where) > 0
+    valid = jnp.ones(logp.shape, bool) if where is None else jnp.asarray(where)
+    if valid.dtype != bool:  # a bool mask as it is: the same array as the caller's
+        valid = valid > 0
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     clips = (clip_eps, clip_eps_high, dual_clip_c)
     denominator_logp = jax.lax.stop_gradient(jnp.asarray(denominator_logp, jnp.float32))
@@ -126,12 +128,14 @@ class _Terms(NamedTuple):
 
 def _ppo_terms(logp, denominator_logp, advantages, valid, clip_eps, clip_eps_high, dual_clip_c):
     """``k``, ``r``, ℓ and the clipped-branch mask, per token."""
-    raw = denominator_logp - logp
-    log_ratio = jnp.where(valid & jnp.isfinite(raw), raw, 0.0)
-    # exp(clip(−k, −S, S)) as clip(exp(min(−k, 50)), e^−S, e^S): the same values, and the
-    # exponential is the one the loss's `ois` metric takes (ratios.metric_exp), so that
-    # XLA computes it once per token.
-    ratio = clamp(metric_exp(-log_ratio), _RATIO_MIN, _RATIO_MAX)
+    # −k = θ − d exactly as policy_losses.safe_log_ratio writes it (negation is exact),
+    # and exp(clip(−k, −S, S)) as clip(exp(min(−k, 50)), e^−S, e^S): the same values, and
+    # the exponential is the one the loss's `ois` metric takes of that log-ratio
+    # (ratios.metric_exp), so it is computed once per token.
+    raw = logp - denominator_logp
+    exponent = jnp.where(valid & jnp.isfinite(raw), raw, 0.0)
+    log_ratio = -exponent
+    ratio = clamp(metric_exp(exponent), _RATIO_MIN, _RATIO_MAX)
     branches = _branches(ratio, advantages, clip_eps, clip_eps_high, dual_clip_c)
     return _Terms(branches.loss, branches.clipped, log_ratio, ratio, branches.floored)
 

@@ -203,7 +203,7 @@ def row(name: str) -> Algorithm:
         algo = Algorithm(base + REPLAY_SUFFIX, label, algo.loss, algo.mismatch, True)
     if not overrides:
         return algo
-    fields = [f.name for f in dataclasses.fields(opj.LossConfig)]
+    fields = list(opj.LossConfig.keys())  # its fields and every surrogate's hyperparameters
     changes: dict = {}
     for item in overrides:
         key, eq, text = item.partition("=")

@@ -18,8 +18,8 @@ key pools (:func:`population`):
   (``mis_is_ratio_{mean,min,max}_{after_tis_rs,final}``; min and max are the mean of
   per-sequence minima/maxima, so they pool like any mean);
 * ``max`` / ``min``: a rule's ``P_max`` / ``P_min`` (``mis_rs_<criterion>_*``,
-  ``mis_seq_logprob_error_*``) are batch extremes
-  (:func:`offpolicy_jax.rules.batch_extreme`), not means: the max / min over the
+  ``mis_seq_logprob_error_*``) are batch extremes (their parts are
+  :class:`offpolicy_jax.stages.Extreme`, :func:`extreme_kinds`), not means: the max / min over the
   chunks that hold a valid sequence (a chunk without one reports 0, which must not
   win), 0 when no chunk does;
 * ``batch``: ``mis_ess`` and ``mis_batch_norm_factor``, functions of batch-wide sums,
@@ -49,6 +49,7 @@ import numpy as np
 import offpolicy_jax as opj
 from offpolicy_jax import criteria
 from offpolicy_jax.normalize import normalizer, normalizer_reduction
+from offpolicy_jax.stages import Extreme
 
 # Symmetric log bins for a log-ratio δ: |δ| < 1e-6 is the centre bin, then 20 bins per
 # decade up to |δ| = 100 (the last bins hold everything beyond), mirrored for δ < 0.
@@ -175,22 +176,37 @@ WHAT_IFS: tuple[WhatIf, ...] = (
 METRICS_ONLY = opj.CorrectionConfig(probability_metrics=True)
 
 
-# Rule stages (docs/semantics.md §8) whose ``P_max`` / ``P_min`` are batch extremes.
-_RULE_PREFIXES = ("mis_rs_", "mis_seq_logprob_error_")
+@functools.cache
+def extreme_kinds(config: opj.CorrectionConfig) -> dict[str, str]:
+    """The metric keys of ``config`` that are batch extremes, with ``"max"`` / ``"min"``:
+    the :class:`~offpolicy_jax.stages.Extreme` parts of the correction (read from the
+    types its metric parts have, without computing anything)."""
+    from offpolicy_jax import correction, reduction
+
+    def parts(old, rollout, mask):
+        layout = reduction.layout(reduction.MeshAxes(), None, None, old.shape)
+        return correction.correction_parts(
+            old, rollout, mask, config, reduction="sequence", layout=layout
+        )[2]
+
+    x = jax.ShapeDtypeStruct((1, 2), jnp.float32)
+    shapes = jax.eval_shape(parts, x, x, x)
+    return {key: p.kind for key, p in shapes.items() if isinstance(p, Extreme)}
 
 
-def population(key: str) -> str:
-    """How a metric key pools over chunks (module docstring): the population it
-    averages over (``"valid"``, ``"all"``, ``"final"``), ``"max"`` / ``"min"`` for a
-    rule's batch extreme, or ``"batch"`` for a function of batch-wide sums."""
+def population(key: str, config: opj.CorrectionConfig) -> str:
+    """How a metric key of ``config`` pools over chunks (module docstring): the
+    population it averages over (``"valid"``, ``"all"``, ``"final"``), ``"max"`` /
+    ``"min"`` for a batch extreme, or ``"batch"`` for a function of batch-wide sums."""
+    extreme = extreme_kinds(config).get(key)
+    if extreme is not None:
+        return extreme
     if key.startswith("mis_is_ratio_"):
         return "final"
     if key == "mis_nonfinite_seq_fraction":
         return "all"
     if key in ("mis_batch_norm_factor", "mis_ess"):
         return "batch"  # a function of batch-wide sums, not a mean: pooled from those sums
-    if key.startswith(_RULE_PREFIXES) and key.endswith(("_max", "_min")):
-        return key[-3:]
     return "valid"
 
 
@@ -415,12 +431,13 @@ class Accumulator:
     def _pool(self, stats, chunk, b) -> None:
         for key in self.totals:
             self.totals[key] += int(stats[key])
+        configs = dict(self.configs)
         for name, entry in stats["configs"].items():
             sums = self.sums[name]
             counts = {**stats["D"], "final": entry["D_final"]}
             extremes = self.extremes[name]
             for key, value in entry["metrics"].items():
-                kind = population(key)
+                kind = population(key, configs[name])
                 if kind == "batch":
                     continue
                 if kind in ("max", "min"):

@@ -18,10 +18,16 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         help="how bad is the training-inference mismatch in a log-prob dump, and which "
         "correction does it need",
         description="Read trainer and rollout log-probs of the same tokens (.npz, Parquet or "
-        "JSONL; files or globs), stream them through compute_correction and write "
+        "JSONL; files, globs or folders), stream them through compute_correction and write "
         "report.md (also printed), report.json, recommended.yaml and plots to --out.",
     )
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="dump files or globs")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="dump files, globs or folders (a folder: the files its index.json lists, as "
+        "the demo's --dump-logprobs writes, else every dump file in it)",
+    )
     p.add_argument("--out", default="diagnose_out", metavar="DIR", help="output directory")
     for key, flag in (("old", "--old-col"), ("rollout", "--rollout-col"), ("mask", "--mask-col")):
         p.add_argument(

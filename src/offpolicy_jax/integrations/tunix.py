@@ -598,19 +598,20 @@ def offpolicy_policy_loss(
     π_rollout = ``train_example.rollout_per_token_logps``
     (:class:`OffPolicyTrainExample`); advantages, mask, reference log-probs and, for
     packed rows, ``segment_ids`` as tunix sets them. The ``LossConfig`` is
-    ``algo_config.offpolicy_loss_config`` (:class:`OffPolicyGRPOConfig`).
+    ``algo_config.offpolicy_loss_config`` (:class:`OffPolicyGRPOConfig`,
+    :class:`OffPolicyPPOConfig`).
 
     Args:
       model: the policy, an ``nnx.Module`` (differentiated).
       train_example: a tunix ``TrainExample``.
-      algo_config: an :class:`OffPolicyGRPOConfig`.
+      algo_config: an :class:`OffPolicyGRPOConfig` or :class:`OffPolicyPPOConfig`.
       pad_id, eos_id: the tokenizer's ids.
       **kwargs: ignored (tunix's signature).
 
     Returns:
       ``(loss, aux)``: the float32 loss and a flat dict of float32 scalars, the
       library's metrics as ``opj/<key>`` plus ``pg_clipfrac`` and ``kl`` (the names
-      tunix's GRPO learner logs).
+      tunix's GRPO learner logs; ``kl`` is ``opj/kl_loss``, or 0 without a KL term).
 
     Raises:
       TypeError / ValueError at trace time for bad wiring: a config without a

@@ -75,6 +75,7 @@ def check_segments(segment_ids, num_segments, shape: tuple[int, ...]) -> jax.Arr
         )
     if num_segments < 1:
         raise ValueError(f"num_segments must be >= 1, got {num_segments}")
+    segment_ids = _validation.as_array("segment_ids", segment_ids)  # a list: named errors
     dtype = jnp.result_type(segment_ids)
     if not jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
         raise TypeError(
