@@ -316,3 +316,16 @@ def test_shard_map_over_data_and_tokens_equals_unsharded():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     for key, value in want_metrics.items():
         np.testing.assert_allclose(got_metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_metrics_only_losses_report_staleness_too():
+    logp, rollout, adv, mask, versions, current = _loss_case(3)
+    cfg = opj.LossConfig(algorithm="ppo", get_mismatch_metrics=True)
+    _, metrics = opj.policy_loss(
+        logp, rollout, rollout, adv, mask, cfg, versions=versions, current_version=current
+    )
+    direct = opj.compute_correction(
+        rollout, rollout, mask, opj.CorrectionConfig(), versions=versions, current_version=current
+    )
+    for key in ("mis_staleness_mean", "mis_staleness_max"):
+        np.testing.assert_allclose(metrics[key], direct.metrics[key], rtol=1e-6, err_msg=key)

@@ -531,8 +531,17 @@ def _corrected(b: _Batch, config: LossConfig, algo: Algorithm, precomputed) -> _
             and config.correction.probability_metrics
         )
         metrics_only = CorrectionConfig(probability_metrics=True) if probability else METRICS_ONLY
+        # The staleness metrics come with them, unless the correction above reported them.
+        versions = (None, None) if config.reweights else (b.versions, b.current)
         _, _, mismatch = correction_parts(
-            proxy_old, b.rollout, b.mask, metrics_only, reduction=b.reduction, layout=b.layout
+            proxy_old,
+            b.rollout,
+            b.mask,
+            metrics_only,
+            reduction=b.reduction,
+            layout=b.layout,
+            versions=versions[0],
+            current_version=versions[1],
         )
         done.parts.update(mismatch)
     if config.opsm_delta is None:
