@@ -115,7 +115,6 @@ def correction_parts(
         weight_stats=config.use_tis,
         batch_normalize=norm,
     )
-    parts = staleness.pool_maxima(parts)
     if not config.use_tis:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts
     return jax.lax.stop_gradient(weights), final, parts
