@@ -664,3 +664,10 @@ def test_diagnose_heavy_tail_section():
     assert not calm["heavy"] and calm["tail_token_share"] < 0.01
     text = "\n".join(report._heavy_tail_lines(tail))
     assert "Heavy-tailed" in text and "routing replay" in text
+    # A severe but discrete mismatch (exact bulk) gets the per-token cap, not rejection.
+    assert tail["discrete"] and not calm["discrete"]
+    severe = {"mis_k3_kl": 0.05}
+    rec = report.recommend(severe, {}, tail)
+    assert (rec["name"], rec["severity"]) == ("token_tis", "severe")
+    assert report.recommend(severe, {}, calm)["name"] in ("geo_rs_veto", "mis")
+    assert report.recommend(severe, {})["name"] in ("geo_rs_veto", "mis")

@@ -220,7 +220,11 @@ def _style(name: str, nth_override: int = 0) -> dict:
         "decoupled_ppo+is": "#d62728",
         "decoupled_ppo+mis": "#2ca02c",
         "reinforce_is+mis": "#9467bd",
+        "decoupled_ppo+icepop": "#e377c2",
+        "ppo+replay": "#7f7f00",
     }
+    if algo.routing_replay and name not in fixed:  # a replay row: its base row, dash-dotted
+        return {**_style(name.replace("+replay", "", 1), nth_override), "ls": "-."}
     if name in fixed:
         return {"color": fixed[name], "ls": "-"}
     if "/" in name:  # a row with LossConfig overrides (e.g. another surrogate)

@@ -86,6 +86,21 @@ ICEPOP = opj.CorrectionConfig(
     use_tis=True, tis_level="token", tis_mode="band", tis_lower_bound=0.5, tis_upper_bound=5.0
 )
 
+#: ``offpolicy-jax diagnose``'s severe-mismatch recommendation (``geo_rs_veto``): token TIS
+#: at 2, sequences rejected when their geometric-mean ratio leaves [0.98, 1.02], and
+#: sequences with a token ratio below 1e-4 vetoed.
+GEO_RS_VETO = opj.CorrectionConfig(
+    use_tis=True,
+    tis_level="token",
+    tis_mode="truncate",
+    tis_upper_bound=2.0,
+    use_rs=True,
+    rs_level="geometric",
+    rs_lower_bound=0.98,
+    rs_upper_bound=1.02,
+    rs_veto_threshold=1e-4,
+)
+
 #: A row name ending in this (before any ``/`` override) trains with routing replay.
 REPLAY_SUFFIX = "+replay"
 
@@ -126,6 +141,11 @@ ALGORITHMS: dict[str, Algorithm] = {
             "decoupled_ppo+icepop",
             "decoupled_ppo + IcePop band [0.5, 5]",
             opj.LossConfig(algorithm="decoupled_ppo", correction=ICEPOP),
+        ),
+        Algorithm(
+            "decoupled_ppo+geo_rs_veto",
+            "decoupled_ppo + TIS 2, geometric RS [0.98, 1.02], veto 1e-4",
+            opj.LossConfig(algorithm="decoupled_ppo", correction=GEO_RS_VETO),
         ),
     )
 }

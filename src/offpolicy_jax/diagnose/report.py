@@ -20,7 +20,9 @@ SEVERE_K3 = 1e-2
 MAX_REJECTED_SEQ_SHARE = 0.5
 
 
-def recommend(metrics: dict[str, float], what_if: dict[str, dict]) -> dict:
+def recommend(
+    metrics: dict[str, float], what_if: dict[str, dict], tail: dict | None = None
+) -> dict:
     """The recommended config, from the pooled metrics and the what-if table.
 
     * ``mis_k3_kl < 1e-4`` and no catastrophic token (ratio < 1e-4): negligible mismatch,
@@ -28,7 +30,12 @@ def recommend(metrics: dict[str, float], what_if: dict[str, dict]) -> dict:
     * ``mis_k3_kl < 1e-2`` and no catastrophic token: mild, token-level TIS truncated at 2;
     * otherwise severe: token TIS 2 + geometric RS in [0.98, 1.02] + veto at 1e-4
       (``geo_rs_veto``), unless that rejects more than half of the sequences, then the
-      shipped ``mis.yaml`` (token RS + veto: drops tokens, keeps sequences).
+      shipped ``mis.yaml`` (token RS + veto: drops tokens, keeps sequences);
+    * but a severe mismatch that is *discrete* (``tail``, :func:`heavy_tail`: a few tokens
+      carry most of it over an exact bulk, as flipped MoE routes give) gets token TIS at
+      2: the cap bounds exactly those tokens, where sequence-level rejection drops every
+      sequence holding one (in the demo's router regime geometric RS + veto left a seed
+      unlearned and TIS 2 learned in all; docs/demo_moe.md).
     """
     k3 = metrics.get("mis_k3_kl", 0.0)
     veto = what_if.get("veto", {}).get("metrics", {})
@@ -51,6 +58,15 @@ def recommend(metrics: dict[str, float], what_if: dict[str, dict]) -> dict:
             "at 2 corrects the bias at little variance cost"
         )
         severity = "mild"
+    elif tail is not None and tail.get("discrete"):
+        name, severity = "token_tis", "severe"
+        reason = (
+            f"severe but discrete mismatch ({facts}; {tail['tail_token_share']:.2%} of the "
+            f"tokens carry {tail['tail_abs_log_ratio_share']:.1%} of Σ|log ρ|, the median "
+            "token is exact): a per-token cap at 2 bounds exactly those tokens, where "
+            "sequence-level rejection would drop every sequence holding one; if the engine "
+            "is a mixture of experts, routing replay (R3) removes the cause"
+        )
     else:
         geo = what_if.get("geo_rs_veto", {}).get("table", {})
         share = geo.get("rejected_seq_share", 1.0)
@@ -133,9 +149,13 @@ TAIL_QUANTILES = (0.001, 0.01, 0.5, 0.99, 0.999)
 #: [1/e, e]); the share of such tokens is what MoE routing reports quote.
 TAIL_LOG_RATIO = 1.0
 #: The mismatch is "heavy-tailed" when the tail tokens are at most this share of the
-#: tokens but carry at least :data:`HEAVY_TAIL_MASS` of Σ|log ρ|.
-HEAVY_TAIL_SHARE = 0.05
+#: tokens but carry at least :data:`HEAVY_TAIL_MASS` of Σ|log ρ| (a Gaussian log-ratio
+#: never is: with σ = 0.5, 4.6% of tokens carry 14% of the mass; with σ = 1, 32% carry 61%).
+HEAVY_TAIL_SHARE = 0.1
 HEAVY_TAIL_MASS = 0.5
+#: A heavy tail over an exact bulk (median |log ρ| at most this) is a *discrete* mismatch:
+#: most tokens computed identically, a few through another path (a flipped MoE route).
+EXACT_BULK = 0.01
 
 
 def heavy_tail(counts: np.ndarray, worst_tokens: list[dict]) -> dict:
@@ -147,7 +167,8 @@ def heavy_tail(counts: np.ndarray, worst_tokens: list[dict]) -> dict:
     (exact, the worst token). ``heavy`` when few tokens (≤ :data:`HEAVY_TAIL_SHARE`)
     carry most of the mismatch (≥ :data:`HEAVY_TAIL_MASS`): a discrete mismatch (a
     flipped MoE route, a stale token), which a per-token cap bounds and a sequence-level
-    filter over-reacts to.
+    filter over-reacts to. ``discrete`` when, besides, the median token is exact
+    (``|log ρ|`` median ≤ :data:`EXACT_BULK`), the signature of flipped MoE routes.
     """
     counts = np.asarray(counts, float)
     edges = analysis.delta_bin_edges()
@@ -158,6 +179,10 @@ def heavy_tail(counts: np.ndarray, worst_tokens: list[dict]) -> dict:
     share = float(counts[tail].sum() / total) if total else 0.0
     tail_mass = float(mass[tail].sum() / mass.sum()) if mass.sum() else 0.0
     quantiles = _quantiles(counts[None], TAIL_QUANTILES)[0]
+    order = np.argsort(np.abs(centres), kind="stable")
+    below = np.cumsum(counts[order])
+    median = float(np.abs(centres[order][np.argmax(below >= 0.5 * total)])) if total else 0.0
+    heavy = bool(0 < share <= HEAVY_TAIL_SHARE and tail_mass >= HEAVY_TAIL_MASS)
     return {
         "weight_quantiles": {
             f"{q:g}": float(np.exp(v)) for q, v in zip(TAIL_QUANTILES, quantiles, strict=True)
@@ -165,7 +190,9 @@ def heavy_tail(counts: np.ndarray, worst_tokens: list[dict]) -> dict:
         "tail_token_share": share,
         "tail_abs_log_ratio_share": tail_mass,
         "max_abs_log_ratio": worst_tokens[0]["abs_log_ratio"] if worst_tokens else 0.0,
-        "heavy": bool(0 < share <= HEAVY_TAIL_SHARE and tail_mass >= HEAVY_TAIL_MASS),
+        "abs_log_ratio_median": median,
+        "heavy": heavy,
+        "discrete": heavy and median <= EXACT_BULK,
     }
 
 
@@ -196,7 +223,6 @@ def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
         "totals": dict(acc.totals),
         "metrics": metrics,
         "what_if": what_if,
-        "recommendation": recommend(metrics, what_if),
         "by_position": position,
         "by_rollout_prob": prob,
         "token_log_ratio_hist": {
@@ -210,7 +236,9 @@ def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
         "worst_tokens": worst_tokens,
         "worst_sequences": worst_seqs,
     }
-    report["heavy_tail"] = heavy_tail(report["token_log_ratio_hist"]["counts"], worst_tokens)
+    tail = heavy_tail(report["token_log_ratio_hist"]["counts"], worst_tokens)
+    report["heavy_tail"] = tail
+    report["recommendation"] = recommend(metrics, what_if, tail)
     return _jsonable(report)
 
 
@@ -323,12 +351,15 @@ def _heavy_tail_lines(tail: dict) -> list[str]:
     q = tail["weight_quantiles"]
     lines = ["", "## Heavy tail of the per-token weights ρ = π_old / π_rollout", ""]
     lines += [
-        "| " + " | ".join(f"ρ p{100 * float(k):g}" for k in q) + " | max abs log ρ "
-        f"| tokens with abs log ρ > {TAIL_LOG_RATIO:g} | their share of Σ abs log ρ |"
+        "| " + " | ".join(f"ρ p{100 * float(k):g}" for k in q) + " | median abs log ρ "
+        f"| max abs log ρ | tokens with abs log ρ > {TAIL_LOG_RATIO:g} "
+        "| their share of Σ abs log ρ |"
     ]
-    lines += ["|" + "---:|" * (len(q) + 3)]
+    lines += ["|" + "---:|" * (len(q) + 4)]
     lines += [
-        "| " + " | ".join(_g(v, 3) for v in q.values()) + f" | {_g(tail['max_abs_log_ratio'], 3)} "
+        "| "
+        + " | ".join(_g(v, 3) for v in q.values())
+        + f" | {_g(tail['abs_log_ratio_median'], 2)} | {_g(tail['max_abs_log_ratio'], 3)} "
         f"| {_pct(tail['tail_token_share'])} | {_pct(tail['tail_abs_log_ratio_share'])} |"
     ]
     lines.append("")
@@ -342,6 +373,13 @@ def _heavy_tail_lines(tail: dict) -> list[str]:
             "(`geo_rs`, `seq_rs`) drops whole sequences for one token. If the engine is a "
             "mixture of experts, routing replay (R3: the trainer reuses the engine's "
             "experts) removes the cause."
+            + (
+                " Its bulk is exact (median abs log ρ ≤ "
+                f"{EXACT_BULK:g}): a discrete mismatch, which the recommendation takes into "
+                "account."
+                if tail["discrete"]
+                else ""
+            )
         )
     else:
         lines.append(
