@@ -218,3 +218,101 @@ def test_staleness_rule_through_the_loss():
     assert float(opj.finalize_metrics(terms.metrics)["mis_staleness_max"]) == float(
         direct.metrics["mis_staleness_max"]
     )
+
+
+def test_packed_rows_equal_one_sequence_per_row():
+    rng = np.random.default_rng(4)
+    current, seqs = 9, []
+    for length in (6, 2, 0, 5, 3):
+        rollout = rng.normal(-1.2, 0.4, length).astype(np.float32)
+        seqs.append(
+            dict(
+                logp=(rollout + rng.normal(0, 0.2, length)).astype(np.float32),
+                rollout=rollout,
+                adv=np.full(length, rng.normal(), np.float32),
+                mask=(rng.random(length) > 0.1).astype(np.float32),
+                versions=np.minimum(current - rng.integers(1, 5) + np.arange(length) // 3, current),
+            )
+        )
+    correction = opj.CorrectionConfig(use_tis=True, max_weight_staleness=3)
+    cfg = opj.LossConfig(
+        algorithm="decoupled_ppo", correction=correction, prox_logp_method="linear"
+    )
+    packed = opj.pack_sequences(seqs, 10, max_segments=3)
+    a = packed.arrays
+
+    def call(x, **kw):
+        def f(lp):
+            return opj.policy_loss(
+                lp,
+                None,
+                x["rollout"],
+                x["adv"],
+                x["mask"],
+                cfg,
+                versions=x["versions"],
+                current_version=current,
+                **kw,
+            )
+
+        return jax.value_and_grad(f, has_aux=True)(jnp.asarray(x["logp"]))
+
+    (got, got_metrics), got_grad = call(
+        a, segment_ids=packed.segment_ids, num_segments=packed.num_segments
+    )
+    rows = opj.unpack_sequences(a, packed.segment_ids, packed.num_segments, length=10)
+    rows = {k: v.reshape(-1, 10) for k, v in rows.items()}
+    (want, want_metrics), want_grad = call(rows)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for key, value in want_metrics.items():
+        np.testing.assert_allclose(got_metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    unpacked = opj.unpack_sequences(
+        {"g": np.asarray(got_grad)}, packed.segment_ids, packed.num_segments, length=10
+    )
+    np.testing.assert_allclose(unpacked["g"].reshape(-1, 10), want_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("clear_jax_caches")
+def test_shard_map_over_data_and_tokens_equals_unsharded():
+    if len(jax.devices("cpu")) < 8:
+        pytest.skip("needs JAX_NUM_CPU_DEVICES=8 (tests/conftest.py)")
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    logp, rollout, adv, mask, versions, current = _loss_case(6)
+    logp, rollout, adv = (np.where(mask, x, 0.0).astype(np.float32) for x in (logp, rollout, adv))
+    pad = ((0, 1), (0, 0))  # 6 rows: 2 data shards x 4 token shards of 2 tokens
+    logp, rollout, adv, versions = (np.pad(x, pad) for x in (logp, rollout, adv, versions))
+    mask = np.pad(mask, pad).astype(np.float32)
+    correction = opj.CorrectionConfig(use_tis=True, max_weight_staleness=3)
+    cfg = opj.LossConfig(
+        algorithm="decoupled_ppo", correction=correction, prox_logp_method="metrics"
+    )
+    old = rollout + 0.05
+
+    def loss(lp, o, b, a, m, v, axis_names=None):
+        return opj.policy_loss(
+            lp, o, b, a, m, cfg, versions=v, current_version=current, axis_names=axis_names
+        )
+
+    want, want_metrics = loss(logp, old, rollout, adv, mask, versions)
+    mesh = jax.make_mesh((2, 4), ("data", "tok"), devices=jax.devices("cpu")[:8])
+    spec = P("data", "tok")
+    axes = opj.MeshAxes(batch="data", token="tok")
+    fn = jax.jit(
+        jax.shard_map(
+            lambda *x: loss(*x, axis_names=axes),
+            mesh=mesh,
+            in_specs=(spec,) * 6,
+            out_specs=(P(), P()),
+        )
+    )
+    args = [
+        jax.device_put(x, NamedSharding(mesh, spec))
+        for x in (logp, old, rollout, adv, mask, versions)
+    ]
+    got, got_metrics = fn(*args)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for key, value in want_metrics.items():
+        np.testing.assert_allclose(got_metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax import rules
-from offpolicy_jax._validation import as_array, check_same_shape
+from offpolicy_jax._validation import as_array
 from offpolicy_jax.stages import Decision, Mean, Stage
 
 
@@ -151,7 +151,11 @@ def check_versions(versions, current_version, shape, *, needed_by: str | None):
     versions = jnp.asarray(as_array("versions", versions))
     if not jnp.issubdtype(versions.dtype, jnp.integer):
         raise TypeError(f"versions must be an integer array [..., T], got dtype {versions.dtype}")
-    check_same_shape("old_logp", jnp.zeros(shape), versions=versions)
+    if versions.shape != tuple(shape):
+        raise ValueError(
+            f"versions has shape {versions.shape} but the log-probs have shape {tuple(shape)}; "
+            "all per-token inputs must be [..., T] alike"
+        )
     if current_version is None:
         raise ValueError(
             "current_version is required with versions: a token's age is current_version − version"
