@@ -115,6 +115,9 @@ def test_error_messages_print_bounded_values():
     with pytest.raises(ValueError, match="tis_level") as err:
         opj.CorrectionConfig(tis_level=huge)
     assert len(str(err.value)) < 1000
+    with pytest.raises(ValueError, match="params") as err:  # found by the campaign
+        opj.LossConfig(params=huge)
+    assert len(str(err.value)) < 1000
 
 
 def test_duplicate_yaml_keys_raise_naming_the_key():

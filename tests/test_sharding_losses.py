@@ -28,7 +28,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import offpolicy_jax as opj
-from offpolicy_jax.config import AGGREGATIONS, POLICY_LOSSES
+from offpolicy_jax import registry
+from offpolicy_jax.config import AGGREGATIONS
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clear_jax_caches")]
 
@@ -102,7 +103,7 @@ def test_reference_exercises_every_surrogate_and_aggregation(reference):
     """The cases are not vacuous: every surrogate and aggregation runs, losses and
     gradients are non-zero, and the clip / trust-region fractions bind somewhere."""
     configs = [config for config, _ in mc.SURROGATE_LOSSES.values()]
-    assert {c.policy_loss for c in configs} == set(POLICY_LOSSES) - {"ppo_clip"}
+    assert {c.policy_loss for c in configs} == set(registry.names()) - {"ppo_clip"}
     assert {c.aggregation for c in configs} == set(AGGREGATIONS)
     assert {(c.kl_estimator, c.kl_off_policy) for c in configs if c.kl_coef} >= {
         ("k1", False),

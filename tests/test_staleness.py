@@ -5,7 +5,7 @@ non-finite rollout log-probs (docs/guide/async.md).
   (token and sequence level), the partial-rollout prefix mask, ``nonfinite_rollout``
   and their metrics, on ragged batches with NaN / ±inf garbage in the padding;
 * packed rows give the same result as one sequence per row;
-* ``mis_staleness_max`` pools with ``max`` over micro-batches (``MaxParts``), the other
+* ``mis_staleness_max`` pools with ``max`` over micro-batches (``stages.Extreme``), the other
   metrics exactly as ``MeanParts``;
 * shard_map over data and token axes equals the unsharded call;
 * errors name the missing or malformed argument.
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import offpolicy_jax as opj
-from offpolicy_jax import correction, reduction, staleness
+from offpolicy_jax import correction, reduction, stages, staleness
 
 GARBAGE = (np.nan, np.inf, -np.inf, 1e30)
 
@@ -251,8 +251,8 @@ def test_micro_batches_pool_exactly_and_the_max_with_max():
 
     whole = parts(slice(None))
     first, second = parts(slice(0, 2)), parts(slice(2, None))
-    pooled = {k: first[k] + second[k] for k in first}
-    assert isinstance(pooled["mis_staleness_max"], staleness.MaxParts)
+    pooled = stages.pool(first, second)
+    assert isinstance(pooled["mis_staleness_max"], stages.Extreme)
     for key, value in whole.items():
         np.testing.assert_allclose(pooled[key].value(), value.value(), rtol=1e-6, err_msg=key)
     # The maximum is in the second micro-batch only: a mean of the two would be lower.

@@ -40,6 +40,7 @@ AGGREGATIONS: tuple[str, ...] = (
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 METRIC_REDUCTIONS: tuple[str, ...] = ("sequence", "token")
 NONFINITE_ROLLOUT: tuple[str, ...] = ("reject", "neutral")
+PROX_LOGP_METHODS: tuple[str, ...] = ("recompute", "loglinear", "linear", "metrics")
 STALENESS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
@@ -699,6 +700,13 @@ class LossConfig:
       kl_off_policy: weight the estimator by ``π_θ/π_d`` (DeepSeek-V3.2's unbiased
         estimate for samples drawn from ``π_d``).
       entropy_coef: coefficient of the entropy bonus ``−c·H`` (needs ``entropy``); 0 = off.
+      prox_logp_method: where decoupled PPO's proximal policy π_old comes from (AReaL's
+        key, docs/guide/async.md): ``"recompute"`` (default: ``old_logp``, a forward
+        pass), ``"loglinear"`` / ``"linear"`` (approximated from ``rollout_logp``,
+        ``sg(logp)`` and the token ``versions``, so ``old_logp`` may be None) or
+        ``"metrics"`` (``old_logp``, plus ``prox_*`` metrics of both approximations'
+        errors). Anything but ``"recompute"`` needs ``algorithm="decoupled_ppo"`` and
+        ``versions`` / ``current_version``.
     """
 
     algorithm: str = "ppo"
@@ -715,6 +723,7 @@ class LossConfig:
     kl_estimator: str = "k3"
     kl_off_policy: bool = False
     entropy_coef: float = 0.0
+    prox_logp_method: str = "recompute"
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         if len(args) > len(_LOSS_POSITIONAL):
@@ -777,6 +786,25 @@ class LossConfig:
             )
         self._check_surrogate(hyperparameters)
         self._check_correction()
+        self._check_proximal()
+
+    def _check_proximal(self) -> None:
+        """``prox_logp_method``: AReaL's values; an approximation is decoupled PPO's."""
+        method = _check_choice(
+            "LossConfig", "prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS
+        )
+        object.__setattr__(self, "prox_logp_method", method)
+        if method != "recompute" and self.algorithm != "decoupled_ppo":
+            raise ValueError(
+                f"LossConfig.prox_logp_method={shown(method)} approximates decoupled PPO's "
+                f"proximal policy; it needs algorithm='decoupled_ppo', not "
+                f"{shown(self.algorithm)}"
+            )
+
+    @property
+    def approximates_old(self) -> bool:
+        """π_old is approximated (``old_logp`` is not needed)."""
+        return self.prox_logp_method in ("loglinear", "linear")
 
     def _check_surrogate(self, hyperparameters: Mapping[str, Any]) -> None:
         """The surrogate's name (did-you-mean) and its hyperparameters, via the registry."""

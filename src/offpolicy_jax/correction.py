@@ -90,7 +90,6 @@ def correction_parts(
     *,
     reduction,
     layout,
-    also_over_final=(),
     versions=None,
     current_version=None,
 ):
@@ -98,8 +97,7 @@ def correction_parts(
 
     ``old`` is whatever plays π_old (``sg(logp)`` in REINFORCE-IS); ``w`` is the IS
     weight on kept tokens, 0 elsewhere, not yet multiplied by the mask value.
-    ``also_over_final``: see :func:`~offpolicy_jax.stages.run` (with ``use_tis``,
-    whose ``m'`` this returns). ``versions`` / ``current_version``: float32, checked by
+    ``versions`` / ``current_version``: float32, checked by
     :func:`~offpolicy_jax.staleness.check_versions` (or None).
     """
     chain = correction_stages(config)
@@ -116,9 +114,7 @@ def correction_parts(
         tokens,
         weight_stats=config.use_tis,
         batch_normalize=norm,
-        also_over_final=also_over_final if config.use_tis else (),
     )
-    parts = staleness.pool_maxima(parts)
     if not config.use_tis:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts
     return jax.lax.stop_gradient(weights), final, parts

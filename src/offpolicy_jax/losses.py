@@ -21,12 +21,13 @@ Decoupled PPO: Hilton et al., "Batch size-invariance for policy optimization"
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _objective, metrics, ratios, rules, stages
+from offpolicy_jax import _objective, metrics, proximal, ratios, rules, stages, staleness
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax._validation import (
     as_array,
@@ -198,6 +199,8 @@ def policy_loss_terms(
     contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
+    versions: jax.typing.ArrayLike | None = None,
+    current_version: jax.typing.ArrayLike | None = None,
 ) -> PolicyLossTerms:
     """:func:`policy_loss` with its per-token terms and its final mask.
 
@@ -234,6 +237,8 @@ def policy_loss_terms(
         segment_ids,
         ref_logp,
         entropy,
+        versions,
+        current_version,
     )
     return _terms(inputs, config, axis_names, num_segments, contiguous_segments)
 
@@ -261,6 +266,8 @@ class LossInputs(NamedTuple):
     segment_ids: Any = None
     ref_logp: Any = None
     entropy: Any = None
+    versions: Any = None
+    current_version: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +276,10 @@ class _Batch:
 
     ``old`` / ``rollout`` / ``ref`` are stop-gradient; ``adv`` is 0 where not valid or
     not finite; ``bad_model`` marks the valid tokens whose ``θ``, advantage (or a
-    reference log-prob or entropy the loss uses) is not finite.
+    reference log-prob or entropy the loss uses) is not finite. ``old`` is the
+    proximal approximation under ``prox_logp_method`` ``"loglinear"`` / ``"linear"``;
+    ``versions`` / ``current`` are float32 (or None), ``proximal`` the ``prox_*`` metric
+    parts (batch totals).
     """
 
     theta: jax.Array
@@ -283,6 +293,9 @@ class _Batch:
     ent: jax.Array | None
     layout: _reduce.Rows
     reduction: Reduction
+    versions: jax.Array | None = None
+    current: jax.Array | None = None
+    proximal: Mapping[str, MeanParts] = dataclasses.field(default_factory=dict)
 
     @property
     def theta_sg(self) -> jax.Array:
@@ -331,9 +344,49 @@ def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
     if ent is not None and config.entropy_coef != 0:
         bad_model = bad_model | ~jnp.isfinite(ent)
     adv = jnp.where(valid & jnp.isfinite(adv), adv, 0.0)
-    return _Batch(
+    versions, current = staleness.check_versions(
+        inputs.versions, inputs.current_version, theta.shape, needed_by=_versions_key(config)
+    )
+    check_split_over(axes.batch + axes.token, versions=inputs.versions)
+    b = _Batch(
         theta, old, rollout, adv, mask, valid, bad_model, ref, ent, layout, config.metric_reduction
     )
+    if versions is None:
+        return b
+    b = dataclasses.replace(b, versions=versions, current=current)
+    return _proximal(b, config) if config.prox_logp_method != "recompute" else b
+
+
+def _versions_key(config: LossConfig) -> str | None:
+    """The config key that reads ``versions`` (for the error message), or None."""
+    if config.prox_logp_method != "recompute":
+        return "LossConfig.prox_logp_method"
+    correction = config.correction
+    if isinstance(correction, CorrectionConfig) and correction.uses_versions:
+        return "the correction's max_weight_staleness / mask_offpolicy_in_partial_rollout"
+    return None
+
+
+def _proximal(b: _Batch, config: LossConfig) -> _Batch:
+    """AReaL's proximal approximation (:mod:`offpolicy_jax.proximal`): π_old from π_rollout,
+    ``sg(θ)`` and the versions (``loglinear`` / ``linear``), and the ``prox_*`` metrics
+    (with ``"metrics"``, or whenever ``old_logp`` is given too: the approximations'
+    errors against it) over the valid tokens whose log-probs are finite."""
+    assert b.rollout is not None and b.versions is not None and b.current is not None
+    alpha = proximal.interpolation_weight(b.versions, b.current)
+    method = config.prox_logp_method
+    methods = proximal.METHODS if method == "metrics" else (method,)
+    finite = jnp.isfinite(b.theta_sg) & jnp.isfinite(b.rollout)
+    if b.old is not None:
+        finite = finite & jnp.isfinite(b.old)
+    population = jnp.where(finite, b.mask, 0.0)
+    parts = proximal.metric_parts(
+        methods, alpha, b.old, b.rollout, b.theta_sg, population, b.layout, b.reduction
+    )
+    old = b.old
+    if config.approximates_old:
+        old = proximal.approximate(method, b.rollout, b.theta_sg, alpha)
+    return dataclasses.replace(b, old=old, proximal=parts)
 
 
 def _check_regularisers(config, theta, ref_logp, entropy):
@@ -359,7 +412,7 @@ def _check_inputs(config, inputs: LossInputs):
         raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
     algo = ALGORITHMS[config.algorithm]
     theta = as_float_logp("logp", inputs.logp)
-    if inputs.old_logp is None and algo.needs_old:
+    if inputs.old_logp is None and algo.needs_old and not config.approximates_old:
         takes_none = [a.name for a in ALGORITHMS.values() if not a.needs_old]
         raise ValueError(
             f"old_logp is required for algorithm {algo.name!r} (it is the ratio denominator); "
@@ -429,7 +482,14 @@ def _correct(config: LossConfig, old, b: _Batch, precomputed) -> _Corrected:
         return _Corrected(*_precomputed("correction_result", precomputed, mask.shape), {})
     if isinstance(correction, CorrectionConfig):
         weights, final, parts = correction_parts(
-            old, rollout, mask, correction, reduction=b.reduction, layout=layout
+            old,
+            rollout,
+            mask,
+            correction,
+            reduction=b.reduction,
+            layout=layout,
+            versions=b.versions,
+            current_version=b.current,
         )
         return _Corrected(weights, final, dict(parts), counts_nonfinite=True)
     if isinstance(correction, VanillaTIS):
@@ -561,7 +621,11 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
         columns["pg_loss"] = _reduce.total(pg_per_token, c.mask)
     columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
     columns["loss"] = _reduce.total(per_token, c.mask)
-    return _aggregated(b, config, per_token, c, b.layout.reduce(columns))
+    # The rollout abs-diff metric, the only column of this pass that reads
+    # rollout_logp, is reduced apart: measured faster (docs/guide/reduction_engine.md).
+    apart = {k: columns.pop(k) for k in ("train_rollout_logprob_abs_diff",) if k in columns}
+    sums = b.layout.reduce(columns) | b.layout.reduce(apart)
+    return _aggregated(b, config, per_token, c, sums)
 
 
 def _aggregated(b: _Batch, config: LossConfig, per_token, c: _Corrected, sums) -> PolicyLossTerms:
@@ -596,7 +660,7 @@ def _aggregated(b: _Batch, config: LossConfig, per_token, c: _Corrected, sums) -
             means[key] = _reduce.seq_mean(jnp.where(ok, sums[key], 0.0), count, reduction)
     if "ois" in sums:
         means["ois"] = _reduce.seq_mean(jnp.where(ok, sums["ois"], 0.0), mask_count, reduction)
-    parts = {**c.parts, **layout.batch_means(means)}
+    parts = {**c.parts, **b.proximal, **layout.batch_means(means)}
     final_mask = jnp.where(layout.broadcast(ok), c.mask, 0.0)
     loss_parts = parts.pop("loss")
     assert isinstance(loss_parts, MeanParts)  # aggregation_terms -> batch_means
@@ -624,6 +688,8 @@ def policy_loss_parts(
     contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
+    versions: jax.typing.ArrayLike | None = None,
+    current_version: jax.typing.ArrayLike | None = None,
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
     """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
 
@@ -659,6 +725,8 @@ def policy_loss_parts(
         segment_ids,
         ref_logp,
         entropy,
+        versions,
+        current_version,
     )
     terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
     return terms.parts, terms.metrics
@@ -679,6 +747,8 @@ def policy_loss(
     contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
+    versions: jax.typing.ArrayLike | None = None,
+    current_version: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Policy-gradient loss with rollout correction (docs/semantics.md §5).
 
@@ -726,6 +796,11 @@ def policy_loss(
       entropy: ``[..., T]`` per-token entropies ``H`` (differentiable), for the bonus
         ``−entropy_coef · H``; required when ``entropy_coef != 0``, else it only adds
         the ``entropy`` metric.
+      versions: asynchronous RL (docs/guide/async.md): int ``[..., T]``, the policy
+        version that sampled each token, for a ``CorrectionConfig`` correction's
+        staleness metrics and rules (as in :func:`compute_correction`) and for
+        ``config.prox_logp_method``'s proximal approximation, which requires it.
+      current_version: the trainer's policy version (an int); required with ``versions``.
 
     Returns:
       ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing
@@ -756,6 +831,8 @@ def policy_loss(
         segment_ids,
         ref_logp,
         entropy,
+        versions,
+        current_version,
     )
     terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
     loss, parts = terms.parts, terms.metrics

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import reduction as _reduce
+from offpolicy_jax._messages import shown
 from offpolicy_jax.reduction import MeanParts
 
 METHODS: tuple[str, ...] = ("loglinear", "linear")
@@ -53,7 +54,7 @@ def approximate(method: str, rollout: jax.Array, theta: jax.Array, alpha: jax.Ar
             alpha > 0.0, jnp.log(jnp.where(alpha > 0.0, alpha, 1.0)) + theta, -jnp.inf
         )
         return jnp.logaddexp(keep_b, take_t)
-    raise ValueError(f"unknown proximal approximation {method!r}; one of {list(METHODS)}")
+    raise ValueError(f"unknown proximal approximation {shown(method)}; one of {list(METHODS)}")
 
 
 def error_columns(method: str, approx, old, rollout, theta, population) -> dict:

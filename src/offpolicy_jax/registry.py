@@ -252,7 +252,7 @@ def build_params(name: str, values: Mapping[str, Any], base: Any = None) -> Any:
     start: dict[str, Any] = {}
     if base is not None and type(base) is not entry.params:
         if not dataclasses.is_dataclass(base):
-            raise ValueError(f"LossConfig.params must be a surrogate's params, got {base!r}")
+            raise ValueError(f"LossConfig.params must be a surrogate's params, got {shown(base)}")
         for f in dataclasses.fields(base):
             value = getattr(base, f.name)
             if value != f.default:

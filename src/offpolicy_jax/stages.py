@@ -317,12 +317,10 @@ def _decide(stages: Sequence[Stage], t: Tokens, sums: Mapping, finite: jax.Array
     return _Decided(populations, weights, weights_per_seq, requests, parts)
 
 
-def _pass2(
-    t: Tokens, d: _Decided, weight_stats: bool, also_over_final: Sequence[jax.Array]
-) -> dict:
+def _pass2(t: Tokens, d: _Decided, weight_stats: bool) -> dict:
     """Pass 2: per-token sums over the populations known now, and the final weight
     statistics. Keys: ``("n", population)``, ``("sum", metric key, population)``, or a
-    name (``w``, ``w2``, ``lo``, ``hi``, ``("also", i)``)."""
+    name (``w``, ``w2``, ``lo``, ``hi``)."""
     columns: dict[Hashable, Column] = {}
     for name, metric, at in d.requests:
         p = d.index(metric, at)
@@ -338,8 +336,6 @@ def _pass2(
             columns["w2"] = _reduce.total(d.weights * d.weights, d.final)
             columns["lo"] = _reduce.minimum(d.weights, d.final)
             columns["hi"] = _reduce.maximum(d.weights, d.final)
-    for i, value in enumerate(also_over_final):
-        columns[("also", i)] = _reduce.total(value, d.final)
     return t.layout.reduce(columns)
 
 
@@ -396,7 +392,6 @@ def run(
     *,
     weight_stats: bool,
     batch_normalize: str | None,
-    also_over_final: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, jax.Array, dict[str, MeanParts]]:
     """Runs the stages (see the module docstring).
 
@@ -406,9 +401,6 @@ def run(
       weight_stats: emit ``mis_is_ratio_*`` and ``mis_nonfinite_seq_fraction`` (use_tis).
       batch_normalize: None, or the reduction ``μ`` is averaged with (``"token"`` /
         ``"sequence"``); ``mis_batch_norm_factor`` is emitted whenever ``weight_stats``.
-      also_over_final: per-token values whose per-sequence sums over the final mask the
-        caller will take (``t.layout.reduce`` of ``total(x, m')``): declared here, in
-        the second pass, the caller's reduction finds them done.
 
     Returns:
       ``(w, m', parts)``: the weights on kept tokens (0 elsewhere, not multiplied by the
@@ -421,7 +413,7 @@ def run(
         d.parts["mis_nonfinite_seq_fraction"] = _reduce.seq_mean_of_values(
             jnp.where(finite, 0.0, 1.0), pass1["count"], t.reduction
         )
-    pass2 = _pass2(t, d, weight_stats, also_over_final)
+    pass2 = _pass2(t, d, weight_stats)
     count_valid = _restrict(finite, pass1["count"])
 
     def count(p):

@@ -6,7 +6,8 @@ per-token ``versions`` (the policy version that sampled each token) and the trai
 ``current_version``, a token's *age* is ``current_version − version``:
 
 * :class:`Staleness` reports the age (``mis_staleness_mean``, and
-  ``mis_staleness_max`` as a :class:`MaxParts` that pools with ``max``) and, with ``max_weight_staleness = L``, rejects what is older than ``L``:
+  ``mis_staleness_max`` as an :class:`~offpolicy_jax.stages.Extreme` that pools with
+  ``max``) and, with ``max_weight_staleness = L``, rejects what is older than ``L``:
   each token with age ``> L`` (``staleness_level="token"``), or each sequence whose
   oldest valid token is (``"sequence"``, miles' rule: a sample is stale when
   ``current − oldest > L``);
@@ -29,67 +30,13 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax._validation import as_array, check_same_shape
-from offpolicy_jax.reduction import MeanParts
+from offpolicy_jax import rules
+from offpolicy_jax._validation import as_array
 from offpolicy_jax.stages import Decision, Mean, Stage
 
 
 def _indicator(x: jax.Array) -> jax.Array:
     return jnp.where(x, 1.0, 0.0)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MaxParts(MeanParts):
-    """A batch maximum kept so that it pools exactly, with ``max`` (not a mean).
-
-    ``numerator`` is the maximum, ``denominator`` how many sequences it is the maximum
-    of (0: none, and the value is 0). ``a + b`` keeps the larger maximum of the
-    non-empty ones and adds the counts, so micro-batches pooled with ``+`` report the
-    maximum of the whole batch. Pool a dict of metric parts key by key
-    (``{k: a[k] + b[k] for k in a}``): ``jax.tree.map(jnp.add, ...)`` adds leaves,
-    which would add the maxima.
-    """
-
-    def value(self) -> jax.Array:
-        return jnp.where(self.denominator > 0, self.numerator, 0.0)
-
-    def __add__(self, other: MeanParts) -> MeanParts:
-        if not isinstance(other, MaxParts):
-            return NotImplemented
-        mine, theirs = self.denominator > 0, other.denominator > 0
-        top = jnp.where(
-            mine & theirs,
-            jnp.maximum(self.numerator, other.numerator),
-            jnp.where(mine, self.numerator, other.numerator),
-        )
-        return MaxParts(top, self.denominator + other.denominator)
-
-
-MAXIMA: tuple[str, ...] = ("mis_staleness_max",)
-
-
-def batch_max(layout, per_seq: jax.Array, count: jax.Array) -> MeanParts:
-    """The batch maximum of per-sequence values over the non-empty sequences, as
-    per-sequence terms ``(g·[N>0], [N>0])`` whose batch total divides out to ``g`` (a
-    ``pmax`` over the layout's data-parallel axes; its token axes are combined
-    already). :func:`pool_maxima` turns the total into a :class:`MaxParts`."""
-    nonempty = count > 0
-    top = jnp.max(jnp.where(nonempty, per_seq, -jnp.inf), initial=-jnp.inf)
-    axes = tuple(layout.axes.batch)
-    if axes:
-        top = jax.lax.pmax(top, axes)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    return MeanParts(jnp.where(nonempty, top, 0.0), _indicator(nonempty))
-
-
-def pool_maxima(parts: dict) -> dict:
-    """The batch totals of :func:`batch_max` as :class:`MaxParts`, which pool with ``max``."""
-    out = dict(parts)
-    for key in MAXIMA:
-        if key in out:
-            out[key] = MaxParts(out[key].value(), out[key].denominator)
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +66,7 @@ class Staleness(Stage):
         count, p = sums["count"], "mis_staleness"
         metrics: dict = {
             f"{p}_mean": _reduce.seq_mean(sums["age"], count, t.reduction),
-            f"{p}_max": batch_max(t.layout, sums["oldest"], count),
+            f"{p}_max": rules.batch_extreme(t.layout, sums["oldest"], count, "max"),
         }
         if self.limit is None:
             return Decision(metrics=metrics)
@@ -204,7 +151,11 @@ def check_versions(versions, current_version, shape, *, needed_by: str | None):
     versions = jnp.asarray(as_array("versions", versions))
     if not jnp.issubdtype(versions.dtype, jnp.integer):
         raise TypeError(f"versions must be an integer array [..., T], got dtype {versions.dtype}")
-    check_same_shape("old_logp", jnp.zeros(shape), versions=versions)
+    if versions.shape != tuple(shape):
+        raise ValueError(
+            f"versions has shape {versions.shape} but the log-probs have shape {tuple(shape)}; "
+            "all per-token inputs must be [..., T] alike"
+        )
     if current_version is None:
         raise ValueError(
             "current_version is required with versions: a token's age is current_version − version"
