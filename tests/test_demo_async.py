@@ -154,3 +154,43 @@ def test_version_rows_need_the_async_mismatch():
         )
     assert train.Mismatch("async", 8).staleness() == 9  # ring copies: ages 0..8
     assert experiment.PRESETS["async"].mismatch == train.Mismatch("async", 8)
+
+
+@pytest.mark.slow
+def test_async_preset_and_prox_only_run_from_the_command_line(tmp_path):
+    """``--preset async`` writes every row; a prox-only run (the π_old pass skipped) too."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run_cli(out, *flags):
+        env = dict(os.environ)  # XLA without LLVM optimisation: ~3x faster compiles
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+        ).strip()
+        command = [
+            sys.executable,
+            "-m",
+            "offpolicy_jax.demo.cli",
+            "demo",
+            "--tiny",
+            "--no-progress",
+        ]
+        return subprocess.run(
+            [*command, *flags, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+            check=False,
+        )
+
+    proc = run_cli(tmp_path / "preset", "--preset", "async", "--steps", "3")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "preset" / "summary.json").read_text())
+    rows = [r["algorithm"] for r in summary["results"]]
+    assert rows == list(experiment.PRESETS["async"].algorithms)
+    proc = run_cli(tmp_path / "prox", "--mismatch", "async", "--algorithms", ",".join(PROX_ROWS))
+    assert proc.returncode == 0, proc.stderr
+    assert "decoupled_ppo+mis+linear" in proc.stdout

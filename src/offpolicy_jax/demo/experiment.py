@@ -90,7 +90,7 @@ class DemoConfig:
         readers = [a for a in self.algorithms if train.reads_versions(train.row(a).loss)]
         if readers and not asynchronous:
             raise ValueError(
-                f"{', '.join(readers)} read per-token policy versions: they need the async "
+                f"rows {', '.join(readers)} read per-token policy versions: they need the async "
                 "mismatch with severity >= 1 (--mismatch async)"
             )
         if self.mismatch.source == "async" and self.train.n_experts:
