@@ -31,29 +31,29 @@ def test_async_engine_reports_the_versions_of_the_weights_it_sampled_with():
     ring = jax.tree.map(lambda *p: jnp.stack(p), *copies)
     prompts = jnp.repeat(task.sample_prompts(jax.random.key(1), 8, n), g, axis=0)
     keys = (jax.random.key(2), jax.random.key(3))
-    responses, logq, versions = train.async_generate(
-        graphdef, ring, jnp.int32(step), prompts, keys, g
-    )
+    async_generate = jax.jit(train.async_generate, static_argnums=(0, 5))
+    responses, logq, versions = async_generate(graphdef, ring, jnp.int32(step), prompts, keys, g)
     assert versions.shape == responses.shape == logq.shape == (16, n)
     v = np.asarray(versions)
     assert (v == v[:, :1]).all() and (v.reshape(8, g, n) == v[::g, None, :1]).all()
     assert ((step - v >= 0) & (step - v < slots)).all()
     assert len(np.unique(v)) > 1  # mixed versions in one batch
     sample_keys = jax.random.split(keys[1], 8)
+    generate = jax.jit(engine.generate, static_argnums=(0, 4))  # one compile, 8 groups
     for j in range(8):
         version = int(v[j * g, 0])
         params = copies[(version - 1) % slots]
         rows = slice(j * g, (j + 1) * g)
-        want_r, want_q = engine.generate(
+        want_r, want_q = generate(
             graphdef, params, prompts[rows], sample_keys[j], engine.Numerics()
         )
         np.testing.assert_array_equal(responses[rows], want_r)
         np.testing.assert_allclose(logq[rows], want_q, rtol=1e-6, atol=1e-6)
     # Without mismatch every group is sampled by the current weights (slot (step − 1) % K).
-    _, _, current = train.async_generate(graphdef, ring, jnp.int32(step), prompts, keys, g, False)
+    _, _, current = async_generate(graphdef, ring, jnp.int32(step), prompts, keys, g, False)
     assert (np.asarray(current) == step).all()
     # Early steps: the ring still holds the initial weights, version 0.
-    _, _, early = train.async_generate(graphdef, ring, jnp.int32(1), prompts, keys, g)
+    _, _, early = async_generate(graphdef, ring, jnp.int32(1), prompts, keys, g)
     assert set(np.unique(early)) <= {0, 1}
 
 
