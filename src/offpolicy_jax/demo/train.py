@@ -162,16 +162,12 @@ ALGORITHMS: dict[str, Algorithm] = {
 ASYNC_MAX_STALENESS = 4
 
 
-def _async_row(name: str, label: str, loss: opj.LossConfig) -> Algorithm:
-    return Algorithm(name, label, loss)
-
-
 # Rows of the asynchronous (``async``) mismatch: they read the per-token policy versions,
 # so they need ``Mismatch("async", ...)`` (docs/guide/async.md, "In the demo").
 ASYNC_ROWS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        _async_row(
+        Algorithm(
             f"decoupled_ppo+mis+staleness{ASYNC_MAX_STALENESS}",
             f"decoupled_ppo + MIS, groups > {ASYNC_MAX_STALENESS} versions old rejected",
             opj.LossConfig(
@@ -180,7 +176,7 @@ ASYNC_ROWS: dict[str, Algorithm] = {
             ),
         ),
         *(
-            _async_row(
+            Algorithm(
                 f"decoupled_ppo+mis+{m}",
                 f"decoupled_ppo + MIS, π_old approximated ({m}), no π_old pass",
                 opj.LossConfig(algorithm="decoupled_ppo", correction=MIS, prox_logp_method=m),
