@@ -49,7 +49,9 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         "the docs' demo table), collapse (an engine 128 updates behind and a 3x learning "
         "rate, where mismatched training collapses, truncated IS included; see docs/demo.md), "
         "router (a 4-expert routed policy whose engine flips about a third of the routing "
-        "decisions, lr 1e-2 without gradient clipping; see docs/demo_moe.md) "
+        "decisions, lr 1e-2 without gradient clipping; see docs/demo_moe.md), async (every "
+        "batch mixes policy versions 0..8 updates old; the staleness rule and the proximal "
+        "approximation as rows; see docs/guide/async.md) "
         "(default: default)",
     )
     demo.add_argument(
@@ -84,9 +86,10 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         help="how strong the mismatch is, 0 = none: precision = 8 − mantissa "
         "bits kept (1 = bfloat16), stale = optimizer updates behind, "
         "sampling = temperature 1 + 0.25·s and top-p 1 − 0.05·s, router = about s%% of the "
-        "routing decisions flipped (needs --experts), fp8 = 1 (e4m3) or 2 (e5m2) (default: "
-        + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_SEVERITY.items())
-        + ")",
+        "routing decisions flipped (needs --experts), fp8 = 1 (e4m3) or 2 (e5m2), async = "
+        "each prompt group sampled by weights 0..s updates old, drawn per group and step "
+        "(asynchronous RL, mixed versions per batch; the loss gets each token's version) "
+        "(default: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_SEVERITY.items()) + ")",
     )
     demo.add_argument(
         "--experts",

@@ -68,6 +68,7 @@ class DemoConfig:
                 f"behind, got severity {self.mismatch.severity:g}"
             )
         self._check_routing()
+        self._check_async()
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if not 0 < self.train.learning_rate < float("inf"):
@@ -82,6 +83,18 @@ class DemoConfig:
             raise ValueError(f"dump_steps must lie in [1, {self.steps}], got {self.dump_steps}")
         if self.train.prompts_per_step % self.train.minibatches:
             raise ValueError("prompts_per_step must be a multiple of minibatches")
+
+    def _check_async(self) -> None:
+        """Rows that read policy versions need the ``async`` mismatch (a dense policy)."""
+        asynchronous = self.mismatch.source == "async" and self.mismatch.staleness() > 0
+        readers = [a for a in self.algorithms if train.reads_versions(train.row(a).loss)]
+        if readers and not asynchronous:
+            raise ValueError(
+                f"rows {', '.join(readers)} read per-token policy versions: they need the async "
+                "mismatch with severity >= 1 (--mismatch async)"
+            )
+        if self.mismatch.source == "async" and self.train.n_experts:
+            raise ValueError("the async mismatch needs a dense policy (n_experts = 0)")
 
     def _check_routing(self) -> None:
         """The routed-policy settings: experts, top-k, and what needs them."""
@@ -146,6 +159,20 @@ PRESETS: dict[str, DemoConfig] = {
         train=TrainConfig(n_experts=4, top_k=1, learning_rate=1e-2, max_grad_norm=0.0),
         chunk=20,
         preset="router",
+    ),
+    # docs/guide/async.md, "In the demo": asynchronous RL, every batch mixing policy
+    # versions 0..8 updates old; the staleness rule and the proximal approximation as rows.
+    "async": DemoConfig(
+        algorithms=(
+            "ppo:no-mismatch",
+            "ppo",
+            "decoupled_ppo+mis",
+            f"decoupled_ppo+mis+staleness{train.ASYNC_MAX_STALENESS}",
+            "decoupled_ppo+mis+loglinear",
+            "decoupled_ppo+mis+linear",
+        ),
+        mismatch=Mismatch("async", train.DEFAULT_SEVERITY["async"]),
+        preset="async",
     ),
 }
 

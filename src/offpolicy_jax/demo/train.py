@@ -29,7 +29,7 @@ from offpolicy_jax.demo.model import Policy, Routing
 
 Array = jax.Array
 
-MISMATCH_SOURCES = ("precision", "stale", "sampling", "router", "fp8")
+MISMATCH_SOURCES = ("precision", "stale", "sampling", "router", "fp8", "async")
 #: Sources that need a routed (MoE) policy (``TrainConfig.n_experts > 0``).
 ROUTED_SOURCES = ("router",)
 #: The ``router`` engine's perturbation per unit of severity, in units of each token's
@@ -42,7 +42,14 @@ FP8_SEVERITY = {1: "e4m3", 2: "e5m2"}
 TRAINER_LOGPROBS = ("raw", "sampler")
 #: Default severity per source. The stale default is deliberately severe: in this tiny
 #: problem milder mismatches give smaller gaps (docs/demo.md has the numbers).
-DEFAULT_SEVERITY = {"stale": 64.0, "precision": 1.0, "sampling": 1.0, "router": 10.0, "fp8": 1.0}
+DEFAULT_SEVERITY = {
+    "stale": 64.0,
+    "precision": 1.0,
+    "sampling": 1.0,
+    "router": 10.0,
+    "fp8": 1.0,
+    "async": 8.0,
+}
 MAX_STALENESS = 256
 
 #: The reference rollout-correction settings, as shipped with the package (mis.yaml).
@@ -150,6 +157,49 @@ ALGORITHMS: dict[str, Algorithm] = {
     )
 }
 
+#: The ``async`` mismatch's staleness rule: groups more than this many versions old leave
+#: the loss (miles ``--max-weight-staleness``; the row ``decoupled_ppo+mis+staleness4``).
+ASYNC_MAX_STALENESS = 4
+
+
+# Rows of the asynchronous (``async``) mismatch: they read the per-token policy versions,
+# so they need ``Mismatch("async", ...)`` (docs/guide/async.md, "In the demo").
+ASYNC_ROWS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm(
+            f"decoupled_ppo+mis+staleness{ASYNC_MAX_STALENESS}",
+            f"decoupled_ppo + MIS, groups > {ASYNC_MAX_STALENESS} versions old rejected",
+            opj.LossConfig(
+                algorithm="decoupled_ppo",
+                correction=dataclasses.replace(MIS, max_weight_staleness=ASYNC_MAX_STALENESS),
+            ),
+        ),
+        *(
+            Algorithm(
+                f"decoupled_ppo+mis+{m}",
+                f"decoupled_ppo + MIS, π_old approximated ({m}), no π_old pass",
+                opj.LossConfig(algorithm="decoupled_ppo", correction=MIS, prox_logp_method=m),
+            )
+            for m in ("loglinear", "linear")
+        ),
+    )
+}
+ALGORITHMS.update(ASYNC_ROWS)
+
+
+def reads_versions(loss: opj.LossConfig) -> bool:
+    """Whether ``loss`` needs the per-token policy versions (the ``async`` mismatch)."""
+    correction = loss.correction
+    rule = isinstance(correction, opj.CorrectionConfig) and correction.uses_versions
+    return rule or loss.approximates_old
+
+
+def needs_old_pass(loss: opj.LossConfig) -> bool:
+    """Whether ``loss`` reads the recomputed π_old (``old_logp``): a forward pass."""
+    return loss.algorithm in ("ppo", "decoupled_ppo") and not loss.approximates_old
+
+
 #: Names of earlier versions of the demo, still accepted (``--algorithms reference,...``).
 ALIASES = {
     "reference": "ppo:no-mismatch",
@@ -247,7 +297,11 @@ class Mismatch:
       decisions that differ from the trainer's at equal weights at initialisation
       (measured each step: ``route_flip_fraction``);
     - ``fp8``: the engine's matmul weights and inputs in fp8 with per-tensor scales, the
-      rest in bfloat16; severity 1 = e4m3, 2 = e5m2 (:data:`FP8_SEVERITY`).
+      rest in bfloat16; severity 1 = e4m3, 2 = e5m2 (:data:`FP8_SEVERITY`);
+    - ``async``: asynchronous RL with mixed versions per batch: each prompt group is
+      sampled by the weights of ``d`` updates ago, ``d`` drawn uniformly from
+      ``0..severity`` per group and step (from the step's key, so the same for every row
+      of a seed); the trainer passes each token's version and the current one to the loss.
     """
 
     source: str = "stale"
@@ -266,6 +320,10 @@ class Mismatch:
         return engine.Numerics()
 
     def staleness(self) -> int:
+        """The engine's ring of weights, in copies (0: none): ``severity`` for ``stale``,
+        ``severity + 1`` for ``async`` (ages 0..severity)."""
+        if self.source == "async" and round(self.severity) > 0:
+            return round(self.severity) + 1
         return round(self.severity) if self.source == "stale" else 0
 
 
@@ -390,7 +448,7 @@ def init_state(cfg: TrainConfig, mismatch: Mismatch, seeds: Sequence[int]):
 
 
 #: What ``make_train_step(..., dump=True)`` adds to the metrics: the batch trained on.
-DUMP_KEYS = ("old_logp", "rollout_logp", "mask", "advantages")
+DUMP_KEYS = ("old_logp", "rollout_logp", "mask", "advantages", "versions")
 
 #: Per-step metrics of the demo itself (the loss's own metrics follow as ``loss/<key>``).
 STEP_METRICS = (
@@ -406,25 +464,90 @@ STEP_METRICS = (
     "nonfinite_seq_fraction",
     "log_ratio_above_1",
     "route_flip_fraction",
+    "staleness_mean",
 )
+
+#: The metrics of :func:`make_train_step`'s ``diagnostics`` (π_old against π_rollout).
+DIAGNOSTIC_KEYS = (
+    "log_ratio_above_1",
+    "mis_k3_kl",
+    "is_weight_max",
+    "is_weight_mean",
+    "is_weight_above_2",
+    "nonfinite_seq_fraction",
+)
+
+#: ``jax.random.fold_in`` tag of the ``async`` engine's ages (the step's other keys are
+#: split as before, so every other mismatch samples exactly as it did).
+ASYNC_KEY = 7
 
 #: The monitor: the untruncated per-token weight π_old / π_rollout as the library computes
 #: it (log-ratio clamped to ±20), and the §4 mismatch metrics. Metrics only for the run.
 _MONITOR = opj.CorrectionConfig(use_tis=True, tis_mode="truncate", tis_upper_bound=_MONITOR_BOUND)
 
 
-def loss_metric_keys(algorithms: Sequence[Algorithm]) -> tuple[str, ...]:
+def loss_metric_keys(algorithms: Sequence[Algorithm], versions: bool = False) -> tuple[str, ...]:
     """The union of the metric keys ``opj.policy_loss`` returns for these algorithms,
-    sorted (the key set depends on the config only, so an abstract evaluation finds it)."""
+    sorted (the key set depends on the config only, so an abstract evaluation finds it).
+    ``versions``: the losses receive per-token policy versions (the ``async`` mismatch)."""
     x = jax.ShapeDtypeStruct((2, 3), jnp.float32)
     a = jax.ShapeDtypeStruct((2,), jnp.float32)
+    v = jax.ShapeDtypeStruct((2, 3), jnp.int32) if versions else None
     keys: set[str] = set()
     for alg in algorithms:
         _, met = jax.eval_shape(
-            lambda lp, adv, lcfg=alg.loss: opj.policy_loss(lp, lp, lp, adv, lp, lcfg), x, a
+            lambda lp, adv, ver, lcfg=alg.loss: opj.policy_loss(
+                lp, lp, lp, adv, lp, lcfg, versions=ver, current_version=None if ver is None else 3
+            ),
+            x,
+            a,
+            v,
         )
         keys |= set(met)
     return tuple(sorted(keys))
+
+
+def async_generate(
+    graphdef: nnx.GraphDef,
+    ring: nnx.State,
+    step: Array,
+    prompts: Array,
+    keys: tuple[Array, Array],
+    group_size: int,
+    mismatched: Array | bool = True,
+) -> tuple[Array, Array, Array]:
+    """The ``async`` engine: mixed policy versions in one batch.
+
+    Prompt group j (``group_size`` consecutive rows of ``prompts``) is sampled by the
+    weights of ``d_j`` updates ago, ``d_j`` uniform in ``0 .. K − 1`` (``K`` = the ring's
+    length, severity + 1), drawn from ``keys[0]`` (0 everywhere without mismatch);
+    ``keys[1]`` is split into one sampling key per group. At step ``s`` the ring's slot
+    ``(v − 1) % K`` holds version ``v`` (written at the end of step ``v − 1``), so it holds
+    versions ``s − K + 1 .. s`` and age 0 is the current weights; before step ``d`` it
+    still holds the initial weights, version 0.
+
+    Returns:
+      ``(responses, rollout_logp, versions)``, all ``[B, n]``: ``versions`` (int32) is the
+      version that sampled each token, ``max(step − d_j, 0)``.
+    """
+    ages_key, sample_key = keys
+    slots = jax.tree.leaves(ring)[0].shape[0]
+    groups, n = len(prompts) // group_size, prompts.shape[-1]
+    ages = jax.random.randint(ages_key, (groups,), 0, slots)
+    ages = jnp.where(mismatched, ages, 0)
+    group_params = jax.tree.map(lambda r: r[(step - ages - 1) % slots], ring)
+    sample = functools.partial(engine.generate, graphdef, numerics=engine.Numerics())
+    responses, logq = jax.vmap(sample)(
+        group_params,
+        prompts.reshape(groups, group_size, n),
+        jax.random.split(sample_key, groups),
+    )
+    versions = jnp.repeat(jnp.maximum(step - ages, 0).astype(jnp.int32), group_size)
+    return (
+        responses.reshape(-1, n),
+        logq.reshape(-1, n),
+        jnp.broadcast_to(versions[:, None], (len(prompts), n)),
+    )
 
 
 def make_train_step(
@@ -433,6 +556,7 @@ def make_train_step(
     algorithms: Sequence[Algorithm],
     mismatch: Mismatch,
     dump: bool = False,
+    old_pass: bool | None = None,
 ) -> Callable:
     """``train_step(state, key, algo_index, mismatched) -> (state, metrics)`` for one run
     (vmap it over runs). ``algo_index`` picks ``algorithms[algo_index].loss``;
@@ -440,7 +564,14 @@ def make_train_step(
     :data:`STEP_METRICS` and every metric of the loss as ``loss/<key>`` (mean over the
     minibatches; NaN for a key that this run's loss does not return). ``dump=True``
     adds the batch the step trained on: ``dump/old_logp``, ``dump/rollout_logp``,
-    ``dump/mask`` ``[B, n]`` and ``dump/advantages`` ``[B]`` (:data:`DUMP_KEYS`)."""
+    ``dump/mask``, ``dump/versions`` ``[B, n]`` and ``dump/advantages`` ``[B]``
+    (:data:`DUMP_KEYS`).
+    ``old_pass``: whether the trainer computes π_old (a forward pass at the current
+    weights, which ppo / decoupled_ppo rows read and the monitor metrics compare with
+    π_rollout); None (default) skips it exactly when the mismatch is ``async`` and no row
+    reads it (every decoupled row approximates it, ``prox_logp_method``), and False
+    outside that case is a ValueError. True keeps it where it could be skipped: the
+    comparison that times the pass (benchmarks/async_demo.py)."""
     if cfg.trainer_logprobs not in TRAINER_LOGPROBS:
         raise ValueError(
             f"trainer_logprobs must be one of {', '.join(TRAINER_LOGPROBS)}, "
@@ -456,7 +587,17 @@ def make_train_step(
     # Runs that share a loss share a switch branch (e.g. ppo:no-mismatch and ppo).
     loss_configs = list(dict.fromkeys(a.loss for a in algorithms))
     loss_index = jnp.array([loss_configs.index(a.loss) for a in algorithms], jnp.int32)
-    loss_keys = loss_metric_keys(algorithms)
+    asynchronous = mismatch.source == "async" and stale > 0
+    loss_keys = loss_metric_keys(algorithms, versions=asynchronous)
+    # No row reads the recomputed π_old (every decoupled row approximates it): the
+    # trainer skips that forward pass, the saving the proximal approximation is for.
+    can_skip = asynchronous and not any(needs_old_pass(a.loss) for a in algorithms)
+    if old_pass is False and not can_skip:
+        raise ValueError(
+            "old_pass=False: a row reads π_old (or the mismatch is not async); only rows that "
+            "approximate it (prox_logp_method loglinear / linear) can skip the pass"
+        )
+    skip_old = can_skip if old_pass is None else not old_pass
     # The rejection each algorithm's correction applies, run once per batch to count the
     # tokens it drops (a VanillaTIS or no correction drops none).
     applied = [
@@ -469,11 +610,12 @@ def make_train_step(
     monitor_index = jnp.array([monitors.index(c) for c in applied], jnp.int32)
 
     def policy_loss(lcfg: opj.LossConfig):
-        needs_old = lcfg.algorithm in ("ppo", "decoupled_ppo")
+        needs_old = needs_old_pass(lcfg)
 
-        def loss(logp, old_logp, rollout_logp, adv, mask):
+        def loss(logp, old_logp, rollout_logp, adv, mask, versions, current):
+            ver = {"versions": versions, "current_version": current} if asynchronous else {}
             loss, met = opj.policy_loss(
-                logp, old_logp if needs_old else None, rollout_logp, adv, mask, lcfg
+                logp, old_logp if needs_old else None, rollout_logp, adv, mask, lcfg, **ver
             )
             nan = jnp.float32(jnp.nan)
             return loss, {k: jnp.asarray(met.get(k, nan), jnp.float32) for k in loss_keys}
@@ -489,17 +631,30 @@ def make_train_step(
             return None
         return Routing(routes=routes, replay=replay_rows[algo_index])
 
-    def loss_fn(params, algo_index, sampler, tokens, old_logp, rollout_logp, adv, mask, routes):
+    def loss_fn(
+        params, algo_index, sampler, current, tokens, old_logp, rollout_logp, adv, mask, *rest
+    ):
+        routes, versions = rest
         # Minibatches split the leading axis: routes travel batch-major, [B, n_layers, L, k].
         route = routing(algo_index, jnp.moveaxis(routes, 0, 1) if routed else None)
         logp = token_logp(graphdef, params, tokens, n, sampler, route)
         return jax.lax.switch(
-            loss_index[algo_index], losses, logp, old_logp, rollout_logp, adv, mask
+            loss_index[algo_index],
+            losses,
+            logp,
+            old_logp,
+            rollout_logp,
+            adv,
+            mask,
+            versions,
+            current,
         )
 
-    def rejected(algo_index, old_logp, rollout_logp, mask):
+    def rejected(algo_index, old_logp, rollout_logp, mask, versions, current):
+        ver = {"versions": versions, "current_version": current} if asynchronous else {}
+
         def run(c):
-            res = opj.compute_correction(old_logp, rollout_logp, mask, c, reduction="token")
+            res = opj.compute_correction(old_logp, rollout_logp, mask, c, reduction="token", **ver)
             return (mask.sum() - res.mask.sum()) / jnp.maximum(mask.sum(), 1.0)
 
         return jax.lax.switch(monitor_index[algo_index], [lambda c=c: run(c) for c in monitors])
@@ -526,13 +681,20 @@ def make_train_step(
         k_prompt, k_sample, k_eval_prompt, k_eval = jax.random.split(key, 4)
         prompts = jnp.repeat(task.sample_prompts(k_prompt, cfg.prompts_per_step, n), g, axis=0)
         slot = state["step"] % stale if stale else 0  # the ring's slot (only when stale)
-        if stale:
+        if stale and not asynchronous:
             old = jax.tree.map(lambda r: r[slot], state["ring"])
             engine_params = jax.tree.map(lambda o, p: jnp.where(mismatched, o, p), old, params)
         else:
             engine_params = params
         routes = jnp.zeros(0, jnp.int32)  # a dense policy has none
-        if routed:
+        current = state["step"]  # the policy version: updates so far
+        versions = jnp.full((len(prompts), n), current, jnp.int32)
+        if asynchronous:
+            ages_key = jax.random.fold_in(key, ASYNC_KEY)
+            responses, rollout_logp, versions = async_generate(
+                graphdef, state["ring"], current, prompts, (ages_key, k_sample), g, mismatched
+            )
+        elif routed:
             responses, rollout_logp, routes = engine.generate_routed(
                 graphdef, engine_params, prompts, k_sample, numerics, mismatched
             )
@@ -559,6 +721,9 @@ def make_train_step(
             # outputs score the response tokens (n .. 2n - 1), in any layer.
             differ = jnp.any(jnp.sort(routes, -1) != jnp.sort(own, -1), -1)[:, :, n : 2 * n]
             flips = jnp.mean(differ.astype(jnp.float32))
+        elif skip_old:
+            old_logp = rollout_logp  # a placeholder no loss reads (needs_old_pass)
+            flips = jnp.float32(jnp.nan)
         else:
             old_logp = jax.lax.stop_gradient(token_logp(graphdef, params, tokens, n, sampler))
             flips = jnp.float32(jnp.nan)
@@ -575,7 +740,7 @@ def make_train_step(
         def update(carry, mb):
             params, opt = carry
             (_, loss_met), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, algo_index, sampler, *mb
+                params, algo_index, sampler, current, *mb
             )
             updates, opt = tx.update(grads, opt, params)
             return (optax.apply_updates(params, updates), opt), (loss_met, optax.tree.norm(grads))
@@ -583,7 +748,7 @@ def make_train_step(
         # Minibatches are whole groups, in order: one PPO epoch over the batch.
         advantages = group_advantages(rewards, g)
         batch_routes = jnp.moveaxis(routes, 1, 0) if routed else jnp.zeros(len(tokens))
-        batch = (tokens, old_logp, rollout_logp, advantages, train_mask, batch_routes)
+        batch = (tokens, old_logp, rollout_logp, advantages, train_mask, batch_routes, versions)
         batch = jax.tree.map(lambda x: x.reshape((mbs, -1) + x.shape[1:]), batch)
         (params, opt), (loss_met, grad_norm) = jax.lax.scan(update, (params, state["opt"]), batch)
         # The trained policy itself, sampled with exact float32 numerics on fresh prompts:
@@ -600,13 +765,20 @@ def make_train_step(
             "policy_reward": eval_rewards.mean(),
             "policy_exact_match": (eval_rewards == 1.0).mean(),
             "reward": rewards.mean(),
-            "rejected_fraction": rejected(algo_index, old_logp, rollout_logp, train_mask),
+            "rejected_fraction": rejected(
+                algo_index, old_logp, rollout_logp, train_mask, versions, current
+            ),
             # Before clipping: the size of the raw update direction.
             "grad_norm": grad_norm.mean(),
             **diagnostics(old_logp, rollout_logp, mask),
+            "staleness_mean": jnp.mean((current - versions).astype(jnp.float32)),
             "route_flip_fraction": flips,
             **{f"loss/{k}": v.mean() for k, v in loss_met.items()},
         }
+        if skip_old:
+            # No π_old was computed: the monitors of π_old / π_rollout have nothing to read.
+            for k in ("rejected_fraction", *DIAGNOSTIC_KEYS):
+                metrics[k] = jnp.float32(jnp.nan)
         if dump:
             metrics.update(
                 {
@@ -614,6 +786,7 @@ def make_train_step(
                     "dump/rollout_logp": rollout_logp,
                     "dump/mask": mask,
                     "dump/advantages": advantages,
+                    "dump/versions": versions,
                 }
             )
         return {"params": params, "opt": opt, "ring": ring, "step": state["step"] + 1}, metrics
