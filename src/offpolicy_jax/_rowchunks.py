@@ -53,3 +53,19 @@ def loop(num: int, size: int, total: int, body, init):
         return body(carry, jnp.minimum(lo, total - size), lo)
 
     return jax.lax.fori_loop(0, num, step, init)
+
+
+def match_cotangent_axes(dh, dw, h, w, axis_name):
+    """Cotangents of the hidden states and the unembedding varying over exactly their
+    primal's mesh axes (inside ``shard_map``): ``dh`` is a partial sum over the
+    vocabulary shards (one ``[N, D]`` all-reduce, as in any tensor-parallel
+    unembedding), ``dW`` one over the batch / token shards."""
+    if axis_name is not None and axis_name not in vma(h):
+        dh = jax.lax.psum(dh, axis_name)
+    dh_extra = tuple(sorted(vma(dh) - vma(h)))
+    dw_extra = tuple(sorted(vma(dw) - vma(w)))
+    if dh_extra:
+        dh = jax.lax.psum(dh, dh_extra)
+    if dw_extra:
+        dw = jax.lax.psum(dw, dw_extra)
+    return dh.astype(h.dtype), dw.astype(w.dtype)

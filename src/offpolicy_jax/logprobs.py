@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 from offpolicy_jax import _validation, sampling_support
 from offpolicy_jax._rowchunks import chunks as _chunks
 from offpolicy_jax._rowchunks import loop as _loop
+from offpolicy_jax._rowchunks import match_cotangent_axes
 from offpolicy_jax._rowchunks import vary as _vary
 from offpolicy_jax._rowchunks import vma as _vma
 
@@ -532,20 +533,10 @@ def _fused_bwd(chunk, v_chunk, axis_name, with_entropy, residuals, cotangents):
     init = _vary((jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32)), axes)
     dh, dw = _loop(num_c, c, n, body, init)
 
-    # Inside shard_map a cotangent must vary over exactly the axes of its primal:
-    # dh is a partial sum over the vocabulary shards (one [N, D] all-reduce, as in
-    # any tensor-parallel unembedding), dW one over the batch / token shards.
-    if axis_name is not None and axis_name not in _vma(h):
-        dh = jax.lax.psum(dh, axis_name)
-    dh_extra = tuple(sorted(_vma(dh) - _vma(h)))
-    dw_extra = tuple(sorted(_vma(dw) - _vma(w)))
-    if dh_extra:
-        dh = jax.lax.psum(dh, dh_extra)
-    if dw_extra:
-        dw = jax.lax.psum(dw, dw_extra)
+    dh, dw = match_cotangent_axes(dh, dw, h, w, axis_name)
     return (
-        dh.astype(h.dtype),
-        dw.astype(w.dtype),
+        dh,
+        dw,
         np.zeros(tok.shape, jax.dtypes.float0),
         jnp.zeros_like(inv_t),
     )

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax._rowchunks import chunks, loop, vary, vma
+from offpolicy_jax._rowchunks import chunks, loop, match_cotangent_axes, vary, vma
 
 __all__ = ["support_from_csr"]
 
@@ -340,18 +340,10 @@ def _kept_bwd(chunk, axis_name, with_entropy, residuals, cotangents):
 
     init = vary((jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32)), axes)
     dh, dw = loop(num, c, n, body, init)
-    # As in logprobs._fused_bwd: cotangents vary over exactly their primal's axes.
-    if axis_name is not None and axis_name not in vma(h):
-        dh = jax.lax.psum(dh, axis_name)
-    dh_extra = tuple(sorted(vma(dh) - vma(h)))
-    dw_extra = tuple(sorted(vma(dw) - vma(w)))
-    if dh_extra:
-        dh = jax.lax.psum(dh, dh_extra)
-    if dw_extra:
-        dw = jax.lax.psum(dw, dw_extra)
+    dh, dw = match_cotangent_axes(dh, dw, h, w, axis_name)
     return (
-        dh.astype(h.dtype),
-        dw.astype(w.dtype),
+        dh,
+        dw,
         np.zeros(tok.shape, jax.dtypes.float0),
         np.zeros(ids.shape, jax.dtypes.float0),
         np.zeros(valid.shape, jax.dtypes.float0),
