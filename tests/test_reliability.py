@@ -437,6 +437,11 @@ def _always_split(length_groups):
 
 
 @pytest.mark.slow  # writes a 27 MB dump and analyses a 2M-token sequence (about a minute)
+@pytest.mark.skipif(
+    not __import__("os").environ.get("OPJ_ISOLATED_MEMORY_TEST"),
+    reason="peak RSS is measured alone (.ci/run's own step, OPJ_ISOLATED_MEMORY_TEST=1): "
+    "beside other test processes it read 1.4 and 4.6 GiB (cause not found yet), alone 0.8",
+)
 def test_diagnose_skewed_dump_peak_memory_stays_under_1_gb(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import subprocess
