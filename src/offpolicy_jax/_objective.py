@@ -278,10 +278,32 @@ def dro(x: SurrogateInput, p: DROPenalty) -> SurrogateTerms:
 
 
 class SurrogateOutput(NamedTuple):
-    """``ℓ'`` ``[..., T]`` and the surrogate's metric columns (summed over ``m'``)."""
+    """``ℓ'`` ``[..., T]``, the metric columns (summed over ``m'``) and the names of
+    those the surrogate declared itself (:attr:`SurrogateTerms.metrics`)."""
 
     loss: jax.Array
     columns: dict[str, Column]
+    own_metrics: tuple[str, ...] = ()
+
+
+# Metric names the loss pipeline itself reports: a surrogate's own may not take them.
+PIPELINE_METRICS: frozenset[str] = frozenset(
+    {
+        "loss",
+        "pg_loss",
+        "kl_loss",
+        "entropy",
+        "count",
+        "mask_count",
+        "bad_model",
+        "bad_logp",
+        "ois",
+        "train_rollout_logprob_abs_diff",
+        "pg_nonfinite_seq_fraction",
+        "mis_nonfinite_seq_fraction",
+        *PG_METRICS,
+    }
+)
 
 
 def surrogate_columns(config: LossConfig, x: SurrogateInput) -> SurrogateOutput:
@@ -294,7 +316,7 @@ def surrogate_columns(config: LossConfig, x: SurrogateInput) -> SurrogateOutput:
     Returns:
       :class:`SurrogateOutput`: ``ℓ`` times the IS weights on ``m'`` (unless the
       surrogate applies them itself), and the ``ppo_kl`` / ``pg_clipfrac`` /
-      ``pg_clipfrac_lower`` columns.
+      ``pg_clipfrac_lower`` columns and the surrogate's own metric columns.
     """
     entry = lookup(config.policy_loss)
     terms = entry.fn(x, config.params)
@@ -307,7 +329,14 @@ def surrogate_columns(config: LossConfig, x: SurrogateInput) -> SurrogateOutput:
         columns["pg_clipfrac"] = _reduce.count_where(terms.clipped, x.mask)
     if terms.clipped_lower is not None:
         columns["pg_clipfrac_lower"] = _reduce.count_where(terms.clipped_lower, x.mask)
-    return SurrogateOutput(loss, columns)
+    own = dict(terms.metrics or {})
+    clash = sorted(k for k in own if k in PIPELINE_METRICS or k.startswith("mis_"))
+    if clash:
+        raise ValueError(
+            f"surrogate {config.policy_loss!r} returned metrics {clash}, names the loss "
+            "pipeline reports itself; choose other names"
+        )
+    return SurrogateOutput(loss, columns | own, tuple(own))
 
 
 def regulariser_terms(

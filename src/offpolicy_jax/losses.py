@@ -201,6 +201,7 @@ def policy_loss_terms(
     entropy: jax.typing.ArrayLike | None = None,
     versions: jax.typing.ArrayLike | None = None,
     current_version: jax.typing.ArrayLike | None = None,
+    key: jax.typing.ArrayLike | None = None,
 ) -> PolicyLossTerms:
     """:func:`policy_loss` with its per-token terms and its final mask.
 
@@ -239,6 +240,7 @@ def policy_loss_terms(
         entropy,
         versions,
         current_version,
+        key,
     )
     return _terms(inputs, config, axis_names, num_segments, contiguous_segments)
 
@@ -268,6 +270,7 @@ class LossInputs(NamedTuple):
     entropy: Any = None
     versions: Any = None
     current_version: Any = None
+    key: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +299,7 @@ class _Batch:
     versions: jax.Array | None = None
     current: jax.Array | None = None
     proximal: Mapping[str, MeanParts] = dataclasses.field(default_factory=dict)
+    key: jax.Array | None = None
 
     @property
     def theta_sg(self) -> jax.Array:
@@ -349,12 +353,40 @@ def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
     )
     check_split_over(axes.batch + axes.token, versions=inputs.versions)
     b = _Batch(
-        theta, old, rollout, adv, mask, valid, bad_model, ref, ent, layout, config.metric_reduction
+        theta,
+        old,
+        rollout,
+        adv,
+        mask,
+        valid,
+        bad_model,
+        ref,
+        ent,
+        layout,
+        config.metric_reduction,
+        key=_check_key(inputs.key),
     )
     if versions is None:
         return b
     b = dataclasses.replace(b, versions=versions, current=current)
     return _proximal(b, config) if config.prox_logp_method != "recompute" else b
+
+
+def _check_key(key) -> jax.Array | None:
+    """``key=`` as a typed PRNG key (a raw ``uint32[2]`` key is wrapped), or None."""
+    if key is None:
+        return None
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(f"key must be one PRNG key (shape ()), got shape {key.shape}")
+        return key
+    if key.dtype != jnp.uint32 or key.shape != (2,):
+        raise ValueError(
+            f"key must be a PRNG key (jax.random.key(seed)), got dtype {key.dtype} shape "
+            f"{key.shape}"
+        )
+    return jax.random.wrap_key_data(key)
 
 
 def _versions_key(config: LossConfig) -> str | None:
@@ -564,15 +596,27 @@ def _corrected(b: _Batch, config: LossConfig, algo: Algorithm, precomputed) -> _
 
 def _policy_term(
     b: _Batch, config: LossConfig, algo: Algorithm, c: _Corrected
-) -> tuple[jax.Array, dict[str, _reduce.Column]]:
+) -> _objective.SurrogateOutput:
     """The per-token policy loss ``ℓ'`` and its metric columns (over ``m'``)."""
     if algo.ratio is None:  # the REINFORCE term: the IS weights are its only correction
         assert c.weights is not None  # a weighted algorithm always reweights
-        return reinforce_term(jnp.where(c.mask > 0, b.theta, 0.0), b.adv, c.weights), {}
+        loss = reinforce_term(jnp.where(c.mask > 0, b.theta, 0.0), b.adv, c.weights)
+        return _objective.SurrogateOutput(loss, {})
     denominator = b.policy(algo.ratio)
     assert denominator is not None  # _check_inputs: required by the algorithm
     log_ratio = safe_log_ratio(b.theta, denominator, b.valid)
-    x = SurrogateInput(b.theta, log_ratio, denominator, b.adv, b.valid, c.mask, c.weights, b.layout)
+    x = SurrogateInput(
+        b.theta,
+        log_ratio,
+        denominator,
+        b.adv,
+        b.valid,
+        c.mask,
+        c.weights,
+        b.layout,
+        b.rollout,
+        b.key,
+    )
     out = _objective.surrogate_columns(config, x)
     columns = dict(out.columns)
     if b.rollout is not None:
@@ -587,14 +631,15 @@ def _policy_term(
         # divergence it exists to show; capped like every metric exponential.
         ois = metric_exp(jax.lax.stop_gradient(log_ratio))
         columns["ois"] = _reduce.total(ois, b.mask)
-    return out.loss, columns
+    return out._replace(columns=columns)
 
 
 def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLossTerms:
     b = _prepare(inputs, config, axes, packing)
     algo = ALGORITHMS[config.algorithm]
     c = _corrected(b, config, algo, inputs.correction_result)
-    per_token, policy_columns = _policy_term(b, config, algo, c)
+    policy = _policy_term(b, config, algo, c)
+    per_token, policy_columns = policy.loss, policy.columns
     columns = {
         "count": _reduce.count(c.mask),
         "mask_count": _reduce.count(b.mask),
@@ -634,10 +679,12 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
     # rollout_logp, is reduced apart: measured faster (docs/guide/reduction_engine.md).
     apart = {k: columns.pop(k) for k in ("train_rollout_logprob_abs_diff",) if k in columns}
     sums = b.layout.reduce(columns) | b.layout.reduce(apart)
-    return _aggregated(b, config, per_token, c, sums)
+    return _aggregated(b, config, per_token, c, sums, policy.own_metrics)
 
 
-def _aggregated(b: _Batch, config: LossConfig, per_token, c: _Corrected, sums) -> PolicyLossTerms:
+def _aggregated(
+    b: _Batch, config: LossConfig, per_token, c: _Corrected, sums, own_metrics=()
+) -> PolicyLossTerms:
     """The per-sequence sums as the loss's and the metrics' batch parts."""
     reduction, layout = b.reduction, b.layout
     ok = sums["bad_model"] == 0
@@ -664,7 +711,8 @@ def _aggregated(b: _Batch, config: LossConfig, per_token, c: _Corrected, sums) -
                 jnp.where(ok, sums[key], 0.0), denominator, config.aggregation, horizon=horizon
             )
     means.setdefault("pg_loss", means["loss"])
-    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "train_rollout_logprob_abs_diff"):
+    token_means = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "train_rollout_logprob_abs_diff")
+    for key in token_means + own_metrics:
         if key in sums:
             means[key] = _reduce.seq_mean(jnp.where(ok, sums[key], 0.0), count, reduction)
     if "ois" in sums:
@@ -699,6 +747,7 @@ def policy_loss_parts(
     entropy: jax.typing.ArrayLike | None = None,
     versions: jax.typing.ArrayLike | None = None,
     current_version: jax.typing.ArrayLike | None = None,
+    key: jax.typing.ArrayLike | None = None,
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
     """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
 
@@ -736,6 +785,7 @@ def policy_loss_parts(
         entropy,
         versions,
         current_version,
+        key,
     )
     terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
     return terms.parts, terms.metrics
@@ -758,6 +808,7 @@ def policy_loss(
     entropy: jax.typing.ArrayLike | None = None,
     versions: jax.typing.ArrayLike | None = None,
     current_version: jax.typing.ArrayLike | None = None,
+    key: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Policy-gradient loss with rollout correction (docs/semantics.md §5).
 
@@ -810,6 +861,9 @@ def policy_loss(
         staleness metrics and rules (as in :func:`compute_correction`) and for
         ``config.prox_logp_method``'s proximal approximation, which requires it.
       current_version: the trainer's policy version (an int); required with ``versions``.
+      key: a PRNG key (``jax.random.key(seed)``) for surrogates that choose tokens at
+        random (``clip_cov``), handed to them as ``SurrogateInput.key``; the library
+        draws no randomness of its own (the same key gives the same loss).
 
     Returns:
       ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing
@@ -842,6 +896,7 @@ def policy_loss(
         entropy,
         versions,
         current_version,
+        key,
     )
     terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
     loss, parts = terms.parts, terms.metrics

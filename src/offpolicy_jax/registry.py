@@ -51,12 +51,16 @@ class SurrogateTerms(NamedTuple):
 
     ``loss`` is ``ℓ`` (differentiable w.r.t. ``logp``); ``clipped`` feeds
     ``pg_clipfrac`` and ``clipped_lower`` ``pg_clipfrac_lower`` (bool; None where the
-    surrogate has no such notion).
+    surrogate has no such notion). ``metrics`` names the surrogate's own metrics: each
+    a :class:`~offpolicy_jax.reduction.Column` over ``x.mask`` (e.g.
+    ``reduction.count_where(masked, x.mask)``), reduced like ``pg_clipfrac``
+    (``LossConfig.metric_reduction``) and pooled exactly over micro-batches and devices.
     """
 
     loss: jax.Array
     clipped: jax.Array | None = None
     clipped_lower: jax.Array | None = None
+    metrics: Mapping[str, Any] | None = None
 
 
 class SurrogateInput(NamedTuple):
@@ -79,6 +83,11 @@ class SurrogateInput(NamedTuple):
       layout: the per-sequence seam: ``layout.reduce({name: Column})`` gives
         per-sequence sums (rows, or packed segments), ``layout.broadcast`` maps them
         back to tokens; see :mod:`offpolicy_jax.reduction`.
+      rollout: log π_rollout (stop-gradient; garbage where not ``valid``), or None
+        when the call passed no ``rollout_logp``: for surrogates that compare the
+        trainer with the inference engine themselves.
+      key: the ``key=`` PRNG key of the call (None if not passed): for surrogates
+        that choose tokens at random; the library draws no randomness of its own.
     """
 
     logp: jax.Array
@@ -89,6 +98,8 @@ class SurrogateInput(NamedTuple):
     mask: jax.Array
     weights: jax.Array | None
     layout: Any
+    rollout: jax.Array | None = None
+    key: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
