@@ -674,6 +674,59 @@ def token_logprobs_from_hidden(
             "the sorted full row of logits); pass the engine's kept set as support=..., or "
             "use token_logprobs(logits, tokens, top_k=..., top_p=...)"
         )
+    hidden, unembedding, tokens = _check_hidden_inputs(hidden, unembedding, tokens)
+    batch_shape = hidden.shape[:-1]
+    inv_t = 1.0 / _check_temperature(temperature, batch_shape, scalar_only=True)
+    _check_chunk_sizes(chunk_size, vocab_chunk_size)
+    if vocab_chunk_size is not None and vocab_chunk_size >= unembedding.shape[1]:
+        vocab_chunk_size = None
+    if support is not None:
+        support, support_pad = sampling_support.check_support(support, support_pad, batch_shape)
+    explicit = _explicit_specs(hidden, unembedding, tokens) if axis_name is None else None
+    if explicit is not None:
+        kwargs: dict[str, typing.Any] = dict(
+            temperature=temperature,
+            chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size,
+            return_entropy=return_entropy,
+            support_pad=support_pad,
+        )
+        return _on_vocabulary_mesh(explicit, hidden, unembedding, tokens, support, kwargs)
+    n = int(np.prod(batch_shape))
+    if n == 0:
+        empty = jnp.zeros(batch_shape, jnp.float32)
+        return (empty, empty) if return_entropy else empty
+    rows = (hidden.reshape(n, hidden.shape[-1]), unembedding, tokens.reshape(n))
+    if support is not None:
+        logp, entropy = sampling_support.kept_logprobs_from_hidden(
+            *rows,
+            support.reshape(n, support.shape[-1]),
+            support_pad,
+            inv_t,
+            chunk_size=chunk_size,
+            axis_name=axis_name,
+            return_entropy=return_entropy,
+        )
+    else:
+        # typing.cast: jax types custom_vjp's constructor as returning `custom_vjp3 | Self`,
+        # so the call's type is lost; _fused returns (logp, entropy), two arrays.
+        logp, entropy = typing.cast(
+            tuple[jax.Array, jax.Array],
+            _fused(
+                *rows,
+                inv_t,
+                int(chunk_size),
+                None if vocab_chunk_size is None else int(vocab_chunk_size),
+                axis_name,
+                bool(return_entropy),
+            ),
+        )
+    logp = logp.reshape(batch_shape)
+    return (logp, entropy.reshape(batch_shape)) if return_entropy else logp
+
+
+def _check_hidden_inputs(hidden, unembedding, tokens):
+    """``hidden [..., T, D]``, ``unembedding [D, V]`` and ``tokens [..., T]``, checked."""
     hidden = _check_float("hidden", hidden, "[..., T, D]", 2)
     unembedding = _check_float("unembedding", unembedding, "[D, V]", 2)
     if unembedding.ndim != 2:
@@ -683,81 +736,36 @@ def token_logprobs_from_hidden(
             f"unembedding has shape {unembedding.shape} but hidden has D = {hidden.shape[-1]}; "
             "unembedding must be [D, V] (transpose a [V, D] embedding table)"
         )
-    batch_shape = hidden.shape[:-1]
-    tokens = _check_tokens(tokens, batch_shape, "hidden [..., T, D]")
-    inv_t = 1.0 / _check_temperature(temperature, batch_shape, scalar_only=True)
+    tokens = _check_tokens(tokens, hidden.shape[:-1], "hidden [..., T, D]")
+    return hidden, unembedding, tokens
+
+
+def _check_chunk_sizes(chunk_size, vocab_chunk_size) -> None:
     for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
         if value is None and name == "vocab_chunk_size":
             continue
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if vocab_chunk_size is not None and vocab_chunk_size >= unembedding.shape[1]:
-        vocab_chunk_size = None
-    if support is not None:
-        support, support_pad = sampling_support.check_support(support, support_pad, batch_shape)
 
-    kwargs: dict[str, typing.Any] = dict(
-        temperature=temperature,
-        chunk_size=chunk_size,
-        vocab_chunk_size=vocab_chunk_size,
-        return_entropy=return_entropy,
-        support_pad=support_pad,
-    )
-    explicit = _explicit_specs(hidden, unembedding, tokens) if axis_name is None else None
-    if explicit is not None:
-        mesh, lead, vocab_axis = explicit
-        out_spec = P(*lead)
-        in_specs = (P(*lead, None), P(None, vocab_axis), P(*lead))
-        args = (hidden, unembedding, tokens)
-        if support is not None:  # the kept ids travel with their tokens
-            in_specs, args = in_specs + (P(*lead, None),), args + (support,)
 
-        def fn(hidden, unembedding, tokens, support=None):
-            return token_logprobs_from_hidden(
-                hidden, unembedding, tokens, axis_name=vocab_axis, support=support, **kwargs
-            )
+def _on_vocabulary_mesh(explicit, hidden, unembedding, tokens, support, kwargs):
+    """Inputs sharded over a mesh under plain ``jax.jit``: the same call inside a
+    ``shard_map`` whose vocabulary axis is the unembedding's sharded one."""
+    mesh, lead, vocab_axis = explicit
+    out_spec = P(*lead)
+    in_specs = (P(*lead, None), P(None, vocab_axis), P(*lead))
+    args = (hidden, unembedding, tokens)
+    if support is not None:  # the kept ids travel with their tokens
+        in_specs, args = in_specs + (P(*lead, None),), args + (support,)
 
-        return jax.shard_map(
-            fn,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=(out_spec, out_spec) if return_entropy else out_spec,
-        )(*args)
-
-    n = int(np.prod(batch_shape))
-    if n == 0:
-        empty = jnp.zeros(batch_shape, jnp.float32)
-        return (empty, empty) if return_entropy else empty
-    if support is not None:
-        logp, entropy = sampling_support.kept_logprobs_from_hidden(
-            hidden.reshape(n, hidden.shape[-1]),
-            unembedding,
-            tokens.reshape(n),
-            support.reshape(n, support.shape[-1]),
-            support_pad,
-            inv_t,
-            chunk_size=chunk_size,
-            axis_name=axis_name,
-            return_entropy=return_entropy,
+    def fn(hidden, unembedding, tokens, support=None):
+        return token_logprobs_from_hidden(
+            hidden, unembedding, tokens, axis_name=vocab_axis, support=support, **kwargs
         )
-        logp = logp.reshape(batch_shape)
-        return (logp, entropy.reshape(batch_shape)) if return_entropy else logp
-    # typing.cast: jax types custom_vjp's constructor as returning `custom_vjp3 | Self`,
-    # so the call's type is lost; _fused returns (logp, entropy), two arrays.
-    logp, entropy = typing.cast(
-        tuple[jax.Array, jax.Array],
-        _fused(
-            hidden.reshape(n, hidden.shape[-1]),
-            unembedding,
-            tokens.reshape(n),
-            inv_t,
-            int(chunk_size),
-            None if vocab_chunk_size is None else int(vocab_chunk_size),
-            axis_name,
-            bool(return_entropy),
-        ),
-    )
-    logp = logp.reshape(batch_shape)
-    if return_entropy:
-        return logp, entropy.reshape(batch_shape)
-    return logp
+
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=(out_spec, out_spec) if kwargs["return_entropy"] else out_spec,
+    )(*args)

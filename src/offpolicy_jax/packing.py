@@ -112,52 +112,14 @@ def pack_sequences(
         raise ValueError(f"max_segments must be a positive int or None, got {max_segments!r}")
     if len(sequences) == 0:
         raise ValueError("sequences is empty: nothing to pack")
-    names, first = _fields(sequences[0], 0)
-    fields = []
-    lengths = []
-    for i, sequence in enumerate(sequences):
-        seq_names, values = _fields(sequence, i)
-        if seq_names != names or len(values) != len(first):
-            raise ValueError(
-                f"sequences[{i}] has fields {seq_names or len(values)}, but sequences[0] has "
-                f"{names or len(first)}: every sequence must carry the same arrays"
-            )
-        sizes = {np.shape(v) for v in values}
-        if len(sizes) != 1 or len(next(iter(sizes))) != 1:
-            raise ValueError(
-                f"sequences[{i}] arrays must all be 1-D of one length, got shapes "
-                f"{[np.shape(v) for v in values]}"
-            )
-        n = int(values[0].shape[0])
-        if n > length:
-            raise ValueError(f"sequences[{i}] has {n} tokens, more than the row length {length}")
-        fields.append(values)
-        lengths.append(n)
-
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if sort else range(len(lengths))
-    loads: list[int] = []
-    counts: list[int] = []
-    rows = np.zeros(len(lengths), np.int64)
-    segments = np.zeros(len(lengths), np.int64)
-    starts = np.zeros(len(lengths), np.int64)
-    for i in order:
-        for r, load in enumerate(loads):
-            if load + lengths[i] <= length and (max_segments is None or counts[r] < max_segments):
-                break
-        else:
-            loads.append(0)
-            counts.append(0)
-            r = len(loads) - 1
-        rows[i], starts[i] = r, loads[r]
-        counts[r] += 1
-        segments[i] = counts[r]
-        loads[r] += lengths[i]
-
-    n_rows = len(loads)
+    names, fields, lengths = _checked_fields(sequences, length)
+    rows, segments, starts, counts = _first_fit(lengths, length, max_segments, sort)
+    n_rows = len(counts)
     if num_rows is not None:
         if n_rows > num_rows:
             raise ValueError(f"the sequences need {n_rows} rows of {length}, num_rows={num_rows}")
         n_rows = num_rows
+    first = fields[0]
     keys = names if names is not None else list(range(len(first)))
 
     def pad_of(key):
@@ -180,6 +142,55 @@ def pack_sequences(
     arrays = dict(zip(names, out, strict=True)) if names is not None else tuple(out)
     k = max_segments if max_segments is not None else max(counts)
     return PackedSequences(arrays, segment_ids, positions, int(k), rows, segments, starts)
+
+
+def _checked_fields(sequences, length: int):
+    """``(names, per-sequence arrays, lengths)``; every sequence alike, 1-D, fits a row."""
+    names, first = _fields(sequences[0], 0)
+    fields = []
+    lengths = []
+    for i, sequence in enumerate(sequences):
+        seq_names, values = _fields(sequence, i)
+        if seq_names != names or len(values) != len(first):
+            raise ValueError(
+                f"sequences[{i}] has fields {seq_names or len(values)}, but sequences[0] has "
+                f"{names or len(first)}: every sequence must carry the same arrays"
+            )
+        sizes = {np.shape(v) for v in values}
+        if len(sizes) != 1 or len(next(iter(sizes))) != 1:
+            raise ValueError(
+                f"sequences[{i}] arrays must all be 1-D of one length, got shapes "
+                f"{[np.shape(v) for v in values]}"
+            )
+        n = int(values[0].shape[0])
+        if n > length:
+            raise ValueError(f"sequences[{i}] has {n} tokens, more than the row length {length}")
+        fields.append(values)
+        lengths.append(n)
+    return names, fields, lengths
+
+
+def _first_fit(lengths: list[int], length: int, max_segments: int | None, sort: bool):
+    """Each sequence's row, segment id (1-based) and start; and the count per row."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if sort else range(len(lengths))
+    loads: list[int] = []
+    counts: list[int] = []
+    rows = np.zeros(len(lengths), np.int64)
+    segments = np.zeros(len(lengths), np.int64)
+    starts = np.zeros(len(lengths), np.int64)
+    for i in order:
+        for r, load in enumerate(loads):
+            if load + lengths[i] <= length and (max_segments is None or counts[r] < max_segments):
+                break
+        else:
+            loads.append(0)
+            counts.append(0)
+            r = len(loads) - 1
+        rows[i], starts[i] = r, loads[r]
+        counts[r] += 1
+        segments[i] = counts[r]
+        loads[r] += lengths[i]
+    return rows, segments, starts, counts
 
 
 def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
