@@ -223,7 +223,6 @@ def _count(n: jax.Array, reduction: str) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("configs", "reduction", "position_bin", "top_k"))
 def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
     """Everything the report needs from one padded ``[B, T]`` chunk, as small arrays."""
-    b, t = old.shape
     # A mask entry that is not > 0 (a JSONL/Parquet null read as NaN) is padding, as in
     # the library (docs/semantics.md §0): summed as NaN it dropped its sequence's count.
     mask = jnp.where(mask > 0, mask, 0.0)
@@ -242,36 +241,47 @@ def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
         "nonfinite_sequences": jnp.sum(jnp.where(bad > 0, 1, 0)),
         "D": {"valid": _count(n_valid, reduction), "all": _count(n_all, reduction)},
     }
-    per_config = {}
-    for name, config in configs:
-        stripped = (
-            dataclasses.replace(config, tis_batch_normalize=False) if config.use_tis else config
-        )
-        res = opj.compute_correction(old, rollout, mask, stripped, reduction=reduction)
-        n_final = jnp.sum(res.mask, -1)
-        kept = res.mask > 0
-        entry = {
-            "metrics": res.metrics,
-            "D_final": _count(n_final, reduction),
-            "kept_tokens": jnp.sum(res.mask),
-            "valid_tokens": jnp.sum(n_valid),
-            "valid_seqs": jnp.sum(jnp.where(n_valid > 0, 1.0, 0.0)),
-            "rejected_seqs": jnp.sum(jnp.where((n_valid > 0) & (n_final == 0), 1.0, 0.0)),
-            # IcePop's band: kept tokens whose weight is set to 0 (no gradient).
-            "zero_weight_tokens": jnp.sum(jnp.where(kept & (res.weights == 0), 1.0, 0.0)),
-            "sum_w": jnp.sum(jnp.where(kept, res.weights, 0.0)),
-            "sum_w2": jnp.sum(jnp.where(kept, jnp.square(res.weights), 0.0)),
-        }
-        if config.use_tis and config.tis_batch_normalize:
-            how: Any = normalizer_reduction(config.tis_level)  # "token" or "sequence"
-            if how != reduction:  # μ averages in its own reduction (§3.6, D4)
-                other = opj.compute_correction(old, rollout, mask, stripped, reduction=how)
-                entry["mu_mean"] = other.metrics["mis_is_ratio_mean_after_tis_rs"]
-                entry["mu_D"] = _count(jnp.sum(other.mask, -1), how)
-        per_config[name] = entry
-    out["configs"] = per_config
+    out["configs"] = {
+        name: _config_stats(old, rollout, mask, config, reduction, n_valid)
+        for name, config in configs
+    }
+    out |= _histograms(delta, rollout, use, n_valid, position_bin)
+    out |= _worst(old, rollout, delta, use, n_valid, top_k)
+    return out
 
-    # Histograms: δ (symmetric log bins) by position bucket and by rollout-probability bin.
+
+def _config_stats(old, rollout, mask, config, reduction, n_valid):
+    """One candidate correction's sums on the chunk (its batch normaliser stripped:
+    the report applies it to the pooled sums)."""
+    stripped = dataclasses.replace(config, tis_batch_normalize=False) if config.use_tis else config
+    res = opj.compute_correction(old, rollout, mask, stripped, reduction=reduction)
+    n_final = jnp.sum(res.mask, -1)
+    kept = res.mask > 0
+    entry = {
+        "metrics": res.metrics,
+        "D_final": _count(n_final, reduction),
+        "kept_tokens": jnp.sum(res.mask),
+        "valid_tokens": jnp.sum(n_valid),
+        "valid_seqs": jnp.sum(jnp.where(n_valid > 0, 1.0, 0.0)),
+        "rejected_seqs": jnp.sum(jnp.where((n_valid > 0) & (n_final == 0), 1.0, 0.0)),
+        # IcePop's band: kept tokens whose weight is set to 0 (no gradient).
+        "zero_weight_tokens": jnp.sum(jnp.where(kept & (res.weights == 0), 1.0, 0.0)),
+        "sum_w": jnp.sum(jnp.where(kept, res.weights, 0.0)),
+        "sum_w2": jnp.sum(jnp.where(kept, jnp.square(res.weights), 0.0)),
+    }
+    if config.use_tis and config.tis_batch_normalize:
+        how: Any = normalizer_reduction(config.tis_level)  # "token" or "sequence"
+        if how != reduction:  # μ averages in its own reduction (§3.6, D4)
+            other = opj.compute_correction(old, rollout, mask, stripped, reduction=how)
+            entry["mu_mean"] = other.metrics["mis_is_ratio_mean_after_tis_rs"]
+            entry["mu_D"] = _count(jnp.sum(other.mask, -1), how)
+    return entry
+
+
+def _histograms(delta, rollout, use, n_valid, position_bin):
+    """δ (symmetric log bins) by position bucket and by rollout-probability bin."""
+    b, t = delta.shape
+    out = {}
     d_bin = _delta_bin(delta)
     pos = jnp.broadcast_to(jnp.arange(t) // position_bin, (b, t))
     n_pos = -(-t // position_bin)
@@ -293,8 +303,14 @@ def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
     seq_sum = jnp.sum(delta, -1)
     seq_mean = jnp.where(n_valid > 0, seq_sum / jnp.where(n_valid > 0, n_valid, 1.0), 0.0)
     out["seq_hist"] = hist(_delta_bin(seq_mean), N_DELTA_BINS, jnp.where(n_valid > 0, 1.0, 0.0))
+    return out
 
-    # Worst tokens by |δ| and worst sequences by |Σ δ| (only finite, valid ones).
+
+def _worst(old, rollout, delta, use, n_valid, top_k):
+    """The worst tokens by |δ| and sequences by |Σ δ| (only finite, valid ones)."""
+    b, t = delta.shape
+    seq_sum = jnp.sum(delta, -1)
+    out = {}
     k_tok = min(top_k, b * t)
     score, index = jax.lax.top_k(jnp.where(use, jnp.abs(delta), -1.0).ravel(), k_tok)
     out["worst_tokens"] = {

@@ -254,6 +254,7 @@ def _pct(x) -> str:
 
 
 def markdown(report: dict) -> str:
+    """report.md: the recommendation first, then the evidence behind it."""
     t = report["totals"]
     lines = ["# Training–inference mismatch diagnosis", ""]
     lines.append(
@@ -276,6 +277,15 @@ def markdown(report: dict) -> str:
     lines += ["", "```yaml", yaml.safe_dump(rec["config"], sort_keys=False).rstrip(), "```"]
     if "heavy_tail" in report:
         lines += _heavy_tail_lines(report["heavy_tail"])
+    lines += _metric_lines(report)
+    lines += _what_if_lines(report["what_if"])
+    lines += _by_probability_lines(report["by_rollout_prob"])
+    lines += _worst_lines(report)
+    return "\n".join(lines) + "\n"
+
+
+def _metric_lines(report: dict) -> list[str]:
+    lines: list[str] = []
     lines += [
         "",
         "## Mismatch metrics (`compute_correction`)",
@@ -284,13 +294,18 @@ def markdown(report: dict) -> str:
         "|---|---|",
     ]
     lines += [f"| `{k}` | {_g(v, 6)} |" for k, v in report["metrics"].items()]
+    return lines
+
+
+def _what_if_lines(what_if: dict) -> list[str]:
+    lines: list[str] = []
     lines += ["", "## What-if: each standard correction on this dump", ""]
     lines += [
         "| config | rejected tokens | rejected sequences | truncated | zero weight | ESS "
         "| mean weight | what |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for name, entry in report["what_if"].items():
+    for name, entry in what_if.items():
         row = entry["table"]
         lines.append(
             f"| {name} | {_pct(row['rejected_token_share'])} | {_pct(row['rejected_seq_share'])}"
@@ -309,7 +324,11 @@ def markdown(report: dict) -> str:
         "count in n). Mean weight: `mis_is_ratio_mean_final` (after batch normalisation "
         "where the config has it).",
     ]
-    prob = report["by_rollout_prob"]
+    return lines
+
+
+def _by_probability_lines(prob: dict) -> list[str]:
+    lines: list[str] = []
     lines += ["", "## Log-ratio δ = old − rollout by rollout probability", ""]
     lines += [
         "| rollout p | tokens | mean δ | mean abs δ | p5 | p50 | p95 |",
@@ -323,6 +342,11 @@ def markdown(report: dict) -> str:
                 f"{_g(prob['p05'][i], 2)} | {_g(prob['p50'][i], 2)} | {_g(prob['p95'][i], 2)} |"
             )
     lines += ["", "Quantiles are read off 20-per-decade log bins (±6% of the value)."]
+    return lines
+
+
+def _worst_lines(report: dict) -> list[str]:
+    lines: list[str] = []
     lines += ["", "## Worst sequences (by |Σ δ|)", ""]
     lines += [
         "| file | step | row | tokens | Σ δ | mean δ | max abs δ |",
@@ -343,7 +367,7 @@ def markdown(report: dict) -> str:
             f"| {Path(s['file']).name} | {_where(s)} | {s['position']} | {_g(s['old_logp'])} | "
             f"{_g(s['rollout_logp'])} | {_g(s['log_ratio'])} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _heavy_tail_lines(tail: dict) -> list[str]:
