@@ -40,32 +40,32 @@ def lr_scale_reference(ess: float, base: float, rule: str) -> np.float32:
 
 
 def ess_reference(log_w: np.ndarray, where: np.ndarray) -> float:
-    """``(Σ w)² / (n Σ w²)`` in float64, over the counted (finite, where) sequences."""
+    """``(Σ w)² / (n Σ w²)`` in float64 over the counted sequences (in ``where``, log-weight
+    not NaN or +inf; −inf is a weight 0); 0 without a counted non-zero weight."""
     log_w = np.asarray(log_w, np.float64)
-    counted = where & np.isfinite(log_w)
-    if not counted.any():
+    counted = where & ~np.isnan(log_w) & (log_w < np.inf)
+    if not counted.any() or np.all(log_w[counted] == -np.inf):
         return 0.0
     x = log_w[counted]
     w = np.exp(x - x.max())  # float64 exp of the raw weights would overflow at e^710
     return float(w.sum() ** 2 / (counted.sum() * (w * w).sum()))
 
 
-def opob_reference(r, g2, w, where, *, norm_by_std=False):
+def opob_reference(r, g2, log_w, where, *, norm_by_std=False):
     """Per group (rows): ``b = Σ W R / Σ W``, ``W = w² ‖g‖²`` (float64, exact formula,
     0 when Σ W = 0), and ``A = (R − b) / σ`` (σ the population std, only if > 1e-8)."""
     r, g2 = np.asarray(r, np.float64), np.asarray(g2, np.float64)
-    w = np.ones_like(r) if w is None else np.asarray(w, np.float64)
+    log_w = np.zeros_like(r) if log_w is None else np.asarray(log_w, np.float64)
     baselines, advantages = np.zeros(r.shape[0]), np.zeros_like(r)
     for i in range(r.shape[0]):
-        ok = where[i] & np.isfinite(r[i]) & np.isfinite(g2[i]) & np.isfinite(w[i])
-        ok &= (g2[i] >= 0) & (w[i] >= 0)
+        ok = where[i] & np.isfinite(r[i]) & np.isfinite(g2[i]) & (g2[i] >= 0)
+        ok &= ~np.isnan(log_w[i]) & (log_w[i] < np.inf)
         if not ok.any():
             continue
-        # Python floats: float64 W = w² g² itself may overflow for the extreme cases,
-        # so scale in log space, with log-sum-exp in float64.
+        # W = w² g² can overflow even float64 (w = e^400), so in log space.
         log_big = np.full(r.shape[1], -np.inf)
         with np.errstate(divide="ignore"):
-            log_big[ok] = np.log(g2[i][ok]) + 2 * np.log(w[i][ok])
+            log_big[ok] = np.log(g2[i][ok]) + 2 * log_w[i][ok]
         if np.isfinite(log_big.max()):
             big = np.exp(log_big - log_big.max())
             baselines[i] = (big[ok] * r[i][ok]).sum() / big[ok].sum()
@@ -192,7 +192,9 @@ def test_sequence_ess_matches_numpy_on_ragged_garbage_padded_batches():
         ([-100.0, -100.0], 1.0),  # e^-100 underflows float32
         ([88.0, 88.0, -88.0, -88.0], 0.5),
         ([], 0.0),  # an empty batch
-        ([np.nan, np.inf], 0.0),  # nothing finite: nothing counted
+        ([np.nan, np.inf], 0.0),  # NaN, +inf: not counted
+        ([0.0, -np.inf], 0.5),  # a weight of 0 counts: (1)² / (2 · 1)
+        ([-np.inf, -np.inf], 0.0),  # only zero weights
     ],
 )
 def test_sequence_ess_edge_cases(log_w, want):
@@ -238,13 +240,13 @@ def _groups(seed: int = 0, groups: int = 5, size: int = 6):
     rewards = rng.integers(0, 2, shape).astype(np.float32)  # 0/1 verifiable rewards
     rewards[:, 0] += rng.normal(0, 0.3, groups).astype(np.float32)
     g2 = rng.lognormal(2.0, 1.0, shape).astype(np.float32)
-    w = rng.lognormal(0.0, 0.8, shape).astype(np.float32)
+    log_w = rng.normal(0.0, 0.8, shape).astype(np.float32)
     where = np.arange(size)[None] < np.array([[6], [3], [0], [1], [5]])[:groups]
     junk = rng.choice(strategies.GARBAGE, size=shape).astype(np.float32)
     return {
         "returns": np.where(where, rewards, junk),
         "grad_sq_norms": np.where(where, g2, np.roll(junk, 1)),
-        "weights": np.where(where, w, np.roll(junk, 2)),
+        "log_weights": np.where(where, log_w, np.roll(junk, 2)),
         "where": where,
     }
 
@@ -253,11 +255,11 @@ def _groups(seed: int = 0, groups: int = 5, size: int = 6):
 @pytest.mark.parametrize("norm_by_std", [False, True])
 def test_opob_matches_numpy_on_ragged_garbage_padded_groups(use_weights, norm_by_std):
     d = _groups()
-    weights = d["weights"] if use_weights else None
+    log_w = d["log_weights"] if use_weights else None
     want_b, want_a = opob_reference(
-        d["returns"], d["grad_sq_norms"], weights, d["where"], norm_by_std=norm_by_std
+        d["returns"], d["grad_sq_norms"], log_w, d["where"], norm_by_std=norm_by_std
     )
-    kwargs = dict(weights=weights, where=d["where"])
+    kwargs = dict(log_weights=log_w, where=d["where"])
     baseline = jax.jit(functools.partial(opj.opob_baseline, **kwargs))
     advantages = jax.jit(functools.partial(opj.opob_advantages, norm_by_std=norm_by_std, **kwargs))
     b = baseline(d["returns"], d["grad_sq_norms"])
@@ -271,29 +273,37 @@ def test_opob_matches_numpy_on_ragged_garbage_padded_groups(use_weights, norm_by
 
 def test_opob_agrees_with_the_authors_weighted_mean():
     d = _groups(seed=4, groups=1)
-    r, g2, w = (d[k][0] for k in ("returns", "grad_sq_norms", "weights"))
-    want = authors_opob(r, np.sqrt(g2.astype(np.float64)), w)
-    np.testing.assert_allclose(opj.opob_baseline(r, g2, weights=w), want, rtol=1e-6)
+    r, g2, log_w = (d[k][0] for k in ("returns", "grad_sq_norms", "log_weights"))
+    want = authors_opob(r, np.sqrt(g2.astype(np.float64)), np.exp(log_w.astype(np.float64)))
+    np.testing.assert_allclose(opj.opob_baseline(r, g2, log_weights=log_w), want, rtol=1e-6)
+
+
+INF = math.inf
 
 
 @pytest.mark.parametrize(
-    ("returns", "g2", "w", "want"),
+    ("returns", "g2", "log_w", "want"),
     [
         ([1.0, 0.0], [3.0, 1.0], None, 0.75),
         ([1.0, 0.0], [0.0, 0.0], None, 0.0),  # no weight at all: 0, not NaN
-        ([1.0, 0.0], [1e30, 1e30], [1e20, 1e20], 0.5),  # W overflows float32
-        ([1.0, 0.0], [1e-30, 1e30], [1e20, 1e-10], 0.5),  # equal W from opposite extremes
-        ([1.0, 0.0], [1e-30, 1e-30], [1e-10, 1e-10], 0.5),  # W underflows float32
+        ([1.0, 0.0], [1e30, 1e30], [46.0, 46.0], 0.5),  # W = e^92 · 1e30 overflows float32
+        # Equal W = e^23 from opposite extremes (e^92 alone overflows float32).
+        ([1.0, 0.0], [math.exp(-69.0), math.exp(69.0)], [46.0, -23.0], 0.5),
+        ([1.0, 0.0], [1e-30, 1e-30], [-23.0, -23.0], 0.5),  # W underflows float32
+        ([1.0, 0.0, 3.0], [1.0, 1.0, 1.0], [200.0, -50.0, 0.0], 1.0),  # one W dominates
         ([1.0, 0.0, 5.0], [1.0, 1.0, np.nan], None, 0.5),  # a NaN norm: not counted
-        ([1.0, 0.0, 5.0], [1.0, 1.0, 1.0], [1.0, 1.0, -2.0], 0.5),  # a negative weight
-        ([2.0, 7.0], [4.0, 9.0], [0.0, 0.0], 0.0),  # every weight 0
+        ([1.0, 0.0, 5.0], [1.0, 1.0, -1.0], None, 0.5),  # a negative squared norm
+        ([1.0, 0.0, 5.0], [1.0, 1.0, 1.0], [0.0, 0.0, np.nan], 0.5),  # a NaN log-weight
+        ([1.0, 0.0, 5.0], [1.0, 1.0, 1.0], [0.0, 0.0, INF], 0.5),  # an infinite weight
+        ([1.0, 0.0, 5.0], [1.0, 1.0, 1.0], [0.0, 0.0, -INF], 0.5),  # weight 0
+        ([2.0, 7.0], [4.0, 9.0], [-INF, -INF], 0.0),  # every weight 0
     ],
 )
-def test_opob_baseline_edge_cases(returns, g2, w, want):
+def test_opob_baseline_edge_cases(returns, g2, log_w, want):
     got = opj.opob_baseline(
         jnp.asarray(returns, jnp.float32),
         jnp.asarray(g2, jnp.float32),
-        weights=None if w is None else jnp.asarray(w, jnp.float32),
+        log_weights=None if log_w is None else jnp.asarray(log_w, jnp.float32),
     )
     np.testing.assert_allclose(got, want, rtol=2e-6)
     assert np.isfinite(got)
@@ -302,9 +312,9 @@ def test_opob_baseline_edge_cases(returns, g2, w, want):
 def test_opob_is_invariant_to_the_scale_of_the_weights_and_norms():
     d = _groups(seed=2)
     args = (d["returns"], d["grad_sq_norms"])
-    base = opj.opob_baseline(*args, weights=d["weights"], where=d["where"])
+    base = opj.opob_baseline(*args, log_weights=d["log_weights"], where=d["where"])
     scaled = opj.opob_baseline(
-        d["returns"], d["grad_sq_norms"] * 1e6, weights=d["weights"] * 1e-3, where=d["where"]
+        d["returns"], d["grad_sq_norms"] * 1e6, log_weights=d["log_weights"] - 7, where=d["where"]
     )
     np.testing.assert_allclose(scaled, base, rtol=2e-6)
 
@@ -338,17 +348,17 @@ def test_opob_has_no_gradient_and_rejects_scalars():
     st.booleans(),
 )
 def test_opob_ignores_padding(r16, g16, logw16, where, junk, norm_by_std):
-    r, g2, w = r16 / 16.0, g16 / 16.0, np.exp(logw16 / 16.0)
-    clean = opj.opob_advantages(r, g2, weights=w, where=where, norm_by_std=norm_by_std)
+    r, g2, log_w = r16 / 16.0, g16 / 16.0, logw16 / 16.0
+    clean = opj.opob_advantages(r, g2, log_weights=log_w, where=where, norm_by_std=norm_by_std)
     dirty = opj.opob_advantages(
         np.where(where, r, junk),
         np.where(where, g2, junk),
-        weights=np.where(where, w, junk),
+        log_weights=np.where(where, log_w, junk),
         where=where,
         norm_by_std=norm_by_std,
     )
     np.testing.assert_array_equal(dirty, clean)
-    _, want = opob_reference(r, g2, w, where, norm_by_std=norm_by_std)
+    _, want = opob_reference(r, g2, log_w, where, norm_by_std=norm_by_std)
     np.testing.assert_allclose(clean, want, rtol=1e-5, atol=1e-5)
 
 
@@ -368,24 +378,23 @@ def test_sharded_ess_and_minibatch_opob_match_unsharded(axes):
     mesh = _data_mesh()
     d = _groups(seed=7, groups=4, size=4)  # 16 sequences, some padding, 4 per device
     flat = {k: v.reshape(-1) for k, v in d.items()}
-    log_w = np.log(np.abs(np.nan_to_num(flat["weights"], nan=1.0)) + 1e-3).astype(np.float32)
 
-    def stats(r, g2, w, where, log_w, axis_names=None):
-        kwargs = dict(weights=w, where=where, axis_names=axis_names)
+    def stats(r, g2, log_w, where, axis_names=None):
+        kwargs = dict(log_weights=log_w, where=where, axis_names=axis_names)
         return (
             opj.opob_baseline(r, g2, **kwargs),
             opj.opob_advantages(r, g2, norm_by_std=True, **kwargs),
             opj.sequence_ess(log_w, where=where, axis_names=axis_names),
         )
 
-    args = (flat["returns"], flat["grad_sq_norms"], flat["weights"], flat["where"], log_w)
+    args = (flat["returns"], flat["grad_sq_norms"], flat["log_weights"], flat["where"])
     want = jax.jit(stats)(*args)
     with jax.set_mesh(mesh):
         sharded = jax.jit(
             jax.shard_map(
                 functools.partial(stats, axis_names=axes),
                 mesh=mesh,
-                in_specs=(P("data"),) * 5,
+                in_specs=(P("data"),) * 4,
                 out_specs=(P(), P("data"), P()),
             )
         )

@@ -143,8 +143,9 @@ def sequence_ess(
     quantity VCPO's step scaling reads; ``compute_ess_info`` of the authors' code).
     Computed as ``(Σ e^{l−m})² / (B Σ e^{2(l−m)})`` with ``m = max l``: exact and free
     of overflow for any finite log-weight (the authors' code exponentiates first).
-    A non-finite log-weight does not count (as a non-finite input rejects its sequence
-    in the loss); no counted sequence gives 0.
+    A log-weight of ``−inf`` is a weight of 0 and counts; NaN or ``+inf`` does not (as
+    a non-finite input rejects its sequence in the loss). No counted sequence, or only
+    zero weights, gives 0.
 
     The authors' default reads the unclipped sequence ratio
     ``Σ_t (log π_old − log π_rollout)`` (``ess_scaling.use_clipped: false``); for their
@@ -170,7 +171,7 @@ def sequence_ess(
     """
     arrays = _broadcast({"log_weights": log_weights, "where": where})
     logw = jax.lax.stop_gradient(arrays["log_weights"].astype(jnp.float32))
-    counted = jnp.isfinite(logw)
+    counted = _usable_log_weights(logw)
     if where is not None:
         counted &= arrays["where"].astype(bool)
     batch_axes = as_mesh_axes(axis_names).batch
@@ -184,25 +185,38 @@ def sequence_ess(
     if batch_axes:
         sums = jax.lax.psum(sums, batch_axes)
     sum_w, sum_w2 = sums[0], sums[1]
-    # The largest counted term is e^0 = 1, so sum_w2 >= 1 whenever n > 0.
-    return jnp.where(n > 0, sum_w * sum_w / jnp.where(n > 0, n * sum_w2, 1.0), 0.0)
+    # The largest counted term is e^0 = 1, so sum_w2 >= 1 unless every weight is 0.
+    denominator = n * sum_w2
+    nonzero = denominator > 0
+    return jnp.where(nonzero, sum_w * sum_w / jnp.where(nonzero, denominator, 1.0), 0.0)
 
 
-def _opob_inputs(returns, grad_sq_norms, weights, where):
-    """float32 ``R``, ``‖g‖²``, ``w`` and the counted mask, all ``[..., N]``."""
+def _usable_log_weights(log_w: jax.Array) -> jax.Array:
+    """A log-weight counts unless it is NaN or ``+inf`` (``−inf`` is a weight of 0)."""
+    return ~jnp.isnan(log_w) & (log_w < jnp.inf)
+
+
+def _opob_inputs(returns, grad_sq_norms, log_weights, where):
+    """float32 ``R``, ``‖g‖²``, ``log w`` and the counted mask, all ``[..., N]``."""
     arrays = _broadcast(
-        {"returns": returns, "grad_sq_norms": grad_sq_norms, "weights": weights, "where": where}
+        {
+            "returns": returns,
+            "grad_sq_norms": grad_sq_norms,
+            "log_weights": log_weights,
+            "where": where,
+        }
     )
     stop = jax.lax.stop_gradient
     r = stop(arrays["returns"].astype(jnp.float32))
     g2 = stop(arrays["grad_sq_norms"].astype(jnp.float32))
-    w = stop(arrays["weights"].astype(jnp.float32)) if weights is not None else None
+    log_w = None
     counted = jnp.isfinite(r) & jnp.isfinite(g2) & (g2 >= 0)
-    if w is not None:
-        counted &= jnp.isfinite(w) & (w >= 0)
+    if log_weights is not None:
+        log_w = stop(arrays["log_weights"].astype(jnp.float32))
+        counted &= _usable_log_weights(log_w)
     if where is not None:
         counted &= arrays["where"].astype(bool)
-    return r, g2, w, counted
+    return r, g2, log_w, counted
 
 
 def _weighted_sums(big, r, counted, batch_axes) -> jax.Array:
@@ -212,23 +226,23 @@ def _weighted_sums(big, r, counted, batch_axes) -> jax.Array:
     return jax.lax.psum(sums, batch_axes) if batch_axes else sums
 
 
-def _group_baseline(r, g2, w, counted, batch_axes) -> jax.Array:
+def _group_baseline(r, g2, log_w, counted, batch_axes) -> jax.Array:
     """``Σ W R / Σ W`` over the last axis, ``W = w² ‖g‖²``, overflow-free."""
-    raw = g2 if w is None else w * w * g2
+    raw = g2 if log_w is None else jnp.exp(2.0 * jnp.where(counted, log_w, 0.0)) * g2
     direct = _weighted_sums(raw, r, counted, batch_axes)
     fine = jnp.all(jnp.isfinite(direct), axis=0) & (direct[1] >= _F32.tiny)
-    # Where W or its sums overflow (w ~ e^20, the library's ratio clamp, times a large
-    # ‖g‖²) or underflow, the same ratio from log W minus its group maximum: every
-    # term in [0, 1], the largest exactly 1.
-    log_w = jnp.log(jnp.where(counted, g2, 0.0))
-    if w is not None:
-        log_w = log_w + 2.0 * jnp.log(jnp.where(counted, w, 0.0))
-    log_w = jnp.where(counted, log_w, -jnp.inf)
-    top = jnp.max(log_w, axis=-1, keepdims=True, initial=-jnp.inf)
+    # Where W or its sums overflow (a long sequence's ratio e^50, or e^20 times a
+    # large ‖g‖²) or underflow, the same ratio from log W minus its group maximum:
+    # every term in [0, 1], the largest exactly 1.
+    log_big = jnp.log(jnp.where(counted, g2, 0.0))
+    if log_w is not None:
+        log_big = log_big + 2.0 * jnp.where(counted, log_w, 0.0)
+    log_big = jnp.where(counted, log_big, -jnp.inf)
+    top = jnp.max(log_big, axis=-1, keepdims=True, initial=-jnp.inf)
     if batch_axes:
         top = jax.lax.pmax(top, batch_axes)
     scaled = _weighted_sums(
-        jnp.exp(log_w - jnp.where(jnp.isfinite(top), top, 0.0)), r, counted, batch_axes
+        jnp.exp(log_big - jnp.where(jnp.isfinite(top), top, 0.0)), r, counted, batch_axes
     )
     sums = jnp.where(fine, direct, scaled)
     return MeanParts(sums[0], sums[1]).value()
@@ -238,7 +252,7 @@ def opob_baseline(
     returns: jax.typing.ArrayLike,
     grad_sq_norms: jax.typing.ArrayLike,
     *,
-    weights: jax.typing.ArrayLike | None = None,
+    log_weights: jax.typing.ArrayLike | None = None,
     where: jax.typing.ArrayLike | None = None,
     axis_names: AxisNames = None,
 ) -> jax.Array:
@@ -247,11 +261,13 @@ def opob_baseline(
     ``b* = Σ_i w_i² ‖∇_θ log π_θ(τ_i)‖² R_i / Σ_i w_i² ‖∇_θ log π_θ(τ_i)‖²`` over the
     last axis (Huang et al., 2026, arXiv:2602.17616): the baseline that minimises the
     variance of the importance-weighted estimator ``Σ_i w_i (R_i − b) ∇ log π_θ(τ_i)``.
-    Without ``weights`` it is the on-policy optimal baseline (the authors'
+    Without ``log_weights`` it is the on-policy optimal baseline (the authors'
     ``grad_baselining.use_is_weights: false``). The authors add ``1e-8`` to the
-    denominator; here the division is exact, and a group without weight (no counted
-    sequence, or every ``W_i = 0``) gets 0. A sequence with a non-finite or negative
-    input is not counted.
+    denominator; here the division is exact and overflow-free (``W`` is rescaled by
+    its group maximum when it leaves float32's range), and a group without weight (no
+    counted sequence, or every ``W_i = 0``) gets 0. A sequence with a non-finite
+    return, a non-finite or negative ``‖g‖²``, or a NaN / ``+inf`` log-weight is not
+    counted.
 
     Args:
       returns: ``[..., N]`` ``R_i``: the rewards of the ``N`` responses to one prompt
@@ -260,8 +276,9 @@ def opob_baseline(
       grad_sq_norms: ``[..., N]`` ``‖∇_θ log π_θ(τ_i)‖²``, the squared norm of the
         gradient of each sequence's summed log-probability (e.g. ``jax.vmap`` of
         ``jax.grad``; see docs/guide/training_step.md).
-      weights: optional ``[..., N]`` sequence IS weights ``w_i >= 0`` (e.g.
-        ``exp(Σ_t (log π_old − log π_rollout))``); None = all 1.
+      log_weights: optional ``[..., N]`` ``log w_i`` of the sequence IS weights (e.g.
+        ``Σ_t (log π_old − log π_rollout)`` over the sequence's tokens; ``−inf`` is a
+        weight of 0); None = all weights 1.
       where: optional ``[..., N]`` bool: the sequences that count (padding groups to
         a common ``N``: garbage outside ``where`` never reaches the result).
       axis_names: inside ``shard_map``, mesh axes the *last* axis is split over (a
@@ -276,15 +293,15 @@ def opob_baseline(
       >>> float(b)  # (3·1 + 1·0) / (3 + 1)
       0.75
     """
-    r, g2, w, counted = _opob_inputs(returns, grad_sq_norms, weights, where)
-    return _group_baseline(r, g2, w, counted, as_mesh_axes(axis_names).batch)
+    r, g2, log_w, counted = _opob_inputs(returns, grad_sq_norms, log_weights, where)
+    return _group_baseline(r, g2, log_w, counted, as_mesh_axes(axis_names).batch)
 
 
 def opob_advantages(
     returns: jax.typing.ArrayLike,
     grad_sq_norms: jax.typing.ArrayLike,
     *,
-    weights: jax.typing.ArrayLike | None = None,
+    log_weights: jax.typing.ArrayLike | None = None,
     where: jax.typing.ArrayLike | None = None,
     norm_by_std: bool = False,
     axis_names: AxisNames = None,
@@ -301,7 +318,7 @@ def opob_advantages(
     Args:
       returns: ``[..., N]`` ``R_i`` (see :func:`opob_baseline`).
       grad_sq_norms: ``[..., N]`` ``‖∇_θ log π_θ(τ_i)‖²``.
-      weights: optional ``[..., N]`` sequence IS weights ``w_i``.
+      log_weights: optional ``[..., N]`` ``log w_i`` of the sequence IS weights.
       where: optional ``[..., N]`` bool: the sequences that count.
       norm_by_std: divide by the group's reward standard deviation.
       axis_names: inside ``shard_map``, mesh axes the last axis is split over.
@@ -315,9 +332,9 @@ def opob_advantages(
       >>> [float(x) for x in a]  # b* = 0.75
       [0.25, -0.75]
     """
-    r, g2, w, counted = _opob_inputs(returns, grad_sq_norms, weights, where)
+    r, g2, log_w, counted = _opob_inputs(returns, grad_sq_norms, log_weights, where)
     batch_axes = as_mesh_axes(axis_names).batch
-    centred = r - _group_baseline(r, g2, w, counted, batch_axes)[..., None]
+    centred = r - _group_baseline(r, g2, log_w, counted, batch_axes)[..., None]
     if norm_by_std:
         std = _group_std(r, counted, batch_axes)[..., None]
         centred = jnp.where(std > _STD_FLOOR, centred / jnp.where(std > 0, std, 1.0), centred)
