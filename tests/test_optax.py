@@ -147,8 +147,8 @@ def test_keeps_the_dtype_of_bf16_updates():
 
 
 def test_policy_loss_metrics_feed_the_transform_in_a_jitted_step():
-    """The training step of the docs: mis_ess from policy_loss's metrics, under jit; the
-    pooled micro-batch parts of mis_ess give the same update as the full-batch value."""
+    """The training step of the docs: mis_ess from policy_loss's metrics, under jit; its
+    parts from policy_loss_parts give the same update (pooling: tests/test_vcpo.py)."""
     rng = np.random.default_rng(0)
     old = rng.normal(-1.0, 0.5, (6, 8)).astype(np.float32)
     rollout = (old + rng.normal(0, 0.5, old.shape)).astype(np.float32)
@@ -176,11 +176,8 @@ def test_policy_loss_metrics_feed_the_transform_in_a_jitted_step():
     np.testing.assert_allclose(
         updates["logp"], np.asarray(plain["logp"]) * np.sqrt(np.float32(ess)), rtol=1e-6
     )
-    parts = None
-    for rows in (slice(0, 2), slice(2, 6)):
-        _, m = opj.policy_loss_parts(
-            old[rows], old[rows], rollout[rows], adv[rows], mask[rows], config
-        )
-        parts = m["mis_ess"] if parts is None else parts + m["mis_ess"]
-    pooled, _ = jax.jit(optimizer.update)(grads, state, params, ess=parts)
-    np.testing.assert_allclose(pooled["logp"], updates["logp"], rtol=1e-6)
+    # The mis_ess parts of policy_loss_parts (a MeanParts) are divided out by the transform.
+    parts = opj.policy_loss_parts(old, old, rollout, adv, mask, config)[1]["mis_ess"]
+    assert isinstance(parts, opj.MeanParts)
+    from_parts, _ = jax.jit(optimizer.update)(grads, state, params, ess=parts)
+    np.testing.assert_allclose(from_parts["logp"], updates["logp"], rtol=1e-6)
