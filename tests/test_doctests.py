@@ -14,6 +14,8 @@ MODULES = [
     "offpolicy_jax.losses",
     "offpolicy_jax.sampling_support",
     "offpolicy_jax.surrogates",
+    "offpolicy_jax.vcpo",
+    "offpolicy_jax.integrations.optax",
 ]
 
 

@@ -20,11 +20,12 @@ TRAINING_STEP = DOCS / "guide" / "training_step.md"
 
 def test_readme_example_runs_pasted_into_an_empty_folder(tmp_path):
     blocks = marked_blocks("readme-test", README)
-    assert len(blocks) == 1, "README.md has one example, after a readme-test marker"
+    assert len(blocks) == 2, "README.md has its example and the optax step that continues it"
     assert 'preset("mis")' in blocks[0] and "from_yaml" not in blocks[0]
+    assert "scale_by_ess" in blocks[1]
     folder = tmp_path / "elsewhere"
     folder.mkdir()
-    (folder / "example.py").write_text(blocks[0])
+    (folder / "example.py").write_text("\n".join(blocks))
     # This checkout's library, however it is installed; nothing of the clone's folder.
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run(
@@ -37,12 +38,21 @@ def test_readme_example_runs_pasted_into_an_empty_folder(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["kept tokens", "mismatch k3 KL", "loss"]
+    assert [line.split(":")[0] for line in lines] == [
+        "kept tokens",
+        "mismatch k3 KL",
+        "loss",
+        "ESS",
+    ]
     assert np.isfinite(float(lines[1].split()[-1]))
+    # ESS in (0, 1] and the learning-rate factor is its square root.
+    ess, scale = (float(x.split()[0]) for x in lines[3].split(":")[1:])
+    assert 0 < ess <= 1
+    np.testing.assert_allclose(scale, np.sqrt(ess), rtol=1e-6)
 
 
 def test_readme_example_is_the_getting_started_one():
-    [readme] = marked_blocks("readme-test", README)
+    readme = marked_blocks("readme-test", README)[0]
     assert readme in marked_blocks("doc-test", DOCS / "getting_started.md")
 
 

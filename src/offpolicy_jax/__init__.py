@@ -25,6 +25,12 @@ from offpolicy_jax.reduction import MeanParts, MeshAxes
 from offpolicy_jax.registry import SurrogateInput, SurrogateTerms, register_surrogate
 from offpolicy_jax.sampling_support import support_from_csr
 from offpolicy_jax.surrogates import PPOTerms, ppo_surrogate
+from offpolicy_jax.vcpo import (
+    ess_learning_rate_scale,
+    opob_advantages,
+    opob_baseline,
+    sequence_ess,
+)
 
 __version__ = "0.1.0"
 
@@ -44,13 +50,17 @@ __all__ = [
     "VanillaTIS",
     "aggregate",
     "compute_correction",
+    "ess_learning_rate_scale",
     "finalize_metrics",
+    "opob_advantages",
+    "opob_baseline",
     "pack_sequences",
     "policy_loss",
     "policy_loss_parts",
     "policy_loss_terms",
     "ppo_surrogate",
     "register_surrogate",
+    "sequence_ess",
     "support_from_csr",
     "token_logprobs",
     "token_logprobs_from_hidden",
