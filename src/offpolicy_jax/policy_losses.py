@@ -437,9 +437,9 @@ def prime_dppo(
     """prime-rl's default loss: a DPPO binary-TV mask plus a squared-log-ratio KL term.
 
     ``ℓ = −[kept]·τ_A·A·r + τ_KL·x²`` with ``x = θ − d``, ``r = e^x`` differentiable
-    (its gradient is ``A·r·∇θ``, as DPPO's ``sg(r)·A·∇θ``) and ``Δp = e^θ − e^d``
-    (:func:`probability_difference`). The mask follows the advantage's sign
-    (DPPO binary TV, arXiv:2602.04879): a token is dropped where ``A > 0`` and
+    (the policy term's gradient ``−τ_A·A·r·∇θ`` is DPPO's ``−A·sg(r)·∇θ``, scaled) and
+    ``Δp = e^θ − e^d`` (:func:`probability_difference`). The mask follows the
+    advantage's sign (DPPO binary TV, arXiv:2602.04879): a token is dropped where ``A > 0`` and
     ``Δp > δ_high`` (its probability rose too far) or where ``A ≤ 0`` and
     ``Δp < −δ_low`` (it fell too far); a token exactly at a threshold is kept. The KL
     term (Kimi K2.5, arXiv:2602.02276) applies to every token, dropped ones included,
