@@ -42,6 +42,9 @@ HYPERPARAMETERS = {
     "dppo_tv": dict(clip_eps_high=0.28),
     "dppo_kl": dict(clip_eps_high=0.28),
     "dro": {},
+    "prime_dppo": {},
+    "ipo": {},
+    "two_sided_clip": dict(clip_eps_high=0.28),
 }
 
 

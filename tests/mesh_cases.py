@@ -255,6 +255,9 @@ _SURROGATE_HYPER: dict[str, dict] = {
     "dppo_tv": dict(clip_eps=0.02, clip_eps_high=0.03, dppo_ratio_cap=1.2),
     "dppo_kl": dict(clip_eps=0.002, clip_eps_high=0.003, dppo_ratio_cap=1.2),
     "dro": dict(dro_beta=0.1),
+    "prime_dppo": dict(dppo_mask_low=0.02, dppo_mask_high=0.015, kl_tau=0.05),
+    "ipo": dict(ipo_threshold=0.02, adv_tau=1.5, kl_tau=0.02),
+    "two_sided_clip": dict(clip_eps_high=0.02, clamp_log_prob_coef=1.05),
 }
 _AGGREGATION_CYCLE = (
     "sequence_mean",
@@ -332,6 +335,15 @@ def _surrogate_losses() -> dict[str, tuple[opj.LossConfig, str]]:
             "sequence_mean",
             None,
             dict(kl_coef=0.1, kl_estimator="k1"),
+        ),
+        # prime-rl's own setting: the trainer against the inference engine, no π_old.
+        "bypass_prime_dppo_token_mean": ("bypass_ppo", "prime_dppo", "token_mean", None, {}),
+        "bypass_ipo_rejection_sequence_sum": (
+            "bypass_ppo",
+            "ipo",
+            "sequence_sum",
+            _BYPASS_REJECTION,
+            {},
         ),
         "bypass_dro_kl_k2_entropy_sequence_sum_norm": (
             "bypass_ppo",

@@ -238,3 +238,109 @@ def aggregate(per_token, final_mask, denominator_mask, aggregation, scale=None):
     else:
         raise ValueError(aggregation)
     return float((weight * lt).sum()), weight
+
+
+# --------------------------------------------------------------------------- prime-rl
+# From prime-rl's src/prime_rl/trainer/rl/loss.py (default_loss_fn, ipo_loss_fn; commit
+# 559b44772) and, for INTELLECT-2, src/zeroband/training/loss.py (commit 35948297f).
+
+
+class MaskTerms(NamedTuple):
+    loss: np.ndarray
+    vjp: Callable[[np.ndarray], np.ndarray]
+    masked: np.ndarray
+    masked_high: np.ndarray | None = None
+    masked_low: np.ndarray | None = None
+
+
+def _probs_diff(theta, d, ok):
+    """prime-rl's ``exp(trainer_logprobs) − exp(inference_logprobs)``, in float32."""
+    with np.errstate(all="ignore"):
+        t32 = np.where(ok, np.asarray(theta, np.float32), np.float32(0))
+        d32 = np.where(ok, np.asarray(d, np.float32), np.float32(0))
+        return np.exp(t32) - np.exp(d32)
+
+
+def _masked_ratio(theta, d, adv, valid, masked_fn, adv_tau, kl_tau):
+    theta64, d64, adv = _f64(theta, d, adv)
+    valid = np.asarray(valid, bool)
+    adv = np.where(valid, adv, 0.0)
+    ok, x = _usable(theta64, d64, valid)
+    gap = _probs_diff(theta, d, ok)
+    masked = masked_fn(gap, adv)
+    keep = ~masked
+    r = np.exp(np.clip(x, -S, S))
+    pg = np.where(keep, adv_tau * adv * r, 0.0)
+    loss = -pg + kl_tau * x * x
+    slope = (-np.where(keep, adv_tau * adv * r, 0.0) * _clamp_grad(x, -S, S) + 2 * kl_tau * x) * ok
+    return loss, slope, masked, adv, gap
+
+
+def prime_dppo(theta, d, adv, valid, *, dppo_mask_low, dppo_mask_high, adv_tau, kl_tau):
+    """``−keep·τ_A·A·r + τ_KL·log² r``, ``keep`` = not (``Δp > δ_h`` if A > 0 else ``Δp < −δ_l``)."""
+    high32, low32 = np.float32(dppo_mask_high), np.float32(dppo_mask_low)
+
+    def masked_fn(gap, a):
+        return np.where(a > 0, gap > high32, gap < -low32)
+
+    loss, slope, masked, a, gap = _masked_ratio(theta, d, adv, valid, masked_fn, adv_tau, kl_tau)
+    return MaskTerms(
+        loss,
+        lambda c: np.asarray(c, np.float64) * slope,
+        masked,
+        (a > 0) & (gap > high32),
+        (a < 0) & (gap < -low32),
+    )
+
+
+def ipo(theta, d, adv, valid, *, ipo_threshold, adv_tau, kl_tau):
+    """The same with ``keep`` = ``|Δp| ≤ ipo_threshold``."""
+    threshold = np.float32(ipo_threshold)
+
+    def masked_fn(gap, _):
+        return np.abs(gap) > threshold
+
+    loss, slope, masked, _, _ = _masked_ratio(theta, d, adv, valid, masked_fn, adv_tau, kl_tau)
+    return MaskTerms(loss, lambda c: np.asarray(c, np.float64) * slope, masked)
+
+
+def two_sided_clip(theta, d, adv, valid, *, clip_eps, clip_eps_high, delta):
+    """INTELLECT-2 as prime-rl wrote it: ``c1 = clamp(r, 0, δ)``, ``c2 = clamp(c1, 1−ε, 1+ε_h)``,
+    ``ℓ = max(−c1·A, −c2·A)`` (a clamp's gradient passes on its closed interval; at a tie
+    the unclipped branch's, the library's rule)."""
+    theta, d, adv = _f64(theta, d, adv)
+    valid = np.asarray(valid, bool)
+    adv = np.where(valid, adv, 0.0)
+    ok, x = _usable(theta, d, valid)
+    r = np.exp(np.clip(x, -S, S))
+    c1 = np.clip(r, 0.0, delta)
+    dc1 = r * (r <= delta) * _clamp_grad(x, -S, S) * ok
+    c2 = np.clip(c1, 1 - clip_eps, 1 + clip_eps_high)
+    l1, l2 = -c1 * adv, -c2 * adv
+    clipped = l2 > l1
+    loss = np.where(clipped, l2, l1)
+    slope = -adv * dc1 * np.where(clipped, _clamp_grad(c1, 1 - clip_eps, 1 + clip_eps_high), 1.0)
+    return Terms(
+        loss, lambda c: np.asarray(c, np.float64) * slope, clipped, (adv < 0) & (r > delta)
+    )
+
+
+def prime_rl_loss(theta, inference, adv, loss_mask, loss_fn, **hp):
+    """prime-rl's ``compute_loss`` for one packed micro-batch of sequences (the rows):
+    ``Σ_seq Σ_t ℓ / N`` with ``N`` the count of loss tokens (masked tokens included), and
+    each metric as prime-rl's per-sample ``_safe_mean`` averaged over the samples that have
+    a loss token (the library leaves empty sequences out of its means)."""
+    loss_mask = np.asarray(loss_mask, bool)
+    terms = loss_fn(theta, inference, adv, loss_mask, **hp)
+    n = max(int(loss_mask.sum()), 1)
+    value = float(np.where(loss_mask, terms.loss, 0.0).sum() / n)
+    grad = terms.vjp(loss_mask / n)
+    metrics = {}
+    nonempty = loss_mask.any(-1)
+    names = {"is_masked": terms.masked}
+    if getattr(terms, "masked_high", None) is not None:
+        names |= {"is_masked_high": terms.masked_high, "is_masked_low": terms.masked_low}
+    for key, flag in names.items():
+        per_sample = (flag & loss_mask).sum(-1) / np.maximum(loss_mask.sum(-1), 1)
+        metrics[key] = float(per_sample[nonempty].mean()) if nonempty.any() else 0.0
+    return value, grad, metrics

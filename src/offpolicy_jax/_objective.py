@@ -144,6 +144,73 @@ class DROPenalty:
         _number(self, "dro_beta", positive=True)
 
 
+def _non_negative(params, key: str) -> None:
+    """``params.key`` as a finite float ``≥ 0`` that float32 represents (0 or normal)."""
+    _number(params, key)
+    value = getattr(params, key)
+    if value is None or value < 0:
+        raise ValueError(f"{_OWNER}.{key} must be a number >= 0, got {value!r}")
+    check_f32_coefficient(_OWNER, key, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimeRLCoefficients:
+    """prime-rl's coefficients of the policy-gradient (``adv_tau``) and KL (``kl_tau``)
+    terms, its defaults (``DefaultLossConfig`` / ``IPOLossConfig``)."""
+
+    adv_tau: float = 1.0
+    kl_tau: float = 1e-3
+
+    def __post_init__(self):
+        _non_negative(self, "adv_tau")
+        _non_negative(self, "kl_tau")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimeDPPOMask(PrimeRLCoefficients):
+    """prime-rl's default loss: the probability-difference thresholds ``δ_low``, ``δ_high``."""
+
+    dppo_mask_low: float = 0.2
+    dppo_mask_high: float = 0.2
+
+    def __post_init__(self):
+        super().__post_init__()
+        _non_negative(self, "dppo_mask_low")
+        _non_negative(self, "dppo_mask_high")
+
+
+@dataclasses.dataclass(frozen=True)
+class IPOMask(PrimeRLCoefficients):
+    """prime-rl's IPO loss: the symmetric probability-difference threshold."""
+
+    ipo_threshold: float = 0.1
+
+    def __post_init__(self):
+        super().__post_init__()
+        _non_negative(self, "ipo_threshold")
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoSidedClip(ClipRange):
+    """INTELLECT-2's clip range and its ratio cap ``δ`` for ``A < 0``
+    (``clamp_log_prob_coef``, 4.0 as in the INTELLECT-2 run)."""
+
+    clamp_log_prob_coef: float = 4.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _number(self, "clamp_log_prob_coef")
+        delta, high = self.clamp_log_prob_coef, self.upper_clip_eps
+        # δ ≤ 1 + ε_high would cap the positive-advantage side too: no longer INTELLECT-2's
+        # bound on the negative side alone (the paper and TRL ask for δ > 1 + ε).
+        bound = np.float32(1) + np.float32(_f32(high))
+        if delta is None or not bound < np.float32(_f32(delta)) <= _F32.max:
+            raise ValueError(
+                f"{_OWNER}.clamp_log_prob_coef (INTELLECT-2's δ) must be > 1 + clip_eps_high "
+                f"= {float(bound):g} and finite in float32, got {delta!r}"
+            )
+
+
 # --------------------------------------------------------------------------- built-ins
 
 
@@ -272,6 +339,62 @@ def dppo_kl(x: SurrogateInput, p: DPPOTrustRegion) -> SurrogateTerms:
 def dro(x: SurrogateInput, p: DROPenalty) -> SurrogateTerms:
     """DRO (:func:`.policy_losses.dro`)."""
     return pl.dro(x.logp, x.denominator, x.advantages, x.valid, beta=p.dro_beta)
+
+
+def _probability_masks(x: SurrogateInput, terms: pl.ProbabilityMasks) -> SurrogateTerms:
+    """The loss and prime-rl's mask shares (``is_masked*``) over ``m'``."""
+    masks = {
+        "is_masked": terms.masked,
+        "is_masked_high": terms.masked_high,
+        "is_masked_low": terms.masked_low,
+    }
+    metrics = {k: _reduce.count_where(v, x.mask) for k, v in masks.items() if v is not None}
+    return SurrogateTerms(terms.loss, metrics=metrics)
+
+
+@register_surrogate("prime_dppo", params=PrimeDPPOMask)
+def prime_dppo(x: SurrogateInput, p: PrimeDPPOMask) -> SurrogateTerms:
+    """prime-rl's default loss, DPPO mask + KL (:func:`.policy_losses.prime_dppo`)."""
+    terms = pl.prime_dppo(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        x.valid,
+        dppo_mask_low=p.dppo_mask_low,
+        dppo_mask_high=p.dppo_mask_high,
+        adv_tau=p.adv_tau,
+        kl_tau=p.kl_tau,
+    )
+    return _probability_masks(x, terms)
+
+
+@register_surrogate("ipo", params=IPOMask)
+def ipo(x: SurrogateInput, p: IPOMask) -> SurrogateTerms:
+    """prime-rl's IPO loss, symmetric mask + KL (:func:`.policy_losses.ipo`)."""
+    terms = pl.ipo(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        x.valid,
+        ipo_threshold=p.ipo_threshold,
+        adv_tau=p.adv_tau,
+        kl_tau=p.kl_tau,
+    )
+    return _probability_masks(x, terms)
+
+
+@register_surrogate("two_sided_clip", params=TwoSidedClip)
+def two_sided_clip(x: SurrogateInput, p: TwoSidedClip) -> SurrogateTerms:
+    """INTELLECT-2's two-sided clip (:func:`.policy_losses.two_sided_clip`)."""
+    return pl.two_sided_clip(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        x.valid,
+        clip_eps=p.clip_eps,
+        clip_eps_high=p.upper_clip_eps,
+        delta=p.clamp_log_prob_coef,
+    )
 
 
 # --------------------------------------------------------------------------- the objective

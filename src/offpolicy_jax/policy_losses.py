@@ -20,6 +20,9 @@ name           per-token loss ``ℓ`` (``x = θ − d``, ``r = e^x``)           
 ``dppo_tv``    ``−A·sg(min(r, C))·θ`` inside the TV trust region, else 0       DPPO, 2026
 ``dppo_kl``    same with the binary-KL trust region                            DPPO, 2026
 ``dro``        ``−(A·θ − ½β(θ − d)²)``                                          Kimi k1.5, 2025
+``prime_dppo`` ``−[kept]·τ_A·A·r + τ_KL·x²``, kept by the sign of ``A`` and Δp  prime-rl (DPPO + KL), 2026
+``ipo``        same, kept iff ``|Δp| ≤ ipo_threshold``                          prime-rl (IPO), 2026
+``two_sided_clip`` ``ppo_clip`` with ``r`` capped at ``δ`` (bounds ``A < 0``)   INTELLECT-2, 2025
 =============  ==============================================================  =========================
 
 Gradients at kinks follow the PyTorch reference (verl): a clamp passes the full
@@ -33,12 +36,14 @@ reaches neither the loss nor its gradient.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from offpolicy_jax.ratios import LOG_RATIO_CLAMP
 from offpolicy_jax.registry import SurrogateTerms
-from offpolicy_jax.surrogates import clamp
+from offpolicy_jax.surrogates import clamp, ppo_surrogate
 
 GSPO_LOG_RATIO_MAX = 10.0
 """Upper clamp of GSPO's log sequence ratio (verl's numerical guard; no lower clamp)."""
@@ -379,6 +384,169 @@ def dro(
     """
     x = safe_log_ratio(logp, denominator_logp, valid)
     return SurrogateTerms(-(_sg(advantages) * safe_logp(logp, valid) - 0.5 * beta * x * x))
+
+
+# --------------------------------------------------------------------------- prime-rl
+
+
+class ProbabilityMasks(NamedTuple):
+    """prime-rl's per-token loss and the masks it reports (bool ``[..., T]``).
+
+    ``masked`` drops the token's policy-gradient term; ``masked_high`` / ``masked_low``
+    are the shares prime-rl logs as ``is_masked_high`` / ``is_masked_low`` (None for
+    IPO, which logs only ``is_masked``).
+    """
+
+    loss: jax.Array
+    masked: jax.Array
+    masked_high: jax.Array | None = None
+    masked_low: jax.Array | None = None
+
+
+def probability_difference(
+    logp: jax.Array, denominator_logp: jax.Array, valid: jax.Array
+) -> jax.Array:
+    """``Δp = e^θ − e^d``, prime-rl's ``probs_diff`` (stop-gradient; 0 where unusable).
+
+    The probabilities are taken of ``θ`` and ``d`` themselves (not of ``θ − x``), so a
+    token exactly at a threshold is decided on the same float32 values as in prime-rl.
+    """
+    theta, d = _sg(logp), _sg(denominator_logp)
+    usable = valid & jnp.isfinite(theta - d)
+    return jnp.exp(jnp.where(usable, theta, 0.0)) - jnp.exp(jnp.where(usable, d, 0.0))
+
+
+def _masked_ratio_loss(logp, denominator_logp, advantages, valid, masked, adv_tau, kl_tau):
+    """``−[¬masked]·τ_A·A·r + τ_KL·x²`` with the differentiable ``r = exp(clip(x, −S, S))``."""
+    x = safe_log_ratio(logp, denominator_logp, valid)
+    policy_term = jnp.where(masked, 0.0, adv_tau * _sg(advantages) * clamped_ratio(x))
+    return -policy_term + kl_tau * x * x
+
+
+def prime_dppo(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    dppo_mask_low: float,
+    dppo_mask_high: float,
+    adv_tau: float,
+    kl_tau: float,
+) -> ProbabilityMasks:
+    """prime-rl's default loss: a DPPO binary-TV mask plus a squared-log-ratio KL term.
+
+    ``ℓ = −[kept]·τ_A·A·r + τ_KL·x²`` with ``x = θ − d``, ``r = e^x`` differentiable
+    (the policy term's gradient ``−τ_A·A·r·∇θ`` is DPPO's ``−A·sg(r)·∇θ``, scaled) and
+    ``Δp = e^θ − e^d`` (:func:`probability_difference`). The mask follows the
+    advantage's sign (DPPO binary TV, arXiv:2602.04879): a token is dropped where ``A > 0`` and
+    ``Δp > δ_high`` (its probability rose too far) or where ``A ≤ 0`` and
+    ``Δp < −δ_low`` (it fell too far); a token exactly at a threshold is kept. The KL
+    term (Kimi K2.5, arXiv:2602.02276) applies to every token, dropped ones included,
+    with gradient ``2·τ_KL·x·∇θ``. prime-rl compares the trainer with the inference
+    engine, ``d = π_rollout``: ``algorithm="bypass_ppo"``
+    (prime-rl ``src/prime_rl/trainer/rl/loss.py::default_loss_fn``, since commit
+    ff4b125e4, 2026-04-06).
+
+    Args:
+      logp: ``[..., T]`` log π_θ (differentiated).
+      denominator_logp: ``[..., T]`` log π_d (π_rollout in prime-rl); stop-gradient.
+      advantages: ``[..., T]``, 0 outside ``valid``; stop-gradient.
+      valid: ``[..., T]`` bool.
+      dppo_mask_low: ``δ_low ≥ 0``.
+      dppo_mask_high: ``δ_high ≥ 0``.
+      adv_tau: ``τ_A ≥ 0``, the policy-gradient term's coefficient.
+      kl_tau: ``τ_KL ≥ 0``, the KL term's coefficient.
+
+    Returns:
+      :class:`ProbabilityMasks`: ``masked = [Δp > δ_high]`` where ``A > 0`` else
+      ``[Δp < −δ_low]`` (so an ``A = 0`` token can count, as in prime-rl, although
+      its policy term is 0 anyway), ``masked_high = [A > 0 ∧ Δp > δ_high]``,
+      ``masked_low = [A < 0 ∧ Δp < −δ_low]``.
+    """
+    advantages = _sg(advantages)
+    gap = probability_difference(logp, denominator_logp, valid)
+    high, low = gap > dppo_mask_high, gap < -dppo_mask_low
+    positive = advantages > 0
+    masked = jnp.where(positive, high, low)
+    loss = _masked_ratio_loss(logp, denominator_logp, advantages, valid, masked, adv_tau, kl_tau)
+    return ProbabilityMasks(loss, masked, positive & high, (advantages < 0) & low)
+
+
+def ipo(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    ipo_threshold: float,
+    adv_tau: float,
+    kl_tau: float,
+) -> ProbabilityMasks:
+    """prime-rl's IPO loss (INTELLECT Policy Optimization): a symmetric trust region.
+
+    As :func:`prime_dppo`, but a token is dropped wherever ``|Δp| > ipo_threshold``,
+    whatever the advantage's sign (prime-rl's reason: an asynchronous run takes one step
+    per batch, so the advantage's sign predicts the update's direction poorly). prime-rl
+    ``src/prime_rl/trainer/rl/loss.py::ipo_loss_fn``, ``type = "ipo"`` (commit
+    77af03753, 2026-06-14). From 2026-03-03 to 2026-04-06 IPO was prime-rl's default,
+    then with two thresholds (``ipo_mask_low`` / ``ipo_mask_high``, 0.2 each) instead of
+    one.
+
+    Args: as :func:`prime_dppo`, with ``ipo_threshold ≥ 0`` for the two thresholds.
+
+    Returns:
+      :class:`ProbabilityMasks` with ``masked = [|Δp| > ipo_threshold]``.
+    """
+    gap = probability_difference(logp, denominator_logp, valid)
+    masked = jnp.abs(gap) > ipo_threshold
+    loss = _masked_ratio_loss(logp, denominator_logp, advantages, valid, masked, adv_tau, kl_tau)
+    return ProbabilityMasks(loss, masked)
+
+
+def two_sided_clip(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float,
+    delta: float,
+) -> SurrogateTerms:
+    """INTELLECT-2's two-sided GRPO clipping (arXiv:2505.07291, §4.1).
+
+    PPO's clipped surrogate on the ratio capped at ``δ``: ``c = min(r, δ)``,
+    ``ℓ = max(−c·A, −clip(c, 1 − ε, 1 + ε_high)·A)``. For ``A < 0`` the loss is then
+    bounded by ``δ·|A|`` (with zero gradient beyond ``r = δ``): a token the policy now
+    favours far more than the sampler did can no longer produce an unbounded update.
+    For ``δ > 1 + ε_high`` (required by the config) the positive-advantage side is
+    PPO's, and the whole is PPO's dual clip with ``c = δ`` (Ye et al. 2020), which is
+    how it is computed (:func:`~offpolicy_jax.ppo_surrogate`). prime-rl at the
+    INTELLECT-2 run: ``src/zeroband/training/loss.py::grpo_loss``, key
+    ``clamp_log_prob_coef = 4.0`` (commit 35948297f, 2025-05-07); ``clip_ratio`` in its
+    later ``ClippingLossConfig``; TRL's ``GRPOConfig.delta``.
+
+    Args:
+      logp, denominator_logp, advantages, valid: as :func:`dppo`.
+      clip_eps: ``ε``.
+      clip_eps_high: ``ε_high``.
+      delta: ``δ > 1 + ε_high``.
+
+    Returns:
+      :class:`SurrogateTerms`: ``clipped = [L2 > L1]`` (INTELLECT-2's ``clip_ratio``
+      metric), ``clipped_lower = [A < 0 ∧ r > δ]`` (the bound binds).
+    """
+    terms = ppo_surrogate(
+        logp,
+        denominator_logp,
+        advantages,
+        where=valid,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        dual_clip_c=delta,
+    )
+    return SurrogateTerms(terms.loss, terms.clipped, terms.clipped_lower)
 
 
 # --------------------------------------------------------------------------- KL, entropy
