@@ -362,6 +362,7 @@ PIPELINE_METRICS: frozenset[str] = frozenset(
         "pg_loss",
         "kl_loss",
         "entropy",
+        "nll_loss",
         "count",
         "mask_count",
         "bad_model",
@@ -415,11 +416,15 @@ def regulariser_terms(
     valid: jax.Array,
     ref_logp: jax.Array | None,
     entropy: jax.Array | None,
+    *,
+    positive: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
-    """Per-token ``kl_loss`` (KL-to-reference estimate) and ``entropy`` where given.
+    """Per-token ``kl_loss`` (KL-to-reference estimate), ``entropy`` and ``nll_loss``
+    (VAPO's positive-example NLL, where ``positive``: ``reward > 0``) where given.
 
-    The loss adds ``kl_coef · kl − entropy_coef · H`` per token; both are reported as
-    metrics aggregated like the policy term whenever their input is passed.
+    The loss adds ``kl_coef · kl − entropy_coef · H + positive_example_nll_weight ·
+    nll`` per token; each is reported as a metric aggregated like the policy term
+    whenever its input is passed.
     """
     out = {}
     if ref_logp is not None:
@@ -436,4 +441,6 @@ def regulariser_terms(
             out["kl_loss"] = pl.kl_estimate(theta, ref_logp, valid, estimator=config.kl_estimator)
     if entropy is not None:
         out["entropy"] = jnp.where(valid & jnp.isfinite(entropy), entropy, 0.0)
+    if positive is not None:
+        out["nll_loss"] = pl.positive_example_nll(theta, positive, valid)
     return out

@@ -700,6 +700,9 @@ class LossConfig:
       kl_off_policy: weight the estimator by ``π_θ/π_d`` (DeepSeek-V3.2's unbiased
         estimate for samples drawn from ``π_d``).
       entropy_coef: coefficient of the entropy bonus ``−c·H`` (needs ``entropy``); 0 = off.
+      positive_example_nll_weight: VAPO's ``μ`` (NeMo-RL's key): adds ``μ·(−log π_θ)``
+        on the tokens of sequences with ``reward > 0`` (needs ``rewards``), aggregated
+        like the policy term; 0 = off.
       prox_logp_method: where decoupled PPO's proximal policy π_old comes from (AReaL's
         key, docs/guide/async.md): ``"recompute"`` (default: ``old_logp``, a forward
         pass), ``"loglinear"`` / ``"linear"`` (approximated from ``rollout_logp``,
@@ -724,6 +727,7 @@ class LossConfig:
     kl_off_policy: bool = False
     entropy_coef: float = 0.0
     prox_logp_method: str = "recompute"
+    positive_example_nll_weight: float = 0.0
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         if len(args) > len(_LOSS_POSITIONAL):
@@ -773,11 +777,13 @@ class LossConfig:
             set_(key, _check_number(owner, key, getattr(self, key), optional=True))
             _check_positive(owner, key, getattr(self, key))
         set_("kl_estimator", _check_choice(owner, "kl_estimator", self.kl_estimator, KL_ESTIMATORS))
-        for key in ("kl_coef", "entropy_coef"):
+        for key in ("kl_coef", "entropy_coef", "positive_example_nll_weight"):
             set_(key, _check_number(owner, key, getattr(self, key), optional=False))
-        if self.kl_coef < 0:
-            raise ValueError(f"{owner}.kl_coef must be >= 0, got {shown(self.kl_coef)}")
-        for key in ("kl_coef", "entropy_coef", "opsm_delta", "loss_scale_factor"):
+        for key in ("kl_coef", "positive_example_nll_weight"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{owner}.{key} must be >= 0, got {shown(getattr(self, key))}")
+        coefficients = ("kl_coef", "entropy_coef", "positive_example_nll_weight")
+        for key in (*coefficients, "opsm_delta", "loss_scale_factor"):
             check_f32_coefficient(owner, key, getattr(self, key))
         if self.loss_scale_factor is not None and self.aggregation != "sequence_sum_norm":
             raise ValueError(
