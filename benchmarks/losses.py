@@ -42,6 +42,8 @@ HYPERPARAMETERS = {
     "dppo_tv": dict(clip_eps_high=0.28),
     "dppo_kl": dict(clip_eps_high=0.28),
     "dro": {},
+    "vespo": {},  # TRL's defaults
+    "luspo": dict(clip_eps=2e-3, clip_eps_high=2.5e-3),  # the paper's (Section 5.1)
 }
 
 

@@ -479,9 +479,10 @@ def test_jit_equals_eager(b, config):
 
 
 def test_jit_equals_eager_once():
-    """The fast tier's jit == eager check: one fixed batch, every property config."""
+    """The fast tier's jit == eager check: one fixed batch, VESPO with the NLL and LUSPO
+    with weights (eager runs op by op: seconds a call; the property above does the rest)."""
     theta, old, rollout, adv, valid = policy_batch(25)
-    for config in PROPERTY_CONFIGS:
+    for config in PROPERTY_CONFIGS[1:3]:
         rewards = adv if config.positive_example_nll_weight else None
         eager = opj.policy_loss(theta, old, rollout, adv, valid, config, rewards=rewards)
         (loss, metrics), _ = _jit_loss(config)(theta, old, rollout, adv, valid, rewards)

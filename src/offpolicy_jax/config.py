@@ -684,7 +684,8 @@ class LossConfig:
         the ratio denominator ``d`` and the IS weights): ``"ppo_clip"`` (default, the
         clipped PPO surrogate: ``clip_eps``, ``clip_eps_high``, ``dual_clip_c``),
         ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"gmpo"``, ``"sapo"``, ``"gpg"``,
-        ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"`` or any registered name; formulas and
+        ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, TRL's ``"vespo"`` and ``"luspo"`` or any
+        registered name; formulas and
         papers in :mod:`offpolicy_jax.policy_losses`. ``reinforce_is`` has its own
         term and takes only the default.
       params: the surrogate's hyperparameters (an instance of its registered params

@@ -859,7 +859,8 @@ def policy_loss(
     ``reinforce_is``: ``−sg(w(π_θ/π_rollout)) · A · log π_θ``. ``ℓ`` is the
     surrogate ``config.policy_loss``: the clipped PPO surrogate
     (:func:`~offpolicy_jax.surrogates.ppo_surrogate`) by default, or GSPO, CISPO, GMPO,
-    SAPO, GPG, DPPO, DRO (:mod:`offpolicy_jax.policy_losses`, docs/semantics.md §5.1);
+    SAPO, GPG, DPPO, DRO, VESPO, LUSPO (:mod:`offpolicy_jax.policy_losses`,
+    docs/semantics.md §5.1);
     the weights come from ``config.correction``; aggregation per
     ``config.aggregation``. IS weights never carry gradient.
 

@@ -20,8 +20,8 @@ name           per-token loss ``ℓ`` (``x = θ − d``, ``r = e^x``)           
 ``dppo_tv``    ``−A·sg(min(r, C))·θ`` inside the TV trust region, else 0       DPPO, 2026
 ``dppo_kl``    same with the binary-KL trust region                            DPPO, 2026
 ``dro``        ``−(A·θ − ½β(θ − d)²)``                                          Kimi k1.5, 2025
-``vespo``      ``−sg(φ(W))·A·θ``, ``φ(W) = W^k·e^{λ(1 − W)}``, ``W = Π_t r_t·w_t`` VESPO, 2026
-``luspo``      ``|y|·max(−A·s, −A·clip(s, 1−ε, 1+ε_h))``, ``s = exp(mean_t x)``  LUSPO, 2026
+``vespo``      ``−sg(φ)·A·θ``, ``φ = W^k·e^{λ(1 − W)}``, ``W = Π_t r_t·w_t``   VESPO, 2026
+``luspo``      ``L·max(−A·s, −A·clip(s))``, ``L = Σ_t m'``, ``s`` as GSPO      LUSPO, 2026
 =============  ==============================================================  =========================
 
 Gradients at kinks follow the PyTorch reference (verl): a clamp passes the full
