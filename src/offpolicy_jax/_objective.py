@@ -5,9 +5,10 @@ with its defaults and its validation), exactly like a user's surrogate
 (:func:`offpolicy_jax.register_surrogate`). :func:`surrogate_columns` runs the one
 ``LossConfig.policy_loss`` names: the per-token loss ``ℓ'`` (IS weights applied) and
 the metric columns the loss's per-sequence pass sums; :func:`regulariser_terms` gives
-the KL-to-reference and entropy terms. Surrogates that need a per-sequence quantity
-first (GSPO's sequence ratio, GMPO's geometric means) take it through the layout, so
-packed sequences (several per row) work unchanged.
+the KL-to-reference, entropy and VAPO positive-example NLL terms. Surrogates that need a
+per-sequence quantity first (GSPO's sequence ratio, GMPO's geometric means, VESPO's
+sequence weight, LUSPO's length) take it through the layout, so packed sequences
+(several per row) work unchanged.
 
 ==============  ================================================  =============="""
 
