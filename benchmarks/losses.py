@@ -45,6 +45,8 @@ HYPERPARAMETERS = {
     "prime_dppo": {},
     "ipo": {},
     "two_sided_clip": dict(clip_eps_high=0.28),
+    "vespo": {},  # TRL's defaults
+    "luspo": dict(clip_eps=2e-3, clip_eps_high=2.5e-3),  # the paper's (Section 5.1)
 }
 
 

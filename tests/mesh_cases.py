@@ -258,6 +258,9 @@ _SURROGATE_HYPER: dict[str, dict] = {
     "prime_dppo": dict(dppo_mask_low=0.02, dppo_mask_high=0.015, kl_tau=0.05),
     "ipo": dict(ipo_threshold=0.02, adv_tau=1.5, kl_tau=0.02),
     "two_sided_clip": dict(clip_eps_high=0.02, clamp_log_prob_coef=1.05),
+    # k and λ large enough that φ moves well away from 1 on the test batches' weights.
+    "vespo": dict(vespo_k_pos=4.0, vespo_lambda_pos=6.0, vespo_k_neg=6.0, vespo_lambda_neg=4.0),
+    "luspo": dict(clip_eps=2e-3, clip_eps_high=2.5e-3),
 }
 _AGGREGATION_CYCLE = (
     "sequence_mean",
@@ -345,6 +348,20 @@ def _surrogate_losses() -> dict[str, tuple[opj.LossConfig, str]]:
             _BYPASS_REJECTION,
             {},
         ),
+        "bypass_vespo_nll_token_mean": (
+            "bypass_ppo",
+            "vespo",
+            "token_mean",
+            _BYPASS_REJECTION,
+            dict(positive_example_nll_weight=0.1),
+        ),
+        "ppo_luspo_nll_row_mean": (
+            "ppo",
+            "luspo",
+            "row_mean",
+            None,
+            dict(positive_example_nll_weight=0.05, kl_coef=0.02, kl_estimator="k3"),
+        ),
         "bypass_dro_kl_k2_entropy_sequence_sum_norm": (
             "bypass_ppo",
             "dro",
@@ -372,7 +389,7 @@ SURROGATE_LOSSES: dict[str, tuple[opj.LossConfig, str]] = _surrogate_losses()
 
 
 def regulariser_inputs(config: opj.LossConfig, logp, rollout, adv) -> dict:
-    """``ref_logp`` / ``entropy`` keyword arguments where ``config`` uses them.
+    """``ref_logp`` / ``entropy`` / ``rewards`` keyword arguments where ``config`` uses them.
 
     Derived elementwise from the batch (garbage stays where the mask is 0), so the
     packed, padded and sharded layouts all see the same values at the same tokens.
@@ -382,6 +399,8 @@ def regulariser_inputs(config: opj.LossConfig, logp, rollout, adv) -> dict:
         out["ref_logp"] = rollout - 0.125 + 0.5 * (logp - rollout)
     if config.entropy_coef != 0:
         out["entropy"] = abs(adv) + 0.25
+    if config.positive_example_nll_weight > 0:
+        out["rewards"] = adv - 0.25  # per token: some positive, some not
     return out
 
 

@@ -426,6 +426,20 @@ def test_row_overrides_name_any_loss_config_field():
     assert cfg.algorithms == ("ppo", "ppo/clip_eps=0.1")
 
 
+def test_vespo_row_builds_and_reports_its_metrics():
+    """The demo's loss table gains a ``decoupled_ppo+mis/vespo`` row: it builds from the
+    MIS row and its loss runs with the row's metric keys."""
+    import offpolicy_jax as opj
+
+    r = train.row("decoupled_ppo+mis/vespo")
+    assert r.loss == opj.LossConfig(
+        algorithm="decoupled_ppo", correction=train.MIS, policy_loss="vespo"
+    )
+    assert (r.loss.vespo_k_pos, r.loss.vespo_lambda_neg) == (2.0, 2.0) and r.mismatch
+    keys = train.loss_metric_keys([r])
+    assert {"vespo_phi", "vespo_clipfrac", "pg_loss"} <= set(keys) and "pg_clipfrac" not in keys
+
+
 def test_dump_steps_spread_over_the_run():
     from offpolicy_jax.demo.experiment import DemoConfig, dump_steps
 

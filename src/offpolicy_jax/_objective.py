@@ -5,9 +5,10 @@ with its defaults and its validation), exactly like a user's surrogate
 (:func:`offpolicy_jax.register_surrogate`). :func:`surrogate_columns` runs the one
 ``LossConfig.policy_loss`` names: the per-token loss ``ℓ'`` (IS weights applied) and
 the metric columns the loss's per-sequence pass sums; :func:`regulariser_terms` gives
-the KL-to-reference and entropy terms. Surrogates that need a per-sequence quantity
-first (GSPO's sequence ratio, GMPO's geometric means) take it through the layout, so
-packed sequences (several per row) work unchanged.
+the KL-to-reference, entropy and VAPO positive-example NLL terms. Surrogates that need a
+per-sequence quantity first (GSPO's sequence ratio, GMPO's geometric means, VESPO's
+sequence weight, LUSPO's length) take it through the layout, so packed sequences
+(several per row) work unchanged.
 
 ==============  ================================================  =============="""
 
@@ -211,6 +212,28 @@ class TwoSidedClip(ClipRange):
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class VESPOKernel:
+    """VESPO's Gamma-kernel shape: the power ``k`` and decay ``λ`` for ``A ≥ 0``
+    (``_pos``) and ``A < 0`` (``_neg``); TRL's ``GRPOConfig`` names and defaults (the
+    paper's ``c1``, ``c2``, Section 3.4)."""
+
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    def __post_init__(self):
+        for key in ("vespo_k_pos", "vespo_k_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+            _number(self, key)
+            value = getattr(self, key)
+            # k = 0 is allowed (φ = e^{λ(1 − W)}); λ > 0 (TRL floors it at 1e-4).
+            if value is None or (value < 0 if "_k_" in key else value <= 0):
+                bound = ">= 0" if "_k_" in key else "> 0"
+                raise ValueError(f"{_OWNER}.{key} must be a number {bound}, got {value!r}")
+            check_f32_coefficient(_OWNER, key, value)
+
+
 # --------------------------------------------------------------------------- built-ins
 
 
@@ -397,6 +420,53 @@ def two_sided_clip(x: SurrogateInput, p: TwoSidedClip) -> SurrogateTerms:
     )
 
 
+def _vespo_sequence_log_weight(x: SurrogateInput) -> jax.Array:
+    """``Σ_t`` of VESPO's log-weight summands over each sequence's kept tokens: the
+    log-ratio and, with rollout correction, the log IS weights (TRL folds them in)."""
+    weights = None if x.weights is None else jnp.where(x.mask > 0, x.weights, 1.0)
+    terms = pl.vespo_log_weight_terms(x.log_ratio, weights)
+    return x.layout.broadcast(x.layout.reduce({"w": _reduce.total(terms, x.mask)})["w"])
+
+
+@register_surrogate("vespo", params=VESPOKernel, applies_weights=True)
+def vespo(x: SurrogateInput, p: VESPOKernel) -> SurrogateTerms:
+    """VESPO (:func:`.policy_losses.vespo`): the IS weights enter the sequence weight
+    ``W`` (as TRL's vLLM IS ratio does), not a factor of ``ℓ``. Metrics ``vespo_phi``
+    (mean ``φ``) and ``vespo_clipfrac`` (``log W`` clamped to ``[log 1e-8, 20]``)."""
+    terms = pl.vespo(
+        x.logp,
+        _vespo_sequence_log_weight(x),
+        x.advantages,
+        x.valid,
+        k_pos=p.vespo_k_pos,
+        lambda_pos=p.vespo_lambda_pos,
+        k_neg=p.vespo_k_neg,
+        lambda_neg=p.vespo_lambda_neg,
+    )
+    metrics = {
+        "vespo_phi": _reduce.total(terms.phi, x.mask),
+        "vespo_clipfrac": _reduce.count_where(terms.clamped, x.mask),
+    }
+    return SurrogateTerms(terms.loss, metrics=metrics)
+
+
+@register_surrogate("luspo", params=ClipRange)
+def luspo(x: SurrogateInput, p: ClipRange) -> SurrogateTerms:
+    """LUSPO (:func:`.policy_losses.luspo`): GSPO's sequence loss times the sequence's
+    length ``Σ_t m'``; TRL's normalisation is ``aggregation="row_mean"``."""
+    sums = x.layout.reduce({"x": _reduce.total(x.log_ratio, x.mask), "n": _reduce.count(x.mask)})
+    seq_log_ratio = x.layout.broadcast(sums["x"] / jnp.maximum(sums["n"], 1.0))
+    return pl.luspo(
+        x.logp,
+        seq_log_ratio,
+        x.layout.broadcast(sums["n"]),
+        x.advantages,
+        x.valid,
+        clip_eps=p.clip_eps,
+        clip_eps_high=p.upper_clip_eps,
+    )
+
+
 # --------------------------------------------------------------------------- the objective
 
 
@@ -416,6 +486,7 @@ PIPELINE_METRICS: frozenset[str] = frozenset(
         "pg_loss",
         "kl_loss",
         "entropy",
+        "nll_loss",
         "count",
         "mask_count",
         "bad_model",
@@ -469,11 +540,15 @@ def regulariser_terms(
     valid: jax.Array,
     ref_logp: jax.Array | None,
     entropy: jax.Array | None,
+    *,
+    positive: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
-    """Per-token ``kl_loss`` (KL-to-reference estimate) and ``entropy`` where given.
+    """Per-token ``kl_loss`` (KL-to-reference estimate), ``entropy`` and ``nll_loss``
+    (VAPO's positive-example NLL, where ``positive``: ``reward > 0``) where given.
 
-    The loss adds ``kl_coef · kl − entropy_coef · H`` per token; both are reported as
-    metrics aggregated like the policy term whenever their input is passed.
+    The loss adds ``kl_coef · kl − entropy_coef · H + positive_example_nll_weight ·
+    nll`` per token; each is reported as a metric aggregated like the policy term
+    whenever its input is passed.
     """
     out = {}
     if ref_logp is not None:
@@ -490,4 +565,6 @@ def regulariser_terms(
             out["kl_loss"] = pl.kl_estimate(theta, ref_logp, valid, estimator=config.kl_estimator)
     if entropy is not None:
         out["entropy"] = jnp.where(valid & jnp.isfinite(entropy), entropy, 0.0)
+    if positive is not None:
+        out["nll_loss"] = pl.positive_example_nll(theta, positive, valid)
     return out

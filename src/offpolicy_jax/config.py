@@ -685,9 +685,9 @@ class LossConfig:
         clipped PPO surrogate: ``clip_eps``, ``clip_eps_high``, ``dual_clip_c``),
         ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"gmpo"``, ``"sapo"``, ``"gpg"``,
         ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, prime-rl's ``"prime_dppo"`` and
-        ``"ipo"``, INTELLECT-2's ``"two_sided_clip"`` or any registered name; formulas
-        and papers in :mod:`offpolicy_jax.policy_losses`. ``reinforce_is`` has its own
-        term and takes only the default.
+        ``"ipo"``, INTELLECT-2's ``"two_sided_clip"``, TRL's ``"vespo"`` and ``"luspo"``
+        or any registered name; formulas and papers in :mod:`offpolicy_jax.policy_losses`.
+        ``reinforce_is`` has its own term and takes only the default.
       params: the surrogate's hyperparameters (an instance of its registered params
         class); built from the flat keywords, or given whole.
       opsm_delta: DeepSeek-V3.2 off-policy sequence masking (docs/semantics.md §8): drop
@@ -701,6 +701,9 @@ class LossConfig:
       kl_off_policy: weight the estimator by ``π_θ/π_d`` (DeepSeek-V3.2's unbiased
         estimate for samples drawn from ``π_d``).
       entropy_coef: coefficient of the entropy bonus ``−c·H`` (needs ``entropy``); 0 = off.
+      positive_example_nll_weight: VAPO's ``μ`` (NeMo-RL's key): adds ``μ·(−log π_θ)``
+        on the tokens of sequences with ``reward > 0`` (needs ``rewards``), aggregated
+        like the policy term; 0 = off.
       prox_logp_method: where decoupled PPO's proximal policy π_old comes from (AReaL's
         key, docs/guide/async.md): ``"recompute"`` (default: ``old_logp``, a forward
         pass), ``"loglinear"`` / ``"linear"`` (approximated from ``rollout_logp``,
@@ -725,6 +728,7 @@ class LossConfig:
     kl_off_policy: bool = False
     entropy_coef: float = 0.0
     prox_logp_method: str = "recompute"
+    positive_example_nll_weight: float = 0.0
 
     def __init__(self, *args: Any, **settings: Any) -> None:
         if len(args) > len(_LOSS_POSITIONAL):
@@ -774,11 +778,13 @@ class LossConfig:
             set_(key, _check_number(owner, key, getattr(self, key), optional=True))
             _check_positive(owner, key, getattr(self, key))
         set_("kl_estimator", _check_choice(owner, "kl_estimator", self.kl_estimator, KL_ESTIMATORS))
-        for key in ("kl_coef", "entropy_coef"):
+        for key in ("kl_coef", "entropy_coef", "positive_example_nll_weight"):
             set_(key, _check_number(owner, key, getattr(self, key), optional=False))
-        if self.kl_coef < 0:
-            raise ValueError(f"{owner}.kl_coef must be >= 0, got {shown(self.kl_coef)}")
-        for key in ("kl_coef", "entropy_coef", "opsm_delta", "loss_scale_factor"):
+        for key in ("kl_coef", "positive_example_nll_weight"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{owner}.{key} must be >= 0, got {shown(getattr(self, key))}")
+        coefficients = ("kl_coef", "entropy_coef", "positive_example_nll_weight")
+        for key in (*coefficients, "opsm_delta", "loss_scale_factor"):
             check_f32_coefficient(owner, key, getattr(self, key))
         if self.loss_scale_factor is not None and self.aggregation != "sequence_sum_norm":
             raise ValueError(

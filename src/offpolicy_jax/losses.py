@@ -202,6 +202,7 @@ def policy_loss_terms(
     versions: jax.typing.ArrayLike | None = None,
     current_version: jax.typing.ArrayLike | None = None,
     key: jax.typing.ArrayLike | None = None,
+    rewards: jax.typing.ArrayLike | None = None,
 ) -> PolicyLossTerms:
     """:func:`policy_loss` with its per-token terms and its final mask.
 
@@ -241,6 +242,7 @@ def policy_loss_terms(
         versions,
         current_version,
         key,
+        rewards,
     )
     return _terms(inputs, config, axis_names, num_segments, contiguous_segments)
 
@@ -271,6 +273,7 @@ class LossInputs(NamedTuple):
     versions: Any = None
     current_version: Any = None
     key: Any = None
+    rewards: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +303,7 @@ class _Batch:
     current: jax.Array | None = None
     proximal: Mapping[str, MeanParts] = dataclasses.field(default_factory=dict)
     key: jax.Array | None = None
+    rewards: jax.Array | None = None
 
     @property
     def theta_sg(self) -> jax.Array:
@@ -343,6 +347,9 @@ def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
     # non-finite reference log-prob or entropy that enters the loss: read as 0 it
     # would silently drop the KL / entropy term of that token (§5.2).
     bad_model = ~jnp.isfinite(theta) | ~jnp.isfinite(adv)
+    rewards = _check_rewards(config, theta, inputs.rewards, inputs.segment_ids)
+    if rewards is not None and config.positive_example_nll_weight > 0:
+        bad_model = bad_model | ~jnp.isfinite(rewards)
     if ref is not None and config.kl_coef > 0:
         bad_model = bad_model | ~jnp.isfinite(ref)
     if ent is not None and config.entropy_coef != 0:
@@ -365,6 +372,7 @@ def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
         layout,
         config.metric_reduction,
         key=_check_key(inputs.key),
+        rewards=rewards,
     )
     if versions is None:
         return b
@@ -437,6 +445,32 @@ def _check_regularisers(config, theta, ref_logp, entropy):
     ent = None if entropy is None else as_float_logp("entropy", entropy)
     check_same_shape("logp", theta, ref_logp=ref, entropy=ent)
     return ref, ent
+
+
+def _check_rewards(config, theta, rewards, segment_ids):
+    """``rewards``: required by ``positive_example_nll_weight > 0``; ``[...]`` per
+    sequence (as ``[..., 1]``) or ``[..., T]`` per token (required with ``segment_ids``)."""
+    weight = config.positive_example_nll_weight
+    if rewards is None:
+        if weight > 0:
+            raise ValueError(
+                f"rewards is required: LossConfig.positive_example_nll_weight = {weight} adds "
+                "VAPO's NLL on the tokens of sequences with reward > 0 (pass the rewards, "
+                f"{theta.shape[:-1]} per sequence or {theta.shape} per token)"
+            )
+        return None
+    r = jnp.asarray(as_array("rewards", rewards))
+    if not (jnp.issubdtype(r.dtype, jnp.floating) or jnp.issubdtype(r.dtype, jnp.integer)):
+        raise TypeError(f"rewards must be a numeric array, got dtype {r.dtype}")
+    if r.shape == theta.shape[:-1] and segment_ids is None:
+        r = r[..., None]
+    elif r.shape != theta.shape:
+        packed = " (with segment_ids, per token)" if segment_ids is not None else ""
+        raise ValueError(
+            f"rewards has shape {r.shape}; expected {theta.shape} (per token) or "
+            f"{theta.shape[:-1]} (per sequence){packed} to match logp {theta.shape}"
+        )
+    return jax.lax.stop_gradient(r.astype(jnp.float32))
 
 
 def _check_inputs(config, inputs: LossInputs):
@@ -659,8 +693,9 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
     # KL-to-reference and entropy join the policy term per token: one sum, one
     # aggregation, the same final mask.
     kl_denominator = b.policy(algo.ratio or "old")
+    positive = None if b.rewards is None else b.rewards > 0
     regularisers = _objective.regulariser_terms(
-        config, b.theta, kl_denominator, b.valid, b.ref, b.ent
+        config, b.theta, kl_denominator, b.valid, b.ref, b.ent, positive=positive
     )
     pg_per_token = per_token
     if "kl_loss" in regularisers:
@@ -671,6 +706,10 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
         columns["entropy"] = _reduce.total(regularisers["entropy"], c.mask)
         if config.entropy_coef:
             per_token = per_token - config.entropy_coef * regularisers["entropy"]
+    if "nll_loss" in regularisers:
+        columns["nll_loss"] = _reduce.total(regularisers["nll_loss"], c.mask)
+        if config.positive_example_nll_weight:
+            per_token = per_token + config.positive_example_nll_weight * regularisers["nll_loss"]
     if per_token is not pg_per_token:
         columns["pg_loss"] = _reduce.total(pg_per_token, c.mask)
     columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
@@ -705,7 +744,7 @@ def _aggregated(
     mask_count = jnp.where(ok, sums["mask_count"], 0.0)
     denominator = sums["mask_count"] if config.rejected_in_denominator else count
     horizon = _horizon(config.aggregation, config.loss_scale_factor, b.mask.shape[-1], layout)
-    for key in ("loss", "pg_loss", "kl_loss", "entropy"):
+    for key in ("loss", "pg_loss", "kl_loss", "entropy", "nll_loss"):
         if key in sums:
             means[key] = aggregation_terms(
                 jnp.where(ok, sums[key], 0.0), denominator, config.aggregation, horizon=horizon
@@ -748,6 +787,7 @@ def policy_loss_parts(
     versions: jax.typing.ArrayLike | None = None,
     current_version: jax.typing.ArrayLike | None = None,
     key: jax.typing.ArrayLike | None = None,
+    rewards: jax.typing.ArrayLike | None = None,
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
     """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
 
@@ -786,6 +826,7 @@ def policy_loss_parts(
         versions,
         current_version,
         key,
+        rewards,
     )
     terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
     return terms.parts, terms.metrics
@@ -809,6 +850,7 @@ def policy_loss(
     versions: jax.typing.ArrayLike | None = None,
     current_version: jax.typing.ArrayLike | None = None,
     key: jax.typing.ArrayLike | None = None,
+    rewards: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Policy-gradient loss with rollout correction (docs/semantics.md §5).
 
@@ -817,7 +859,8 @@ def policy_loss(
     ``reinforce_is``: ``−sg(w(π_θ/π_rollout)) · A · log π_θ``. ``ℓ`` is the
     surrogate ``config.policy_loss``: the clipped PPO surrogate
     (:func:`~offpolicy_jax.surrogates.ppo_surrogate`) by default, or GSPO, CISPO, GMPO,
-    SAPO, GPG, DPPO, DRO (:mod:`offpolicy_jax.policy_losses`, docs/semantics.md §5.1);
+    SAPO, GPG, DPPO, DRO, VESPO, LUSPO (:mod:`offpolicy_jax.policy_losses`,
+    docs/semantics.md §5.1);
     the weights come from ``config.correction``; aggregation per
     ``config.aggregation``. IS weights never carry gradient.
 
@@ -864,6 +907,12 @@ def policy_loss(
       key: a PRNG key (``jax.random.key(seed)``) for surrogates that choose tokens at
         random (``clip_cov``), handed to them as ``SurrogateInput.key``; the library
         draws no randomness of its own (the same key gives the same loss).
+      rewards: ``[...]`` per sequence or ``[..., T]`` per token (per token with
+        ``segment_ids``): the rewards that select VAPO's positive examples
+        (``reward > 0``, NeMo-RL) for ``config.positive_example_nll_weight``'s NLL
+        term; required when that weight is > 0, else it only adds the ``nll_loss``
+        metric. Non-finite at a valid token (with the weight > 0): the sequence is
+        rejected, like a non-finite ``logp``.
 
     Returns:
       ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing
@@ -897,6 +946,7 @@ def policy_loss(
         versions,
         current_version,
         key,
+        rewards,
     )
     terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
     loss, parts = terms.parts, terms.metrics

@@ -23,6 +23,8 @@ name           per-token loss ``ℓ`` (``x = θ − d``, ``r = e^x``)           
 ``prime_dppo`` ``−[kept]·τ_A·A·r + τ_KL·x²``, kept by the sign of ``A`` and Δp  prime-rl (DPPO + KL), 2026
 ``ipo``        same, kept iff ``|Δp| ≤ ipo_threshold``                          prime-rl (IPO), 2026
 ``two_sided_clip`` ``ppo_clip`` with ``r`` capped at ``δ`` (bounds ``A < 0``)   INTELLECT-2, 2025
+``vespo``      ``−sg(φ)·A·θ``, ``φ = W^k·e^{λ(1 − W)}``, ``W = Π_t r_t·w_t``   VESPO, 2026
+``luspo``      ``L·max(−A·s, −A·clip(s))``, ``L = Σ_t m'``, ``s`` as GSPO      LUSPO, 2026
 =============  ==============================================================  =========================
 
 Gradients at kinks follow the PyTorch reference (verl): a clamp passes the full
@@ -36,6 +38,7 @@ reaches neither the loss nor its gradient.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -53,6 +56,12 @@ GMPO_LOG_WEIGHT_EPS = 1e-10
 
 DPPO_KL_EPS = 1e-8
 """Smoothing of ``log((1 − p_old + eps) / (1 − p + eps))`` in DPPO's binary KL (verl)."""
+
+VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
+"""Lower clamp of VESPO's log sequence weight, ``log 1e-8`` (TRL; the upper one is 20)."""
+
+VESPO_LAMBDA_MIN = 1e-4
+"""TRL floors VESPO's decay ``λ`` at ``1e-4`` (``lambda_seq.clamp(min=1e-4)``)."""
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 K3_MAX = 10.0
@@ -384,6 +393,161 @@ def dro(
     """
     x = safe_log_ratio(logp, denominator_logp, valid)
     return SurrogateTerms(-(_sg(advantages) * safe_logp(logp, valid) - 0.5 * beta * x * x))
+
+
+# --------------------------------------------------------------------------- VESPO
+
+
+def vespo_log_weight_terms(log_ratio: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Per-token summands of VESPO's log sequence weight ``log W`` (stop-gradient).
+
+    ``clip(x_t, −20, 20) + clip(log w_t, log 1e-8, 20)``: the log-ratio ``x = θ − d``
+    and, with rollout correction, the log of the token IS weight ``w = π_old/π_rollout``
+    (truncated or normalised by the correction), as TRL folds its vLLM importance
+    sampling ratio into the sequence weight. Summed over a sequence's kept tokens
+    (through the layout) they give ``log W`` for :func:`vespo`.
+
+    Args:
+      log_ratio: ``[..., T]`` ``x`` (0 where not valid, :func:`safe_log_ratio`).
+      weights: ``[..., T]`` IS weights, 1 where not kept (``log 1 = 0``), or None.
+
+    Returns:
+      ``[..., T]`` summands (stop-gradient).
+    """
+    terms = jnp.clip(_sg(log_ratio), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if weights is None:
+        return terms
+    # log 0 = −inf is clamped to log 1e-8: a zero weight all but zeroes φ, as in TRL.
+    log_w = jnp.clip(jnp.log(_sg(weights)), VESPO_LOG_WEIGHT_MIN, LOG_RATIO_CLAMP)
+    return terms + log_w
+
+
+class VESPOTerms(NamedTuple):
+    """Per-token outputs of :func:`vespo`, all ``[..., T]``."""
+
+    loss: jax.Array  # −sg(φ)·A·θ
+    phi: jax.Array  # the Gamma weight φ (stop-gradient; 0 where it is not finite)
+    clamped: jax.Array  # bool: log W was outside [log 1e-8, 20] and clamped
+
+
+def vespo(
+    logp: jax.Array,
+    sequence_log_weight: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    k_pos: float,
+    lambda_pos: float,
+    k_neg: float,
+    lambda_neg: float,
+) -> VESPOTerms:
+    """Variational Sequence-Level Soft Policy Optimization (VESPO, arXiv:2602.10693).
+
+    A smooth, asymmetric Gamma kernel of the *sequence* importance weight replaces the
+    hard clip: ``ℓ_t = −sg(φ_t)·A_t·log π_θ(y_t)``, with
+    ``φ(W) = W^k·e^{λ(1 − W)} = exp(λ + k·log W − λ·W)`` (``φ(1) = 1``, maximal at
+    ``W = k/λ``; ``k`` damps small weights, ``λ`` large ones). ``W`` is the product of
+    the sequence's token ratios (not GSPO's geometric mean): ``log W = clip(Σ_t
+    [clip(x_t, −20, 20) + clip(log w_t, log 1e-8, 20)], log 1e-8, 20)``
+    (:func:`vespo_log_weight_terms`). ``(k, λ) = (k_pos, λ_pos)`` where ``A_t ≥ 0``,
+    ``(k_neg, λ_neg)`` where ``A_t < 0``; ``λ`` is floored at ``1e-4`` and a
+    non-finite ``φ`` (overflow) is 0, as in TRL's ``get_gamma_weights``
+    (``trl/trainer/grpo_trainer.py``). ``φ`` carries no gradient: the gradient is the
+    reweighted REINFORCE ``−φ·A·∇θ``, and the value, like CISPO's, is not an objective.
+
+    Args:
+      logp: ``[..., T]`` log π_θ (differentiated).
+      sequence_log_weight: ``[..., T]`` or ``[..., 1]`` the sequence's ``Σ_t`` of
+        :func:`vespo_log_weight_terms` over its kept tokens, unclamped.
+      advantages: ``[..., T]``, 0 outside ``valid``; stop-gradient.
+      valid: ``[..., T]`` bool.
+      k_pos, lambda_pos: ``k`` and ``λ`` for ``A ≥ 0`` (TRL: 2.0, 3.0).
+      k_neg, lambda_neg: ``k`` and ``λ`` for ``A < 0`` (TRL: 3.0, 2.0).
+
+    Returns:
+      :class:`VESPOTerms`.
+    """
+    advantages = _sg(advantages)
+    raw = jnp.broadcast_to(_sg(sequence_log_weight), jnp.shape(logp))
+    log_w = jnp.clip(raw, VESPO_LOG_WEIGHT_MIN, LOG_RATIO_CLAMP)
+    nonnegative = advantages >= 0
+    k = jnp.where(nonnegative, k_pos, k_neg)
+    lam = jnp.where(
+        nonnegative, max(lambda_pos, VESPO_LAMBDA_MIN), max(lambda_neg, VESPO_LAMBDA_MIN)
+    )
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    phi = jnp.where(jnp.isfinite(phi), phi, 0.0)
+    loss = -phi * advantages * safe_logp(logp, valid)
+    clamped = (raw < VESPO_LOG_WEIGHT_MIN) | (raw > LOG_RATIO_CLAMP)
+    return VESPOTerms(loss, phi, clamped)
+
+
+# --------------------------------------------------------------------------- LUSPO
+
+
+def luspo(
+    logp: jax.Array,
+    sequence_log_ratio: jax.Array,
+    sequence_length: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float,
+) -> SurrogateTerms:
+    """Length-Unbiased Sequence Policy Optimization (LUSPO, arXiv:2602.05261).
+
+    GSPO's sequence objective scaled by the sequence's length ``|y_i|``:
+    ``ℓ_t = |y_i|·max(−A_t·s_i, −A_t·clip(s_i, 1 − ε, 1 + ε_high))`` with
+    ``s_i = exp(clip(mean_t x_t, −20, 20))`` (the gradient reaches every token through
+    the mean). Averaged once per sequence (``aggregation="sequence_mean"`` or
+    ``"row_mean"``) this is TRL's ``loss_type="luspo"``
+    (``(per_token_loss * mask.sum(1)).mean()``): each token's gradient is
+    ``−A·s_i·∇θ_t``, undivided by the length, which removes GSPO's bias against long
+    responses. TRL does not clamp ``mean_t x`` (the ±20 clamp here only keeps ``s``
+    finite). Hyperparameters: ``ε`` (``clip_eps``), ``ε_high`` (the paper uses
+    2e-3 and 2.5e-3).
+
+    Args:
+      logp: ``[..., T]`` log π_θ (sets the shape).
+      sequence_log_ratio: ``[..., T]`` or ``[..., 1]``: ``mean_t x_t`` over the
+        sequence's kept tokens, differentiable w.r.t. ``θ``.
+      sequence_length: ``[..., T]`` or ``[..., 1]``: ``|y_i| = Σ_t m'_t``.
+      advantages: ``[..., T]``, 0 outside ``valid``; stop-gradient.
+      valid: ``[..., T]`` bool.
+      clip_eps: ``ε``.
+      clip_eps_high: ``ε_high``.
+
+    Returns:
+      :class:`SurrogateTerms` with ``clipped = [L2 > L1]``.
+    """
+    del valid  # the caller's mean and length cover only the kept tokens
+    log_s = jnp.broadcast_to(sequence_log_ratio, jnp.shape(logp))
+    loss, is_clipped = _ppo_max(clamped_ratio(log_s), _sg(advantages), clip_eps, clip_eps_high)
+    return SurrogateTerms(_sg(sequence_length) * loss, is_clipped)
+
+
+# --------------------------------------------------------------------------- VAPO NLL
+
+
+def positive_example_nll(logp: jax.Array, positive: jax.Array, valid: jax.Array) -> jax.Array:
+    """VAPO's positive-example NLL per token (arXiv:2504.05118, Eq. 10): ``−log π_θ``
+    on the tokens of positively rewarded sequences, 0 elsewhere.
+
+    ``L = L_PPO + μ·L_NLL``: behaviour cloning on the correct samples. NeMo-RL's
+    ``positive_example_nll_weight`` (``nemo_rl/algorithms/loss/loss_functions.py``)
+    selects them by ``rewards > 0``.
+
+    Args:
+      logp: ``[..., T]`` log π_θ (differentiated).
+      positive: ``[..., T]`` (or broadcastable) bool: the token's sequence has
+        ``reward > 0``.
+      valid: ``[..., T]`` bool.
+
+    Returns:
+      ``[..., T]`` ``−θ`` where valid and positive (and ``θ`` finite), else 0.
+    """
+    return -safe_logp(logp, valid & positive)
 
 
 # --------------------------------------------------------------------------- prime-rl
