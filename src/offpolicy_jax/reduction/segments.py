@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import _validation
-from offpolicy_jax.reduction import backend, fused_cpu
+from offpolicy_jax.reduction import backend, fused_cpu, scan
 from offpolicy_jax.reduction.columns import Column, broadcast_shape, count_where, operand
 from offpolicy_jax.reduction.mesh import MeshAxes
 from offpolicy_jax.reduction.plain import select_broadcast
@@ -229,6 +229,23 @@ class Packed(Rows):
             out = fused_cpu.window_broadcast(values.astype(jnp.int8), self.ids, plan, 0)
             return out.astype(bool)
         return fused_cpu.window_broadcast(values, self.ids, plan, 0.0)
+
+    def exclusive_min_of(self, values: jax.Array) -> jax.Array:
+        """The prefix minimum per segment (see ``Rows.exclusive_min``): a segment's
+        earlier tokens are those with its id and a smaller position, whatever the layout
+        of the ids; a sharded token axis adds the per-segment minimum of earlier shards."""
+        out = scan.exclusive_min_segments(values, self.ids)
+        if self.axes.token:
+            (local,) = backend.reduce_segments(
+                ("min",),
+                self.num_segments,
+                (values,),
+                jnp.broadcast_to(self.ids, values.shape),
+                self.plan,
+            )
+            carry = scan.carry_from_earlier_shards(local, self.axes.token)
+            out = jnp.minimum(out, segment_broadcast(carry, self.ids, jnp.inf))
+        return out
 
 
 def layout(
