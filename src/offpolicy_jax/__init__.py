@@ -7,7 +7,7 @@ training engine, composed into PPO-family losses. Pure functions, jit/vmap/grad
 and sharding safe.
 """
 
-from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
+from offpolicy_jax.config import CorrectionConfig, LossConfig, RejectionSamplingConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, compute_correction
 from offpolicy_jax.logprobs import token_logprobs, token_logprobs_from_hidden
 from offpolicy_jax.losses import (
@@ -39,6 +39,7 @@ __all__ = [
     "PPOTerms",
     "PolicyLossTerms",
     "PackedSequences",
+    "RejectionSamplingConfig",
     "SurrogateInput",
     "SurrogateTerms",
     "VanillaTIS",

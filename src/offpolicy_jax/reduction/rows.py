@@ -117,13 +117,33 @@ class Rows:
         key = ("exclusive_min", id(x), id(population))
         if key not in self._taken:
             values = jnp.where(population > 0, x, jnp.inf).astype(jnp.float32)
+            explicit = scan.explicit_token_axes(values)
+            if not explicit:
+                out = self.exclusive_min_of(values, token_axes=self.axes.token)
+            elif self.axes.token:
+                raise ValueError(
+                    f"the token axis is sharded both over the shard_map axes "
+                    f"{list(self.axes.token)} (axis_names) and, in its type, over {list(explicit)}; "
+                    "shard it one way"
+                )
+            else:
+                out = scan.on_token_shards(
+                    lambda *local: self.exclusive_min_of(*local, token_axes=explicit),
+                    (values, *self.scan_inputs(values)),
+                    explicit,
+                )
             # The arrays stay referenced beside the result: their ids are never reused.
-            self._taken[key] = (x, population, self.exclusive_min_of(values))
+            self._taken[key] = (x, population, out)
         return self._taken[key][2]
 
-    def exclusive_min_of(self, values: jax.Array) -> jax.Array:
-        """:meth:`exclusive_min` of ``values`` already ``+inf`` outside the population."""
-        return scan.exclusive_min_rows(values, self.axes.token)
+    def scan_inputs(self, values: jax.Array) -> tuple[jax.Array, ...]:
+        """What the scan needs beside the values, token-shaped (none here)."""
+        return ()
+
+    def exclusive_min_of(self, values: jax.Array, *, token_axes: tuple[str, ...]) -> jax.Array:
+        """:meth:`exclusive_min` of ``values`` already ``+inf`` outside the population, on
+        the tokens this device holds (``token_axes``: the shards of the token axis)."""
+        return scan.exclusive_min_rows(values, token_axes)
 
     def batch_means(self, means: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
         """Sums per-sequence :class:`MeanParts` terms over the batch and the devices.

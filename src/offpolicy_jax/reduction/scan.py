@@ -14,7 +14,10 @@ minimum prefix ratio, docs/semantics.md §2). A layout
   tokens and takes, per sequence, the minimum of the shards before it (one
   ``all_gather`` of a per-sequence ``[...]`` / ``[..., K]`` value over the token axes).
   A minimum is exact in any order of combination, so a sharded scan equals the
-  unsharded one bit for bit.
+  unsharded one bit for bit. Inside ``shard_map`` the token axes are the call's
+  ``MeshAxes.token``; under ``jit`` with an explicitly sharded token axis
+  (:func:`explicit_token_axes`) the scan runs in a ``shard_map`` over those axes
+  (:func:`on_token_shards`), with the same per-sequence communication only.
 
 Tokens outside the population take part as ``+inf`` (the identity of ``min``), so
 padding, holes and garbage never reach a result; a token with no earlier token in
@@ -25,12 +28,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
-def _shift_right(x: jax.Array) -> jax.Array:
-    """``out[..., t] = x[..., t − 1]``, ``out[..., 0] = +inf``."""
-    pad = jnp.full(x.shape[:-1] + (1,), jnp.inf, x.dtype)
-    return jnp.concatenate([pad, x[..., :-1]], axis=-1)
+def _shift_right(x: jax.Array, fill) -> jax.Array:
+    """``out[..., t] = x[..., t − 1]``, ``out[..., 0] = fill`` (a pad, which keeps the
+    leading axes' sharding, where a concatenated constant would not)."""
+    widths = [(0, 0, 0)] * (x.ndim - 1) + [(1, 0, 0)]
+    return jax.lax.pad(x[..., :-1], jnp.asarray(fill, x.dtype), widths)
 
 
 def carry_from_earlier_shards(local: jax.Array, token_axes: tuple[str, ...]) -> jax.Array:
@@ -45,11 +50,37 @@ def carry_from_earlier_shards(local: jax.Array, token_axes: tuple[str, ...]) -> 
     Returns:
       ``local``-shaped: ``min_{j < i} local_j`` for shard ``i`` (``+inf`` on the first).
     """
-    gathered = jax.lax.all_gather(local, token_axes)  # [shards, ...]
-    position = jax.lax.axis_index(token_axes)
-    earlier = jnp.arange(gathered.shape[0]) < position
-    earlier = earlier.reshape((-1,) + (1,) * local.ndim)
-    return jnp.min(jnp.where(earlier, gathered, jnp.inf), axis=0)
+    # Gathered on a new *last* axis, [..., shards]: the leading axes keep whatever
+    # (explicit) sharding they have.
+    gathered = jax.lax.all_gather(local, token_axes, axis=local.ndim)
+    earlier = jnp.arange(gathered.shape[-1]) < jax.lax.axis_index(token_axes)
+    return jnp.min(jnp.where(earlier, gathered, jnp.inf), axis=-1)
+
+
+def explicit_token_axes(x: jax.Array) -> tuple[str, ...]:
+    """The mesh axes the last axis of ``x`` is sharded over in its type (``jit`` with
+    ``NamedSharding`` on an ``AxisType.Explicit`` mesh), or ``()``: there a cumulative
+    op along that axis is refused, so the scan runs per shard instead
+    (:func:`on_token_shards`)."""
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except AttributeError:
+        return ()
+    entry = spec[x.ndim - 1] if len(spec) >= x.ndim else None
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def on_token_shards(fn, arrays: tuple[jax.Array, ...], token_axes: tuple[str, ...]) -> jax.Array:
+    """``fn(*local_arrays)`` in a ``shard_map`` manual over ``token_axes`` only (the other
+    mesh axes stay as they are): each shard sees its own tokens, exactly as inside a
+    user's ``shard_map`` with those axes named ``token``."""
+    ndim = arrays[0].ndim
+    spec = P(*([None] * (ndim - 1)), token_axes[0] if len(token_axes) == 1 else token_axes)
+    return jax.shard_map(
+        fn, in_specs=(spec,) * len(arrays), out_specs=spec, axis_names=set(token_axes)
+    )(*arrays)
 
 
 def exclusive_min_rows(values: jax.Array, token_axes: tuple[str, ...] = ()) -> jax.Array:
@@ -63,7 +94,7 @@ def exclusive_min_rows(values: jax.Array, token_axes: tuple[str, ...] = ()) -> j
       ``[..., T]`` float32; ``+inf`` where no earlier token is in the population.
     """
     inclusive = jax.lax.cummin(values, axis=values.ndim - 1)
-    out = _shift_right(inclusive)
+    out = _shift_right(inclusive, jnp.inf)
     if token_axes:
         carry = carry_from_earlier_shards(inclusive[..., -1], token_axes)
         out = jnp.minimum(out, carry[..., None])
@@ -102,9 +133,8 @@ def exclusive_min_segments(values: jax.Array, segment_ids: jax.Array) -> jax.Arr
     sorted_ids, sorted_position, sorted_values = jax.lax.sort(
         (ids, position, values), dimension=axis, num_keys=2
     )
-    previous = jnp.concatenate([sorted_ids[..., :1] - 1, sorted_ids[..., :-1]], axis=-1)
-    starts = sorted_ids != previous
+    starts = (sorted_ids != _shift_right(sorted_ids, 0)) | (position == 0)
     inclusive = _segmented_min(starts, sorted_values)
-    exclusive = jnp.where(starts, jnp.inf, _shift_right(inclusive))
+    exclusive = jnp.where(starts, jnp.inf, _shift_right(inclusive, jnp.inf))
     _, out = jax.lax.sort((sorted_position, exclusive), dimension=axis, num_keys=1)
     return out
