@@ -703,6 +703,7 @@ def _correction_kwargs(corr: dict) -> dict:
         seq_logprob_error_threshold=None,
         m2po_tau=None,
         probability_metrics=False,
+        rejection_sampling=None,
     )
     # The asynchronous-RL keys (tests/test_staleness.py has their own reference): only
     # their defaults, which change nothing without versions, are accepted here.

@@ -1,9 +1,9 @@
 """offpolicy-jax: rollout correction for LLM reinforcement learning in JAX.
 
-Importance weights (token / sequence / geometric; truncate / clip / mask),
-rejection sampling, the catastrophic-token veto, batch normalisation and
-mismatch metrics between the inference engine that sampled a rollout and the
-training engine, composed into PPO-family losses. Pure functions, jit/vmap/grad
+Importance weights (token / sequence / geometric / MinPRO; truncate / clip / mask;
+AReaL's mask / clamp grid), rejection sampling, the catastrophic-token veto, batch
+normalisation and mismatch metrics between the inference engine that sampled a
+rollout and the training engine, composed into PPO-family losses. Pure functions, jit/vmap/grad
 and sharding safe.
 """
 

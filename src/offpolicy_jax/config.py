@@ -404,8 +404,10 @@ class CorrectionConfig:
 
     Attributes:
       use_tis: apply importance weights (and rejection); False = metrics only.
-      tis_level: ``"token"``, ``"sequence"`` (product of ratios) or ``"geometric"``
-        (geometric mean) aggregation of the log-ratio for the IS weight.
+      tis_level: ``"token"``, ``"sequence"`` (product of ratios), ``"geometric"``
+        (geometric mean) or ``"minpro"`` (per token, the smallest ratio of the
+        preceding prefix times the token's: MinPRO) aggregation of the log-ratio for
+        the IS weight.
       tis_mode: ``"truncate"`` (``min(w, U)``), ``"clip"`` (``clip(w, L, U)``),
         ``"mask"`` (reject tokens with ``w`` outside ``[L, U]``), ``"band"`` (IcePop:
         weight ``w`` inside ``[L, U]``, 0 outside, the token stays in the mask and the
@@ -416,7 +418,7 @@ class CorrectionConfig:
       tis_batch_normalize: rescale the weights to mean 1 over what stays in the loss.
       use_rs: rejection sampling: drop tokens/sequences whose ratio at ``rs_level``
         leaves ``[rs_lower_bound, rs_upper_bound]``.
-      rs_level: level of the rejection ratio.
+      rs_level: level of the rejection ratio (the same four levels).
       rs_lower_bound: ``None`` means the resolved ``tis_lower_bound``.
       rs_upper_bound: ``None`` means ``tis_upper_bound``.
       rs_veto_threshold: reject a sequence with any token ratio below this; ``None``
