@@ -117,20 +117,21 @@ class Rows:
         key = ("exclusive_min", id(x), id(population))
         if key not in self._taken:
             values = jnp.where(population > 0, x, jnp.inf).astype(jnp.float32)
-            explicit = scan.explicit_token_axes(values)
-            if not explicit:
+            spec = scan.explicit_spec(values)
+            if spec is None:
                 out = self.exclusive_min_of(values, token_axes=self.axes.token)
             elif self.axes.token:
                 raise ValueError(
                     f"the token axis is sharded both over the shard_map axes "
-                    f"{list(self.axes.token)} (axis_names) and, in its type, over {list(explicit)}; "
-                    "shard it one way"
+                    f"{list(self.axes.token)} (axis_names) and, in its type, over "
+                    f"{list(scan.token_axes_of(spec))}; shard it one way"
                 )
             else:
-                out = scan.on_token_shards(
-                    lambda *local: self.exclusive_min_of(*local, token_axes=explicit),
+                token_axes = scan.token_axes_of(spec)
+                out = scan.on_shards(
+                    lambda *local: self.exclusive_min_of(*local, token_axes=token_axes),
                     (values, *self.scan_inputs(values)),
-                    explicit,
+                    spec,
                 )
             # The arrays stay referenced beside the result: their ids are never reused.
             self._taken[key] = (x, population, out)

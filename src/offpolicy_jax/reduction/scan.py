@@ -16,8 +16,8 @@ minimum prefix ratio, docs/semantics.md §2). A layout
   A minimum is exact in any order of combination, so a sharded scan equals the
   unsharded one bit for bit. Inside ``shard_map`` the token axes are the call's
   ``MeshAxes.token``; under ``jit`` with an explicitly sharded token axis
-  (:func:`explicit_token_axes`) the scan runs in a ``shard_map`` over those axes
-  (:func:`on_token_shards`), with the same per-sequence communication only.
+  (:func:`explicit_spec`) the scan runs in a ``shard_map`` over the arrays' own
+  sharding (:func:`on_shards`), with the same per-sequence communication only.
 
 Tokens outside the population take part as ``+inf`` (the identity of ``min``), so
 padding, holes and garbage never reach a result; a token with no earlier token in
@@ -57,30 +57,39 @@ def carry_from_earlier_shards(local: jax.Array, token_axes: tuple[str, ...]) -> 
     return jnp.min(jnp.where(earlier, gathered, jnp.inf), axis=-1)
 
 
-def explicit_token_axes(x: jax.Array) -> tuple[str, ...]:
-    """The mesh axes the last axis of ``x`` is sharded over in its type (``jit`` with
-    ``NamedSharding`` on an ``AxisType.Explicit`` mesh), or ``()``: there a cumulative
-    op along that axis is refused, so the scan runs per shard instead
-    (:func:`on_token_shards`)."""
+def explicit_spec(x: jax.Array) -> P | None:
+    """``x``'s ``PartitionSpec`` when its last (token) axis is sharded in its type (``jit``
+    with ``NamedSharding`` on an ``AxisType.Explicit`` mesh), else None: there a
+    cumulative op along that axis is refused, so the scan runs per shard instead
+    (:func:`on_shards`)."""
     try:
         spec = jax.typeof(x).sharding.spec
     except AttributeError:
-        return ()
-    entry = spec[x.ndim - 1] if len(spec) >= x.ndim else None
+        return None
+    if len(spec) < x.ndim or spec[x.ndim - 1] is None:
+        return None
+    return P(*spec[: x.ndim])
+
+
+def _names(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def on_token_shards(fn, arrays: tuple[jax.Array, ...], token_axes: tuple[str, ...]) -> jax.Array:
-    """``fn(*local_arrays)`` in a ``shard_map`` manual over ``token_axes`` only (the other
-    mesh axes stay as they are): each shard sees its own tokens, exactly as inside a
-    user's ``shard_map`` with those axes named ``token``."""
-    ndim = arrays[0].ndim
-    spec = P(*([None] * (ndim - 1)), token_axes[0] if len(token_axes) == 1 else token_axes)
-    return jax.shard_map(
-        fn, in_specs=(spec,) * len(arrays), out_specs=spec, axis_names=set(token_axes)
-    )(*arrays)
+def token_axes_of(spec: P) -> tuple[str, ...]:
+    """The mesh axes the last axis is split over, in the sharding's order."""
+    return _names(spec[len(spec) - 1])
+
+
+def on_shards(fn, arrays: tuple[jax.Array, ...], spec: P) -> jax.Array:
+    """``fn(*local_arrays)`` in a ``shard_map`` manual over every mesh axis of ``spec``
+    (the arrays' own sharding, so nothing is resharded): each device sees its own
+    block, exactly as inside a user's ``shard_map`` with those axes named."""
+    axes = {name for entry in spec for name in _names(entry)}
+    return jax.shard_map(fn, in_specs=(spec,) * len(arrays), out_specs=spec, axis_names=axes)(
+        *arrays
+    )
 
 
 def exclusive_min_rows(values: jax.Array, token_axes: tuple[str, ...] = ()) -> jax.Array:
