@@ -84,7 +84,7 @@ S = 20.0
 #: Batch normalisation is skipped when the mean weight is not above this (§3.6).
 BATCH_NORM_EPS = 1e-8
 
-LEVELS = ("token", "sequence", "geometric")
+LEVELS = ("token", "sequence", "geometric", "minpro")
 MODES = ("truncate", "clip", "mask", "band", "none")
 ALGORITHMS = ("ppo", "bypass_ppo", "decoupled_ppo", "reinforce_is")
 AGGREGATIONS = ("sequence_mean", "token_mean", "sequence_sum")
@@ -202,12 +202,16 @@ def aggregate_level(delta, m, level: str) -> np.ndarray:
     - token:     ``λ_t = δ_t``
     - sequence:  ``λ_t = Σ_s δ_s m_s``            (log of the product of ratios)
     - geometric: ``λ_t = (Σ_s δ_s m_s) / N̄``      (log of the geometric mean)
+    - minpro:    ``λ_t = δ_t + min_{s<t, m_s>0} δ_s`` (0 without an earlier valid token;
+      MinPRO, arXiv:2601.22718)
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     delta = np.where(m > 0, delta, 0.0)
     if level == "token":
         return delta
+    if level == "minpro":
+        return rules_ref.minpro_log_ratio(delta, m)
     total = _masked_sum(delta, m, axis=-1)
     if level == "geometric":
         total = total / _safe_count(np.where(m > 0, m, 0.0).sum(axis=-1))
@@ -354,7 +358,7 @@ def _batch_normalize(w, m_final, level: str):
     token level: ``μ = Σ w·m' / Σ m'``; sequence / geometric: ``μ`` = mean over the
     sequences with ``Σ m' > 0`` of their masked mean weight.  Returns ``(w, μ)``.
     """
-    mu = reduce_metric(w, m_final, "token" if level == "token" else "sequence")
+    mu = reduce_metric(w, m_final, "token" if level in ("token", "minpro") else "sequence")
     if mu > BATCH_NORM_EPS:
         return w / mu, mu
     return w, 1.0
@@ -381,6 +385,7 @@ def _correction_core(
     seq_logprob_error_threshold=None,
     m2po_tau=None,
     probability_metrics=False,
+    rejection_sampling=None,
 ):
     """Shared body of :func:`correction`: returns ``(w, m_final, metrics)``.
 
@@ -408,16 +413,26 @@ def _correction_core(
         upper = float(tis_upper_bound)
         lower = float(tis_lower_bound) if tis_lower_bound is not None else 1.0 / upper
 
-        # 1. weights before bound
-        rho = clamped_exp(aggregate_level(delta, m_valid, tis_level))
-        metrics["mis_tis_weight_before_bound"] = reduce_metric(rho, m_valid, reduction)
+        if rejection_sampling is not None:
+            # 1-2. AReaL's grid is the weight (tis_mode none)
+            _, w, keep_mode, areal_metrics = rules_ref.areal_rejection(
+                o, b, m_valid, rejection_sampling, reduction
+            )
+            metrics.update(areal_metrics)
+            tis_level = rejection_sampling["level"]  # batch normalisation's reduction
+        else:
+            # 1. weights before bound
+            rho = clamped_exp(aggregate_level(delta, m_valid, tis_level))
+            metrics["mis_tis_weight_before_bound"] = reduce_metric(rho, m_valid, reduction)
 
-        # 2. mode
-        w, keep_mode, fractions = _apply_mode(rho, tis_mode, lower, upper)
-        for key, ind in fractions.items():
-            metrics[key] = reduce_metric(ind.astype(np.float64), m_valid, reduction)
-        m_mode = np.where(keep_mode, m_valid, 0.0)
-        metrics["mis_tis_weight_after_bound"] = reduce_metric(w, m_mode, reduction)
+            # 2. mode
+            w, keep_mode, fractions = _apply_mode(rho, tis_mode, lower, upper)
+            for key, ind in fractions.items():
+                metrics[key] = reduce_metric(ind.astype(np.float64), m_valid, reduction)
+            m_mode = np.where(keep_mode, m_valid, 0.0)
+            metrics["mis_tis_weight_after_bound"] = reduce_metric(w, m_mode, reduction)
+        if "minpro" in (tis_level, rs_level if use_rs else None):
+            metrics.update(rules_ref.minpro_metrics(delta, m_valid, reduction))
 
         # 3. rejection sampling
         keep = keep_mode.copy()
@@ -500,6 +515,7 @@ def correction(
     max_weight_staleness=None,
     staleness_level="sequence",
     mask_offpolicy_in_partial_rollout=False,
+    rejection_sampling=None,
 ):
     """Reference ``compute_correction`` (§0, §2-§4, §7, §8).
 
@@ -551,6 +567,7 @@ def correction(
         seq_logprob_error_threshold=seq_logprob_error_threshold,
         m2po_tau=m2po_tau,
         probability_metrics=probability_metrics,
+        rejection_sampling=rejection_sampling,
     )
     weights = np.where(m_final > 0, w * m_final, 0.0)
     return weights, m_final, metrics
@@ -686,6 +703,7 @@ def _correction_kwargs(corr: dict) -> dict:
         seq_logprob_error_threshold=None,
         m2po_tau=None,
         probability_metrics=False,
+        rejection_sampling=None,
     )
     # The asynchronous-RL keys (tests/test_staleness.py has their own reference): only
     # their defaults, which change nothing without versions, are accepted here.

@@ -267,3 +267,123 @@ def probability_metrics(o, b, m, reduction):
         "mis_token_mult_prob_error": _reduce(mult_prob_error(o0 - b0), m, reduction),
         "mis_js_divergence": _reduce(js_divergence(o0, b0), m, reduction),
     }
+
+
+# ------------------------------------------------------------------ AReaL's grid, MinPRO
+
+STAT_CAP = math.exp(50.0)  # metrics report a statistic capped at ±e^50
+
+
+def areal_statistic(delta, metric):
+    """AReaL's ``apply_rejection_sampling`` metric per token (``KLEstimator``'s k1/k2/k3
+    with ``log_probs = π_old``, ``apply_clamp=False``; ratio ``e^δ``), float64."""
+    with np.errstate(over="ignore"):
+        if metric == "ratio":
+            return np.exp(delta)
+        if metric == "kl_k1":
+            return delta
+        if metric == "kl_k2":
+            return delta**2 / 2.0
+        return np.exp(-delta) - 1.0 + delta  # kl_k3: log_ratio = -δ; e^x - 1 - x
+
+
+def areal_rejection(o, b, m, rs, reduction):
+    """AReaL's ``apply_rejection_sampling`` (2D padded path), on the valid tokens ``m`` of
+    the finite sequences, written from AReaL's code with loops per sequence.
+
+    ``rs`` is the dict of ``RejectionSamplingConfig`` keys. Deviations are the library's
+    documented ones only: weights are ``exp(clip(·, −20, 20))``, and a float mask weights
+    its token in the sums (``Σ δ m``, ``N = Σ m``).
+
+    Returns ``(w_raw [B, T], w_after [B, T], keep [B, T] bool, metrics)``; ``keep`` is
+    all True for ``clamp``.
+    """
+    level, action, metric = rs["level"], rs["action"], rs["metric"]
+    agg, upper, lower = rs["agg"], float(rs["upper"]), rs["lower"]
+    valid = m > 0
+    delta = np.where(valid, o - b, 0.0)
+    stat_tok = np.where(valid, areal_statistic(delta, metric), 0.0)
+    w_raw = np.exp(np.clip(delta, -S, S))
+    rows, length = m.shape
+    if level == "sequence":
+        agg_values = delta if metric == "ratio" else stat_tok
+        seq_stat = np.zeros(rows)
+        geo = np.zeros(rows)
+        for i in range(rows):
+            v, wt = agg_values[i][valid[i]], m[i][valid[i]]
+            n = wt.sum()
+            if v.size:
+                a = {"sum": (v * wt).sum(), "mean": (v * wt).sum() / n, "max": v.max()}[agg]
+            else:
+                a = 0.0
+            with np.errstate(over="ignore"):
+                seq_stat[i] = np.exp(a) if metric == "ratio" else a
+            geo[i] = (delta[i][valid[i]] * wt).sum() / n if v.size else 0.0
+        stat = np.broadcast_to(seq_stat[:, None], m.shape)
+        if metric == "ratio":
+            w_raw = np.broadcast_to(np.exp(np.clip(geo, -S, S))[:, None], m.shape).copy()
+    else:
+        stat = stat_tok
+    high = stat > upper
+    low = stat < lower if lower is not None else np.zeros(m.shape, bool)
+    inside = ~high & ~low
+    w_after = w_raw.copy()
+    keep = np.ones(m.shape, bool)
+    if action == "mask":
+        keep = inside
+        affected = ~inside
+    else:
+        lo = 0.0 if lower is None else float(lower)
+        moved = (w_raw < lo) | (w_raw > upper)
+        if level == "sequence":
+            moved &= ~inside
+        w_after = np.where(moved, np.clip(w_raw, lo, upper), w_raw)
+        affected = moved
+    reported = np.clip(stat, -STAT_CAP, STAT_CAP)
+    prefix = "mis_rs_areal"
+    metrics = {
+        "mis_tis_weight_before_bound": _reduce(w_raw, m, reduction),
+        "mis_tis_weight_after_bound": _reduce(w_after, np.where(keep, m, 0.0), reduction),
+        f"{prefix}_filtered_fraction": _reduce(affected.astype(float), m, reduction),
+        f"{prefix}_mean": _reduce(reported, m, reduction),
+        f"{prefix}_fraction_high": _reduce(high.astype(float), m, reduction),
+        f"{prefix}_seq_fraction": _reduce(
+            np.broadcast_to((valid & affected).any(-1)[:, None], m.shape).astype(float),
+            m,
+            reduction,
+        ),
+    }
+    metrics[f"{prefix}_max"], metrics[f"{prefix}_min"] = _extremes(reported, m, level == "sequence")
+    if lower is not None:
+        metrics[f"{prefix}_fraction_low"] = _reduce(low.astype(float), m, reduction)
+    return w_raw, w_after, keep, metrics
+
+
+def minpro_prefix_min(delta, m):
+    """``min_{s<t} δ_s`` over the earlier valid tokens of each row (``+inf``: none), by a loop."""
+    out = np.full(m.shape, np.inf)
+    for i in range(m.shape[0]):
+        running = np.inf
+        for t in range(m.shape[1]):
+            out[i, t] = running
+            if m[i, t] > 0:
+                running = min(running, delta[i, t])
+    return out
+
+
+def minpro_log_ratio(delta, m):
+    """MinPRO (arXiv:2601.22718): ``log(ρ̲_t ρ_t) = δ_t + min_{s<t} δ_s`` (0: no prefix)."""
+    prefix = minpro_prefix_min(delta, m)
+    return np.where(m > 0, delta, 0.0) + np.where(np.isfinite(prefix), prefix, 0.0)
+
+
+def minpro_metrics(delta, m, reduction):
+    """``mis_minpro_prefix_ratio_mean`` / ``_min`` / ``mis_minpro_prefix_fraction_low``."""
+    prefix = minpro_prefix_min(delta, m)
+    factor = np.exp(np.clip(np.where(np.isfinite(prefix), prefix, 0.0), -S, S))
+    valid = m > 0
+    return {
+        "mis_minpro_prefix_ratio_mean": _reduce(factor, m, reduction),
+        "mis_minpro_prefix_ratio_min": float(factor[valid].min()) if valid.any() else 0.0,
+        "mis_minpro_prefix_fraction_low": _reduce((factor < 1.0).astype(float), m, reduction),
+    }

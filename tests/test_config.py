@@ -47,6 +47,7 @@ def test_defaults_match_reference_mis_yaml_keys():
         "max_weight_staleness": None,
         "staleness_level": "sequence",
         "mask_offpolicy_in_partial_rollout": False,
+        "rejection_sampling": None,
     }
 
 

@@ -117,8 +117,18 @@ CASES = {
 }
 
 
+# minpro: MinPRO's prefix minimum crosses token shards as one [B_local, shards] carry
+# per scan (an all_gather), a per-sequence value like the others, under shard_map and
+# on an Explicit mesh (where the scan runs in a shard_map of the arrays' sharding). On
+# an Auto mesh the sharding is not in the types, so the XLA partitioner splits the
+# associative scan itself: per-sequence-sized collective-permutes, but one per scan
+# round (log2 T of them, 120 ops measured at T = 520); lax.cummin would all-gather the
+# tokens instead.
+MINPRO_AUTO_MAX_OPS = 140
+
+
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("level", ["sequence", "geometric"])
+@pytest.mark.parametrize("level", ["sequence", "geometric", "minpro"])
 def test_only_per_sequence_values_cross_devices(level, case):
     path, length, axis_type = CASES[case]
     collectives = mc.hlo_collectives(_compiled(path, level, length, axis_type))
@@ -135,7 +145,10 @@ def test_only_per_sequence_values_cross_devices(level, case):
             # fewer values than one row of one shard's tokens.
             assert int(np.prod(shape)) < local_length, c["line"][:300]
             assert local_length not in shape and length not in shape, c["line"][:300]
-    assert len(collectives) <= MAX_COLLECTIVE_OPS[path], summary
+    budget = MAX_COLLECTIVE_OPS[path]
+    if level == "minpro" and axis_type == AxisType.Auto:
+        budget = MINPRO_AUTO_MAX_OPS
+    assert len(collectives) <= budget, summary
 
 
 def test_parser_sees_a_token_sized_collective():

@@ -1,13 +1,13 @@
 """offpolicy-jax: rollout correction for LLM reinforcement learning in JAX.
 
-Importance weights (token / sequence / geometric; truncate / clip / mask),
-rejection sampling, the catastrophic-token veto, batch normalisation and
-mismatch metrics between the inference engine that sampled a rollout and the
-training engine, composed into PPO-family losses. Pure functions, jit/vmap/grad
+Importance weights (token / sequence / geometric / MinPRO; truncate / clip / mask;
+AReaL's mask / clamp grid), rejection sampling, the catastrophic-token veto, batch
+normalisation and mismatch metrics between the inference engine that sampled a
+rollout and the training engine, composed into PPO-family losses. Pure functions, jit/vmap/grad
 and sharding safe.
 """
 
-from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
+from offpolicy_jax.config import CorrectionConfig, LossConfig, RejectionSamplingConfig, VanillaTIS
 from offpolicy_jax.correction import CorrectionResult, compute_correction
 from offpolicy_jax.logprobs import token_logprobs, token_logprobs_from_hidden
 from offpolicy_jax.losses import (
@@ -45,6 +45,7 @@ __all__ = [
     "PPOTerms",
     "PolicyLossTerms",
     "PackedSequences",
+    "RejectionSamplingConfig",
     "SurrogateInput",
     "SurrogateTerms",
     "VanillaTIS",

@@ -19,7 +19,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from offpolicy_jax.stages import Decision, Mean, Stage, level_ratio
+from offpolicy_jax.stages import TOKEN_LEVELS, Decision, Mean, Stage, level_ratio
 
 
 def apply_mode(weights, mode: str, lower: float, upper: float):
@@ -51,7 +51,7 @@ class TISWeights(Stage):
 
     def decide(self, t, sums):
         raw = level_ratio(self.level, t, sums)
-        per_seq = self.level != "token"
+        per_seq = self.level not in TOKEN_LEVELS
         weights, keep = apply_mode(raw, self.mode, self.lower, self.upper)
         metrics = {
             "mis_tis_weight_before_bound": Mean(raw, per_seq=per_seq),

@@ -12,6 +12,7 @@ import functools
 import math
 import os
 import pathlib
+import warnings
 from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any, Literal, TypeVar
@@ -23,10 +24,10 @@ from offpolicy_jax import registry
 from offpolicy_jax._messages import close_match, shown
 from offpolicy_jax.algorithms import ALGORITHMS as ALGORITHM_SPECS
 
-Level = Literal["token", "sequence", "geometric"]
+Level = Literal["token", "sequence", "geometric", "minpro"]
 Mode = Literal["truncate", "clip", "mask", "band", "none"]
 
-LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+LEVELS: tuple[str, ...] = ("token", "sequence", "geometric", "minpro")
 MODES: tuple[str, ...] = ("truncate", "clip", "mask", "band", "none")
 ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_SPECS)
 AGGREGATIONS: tuple[str, ...] = (
@@ -257,6 +258,140 @@ def _load_yaml_mapping(source: str | os.PathLike[str], owner: str) -> dict[str, 
     return data
 
 
+# --------------------------------------------------------------------------- AReaL's grid
+
+AREAL_LEVELS: tuple[str, ...] = ("token", "sequence")
+AREAL_ACTIONS: tuple[str, ...] = ("mask", "clamp")
+AREAL_METRICS: tuple[str, ...] = ("ratio", "kl_k1", "kl_k2", "kl_k3")
+AREAL_AGGS: tuple[str, ...] = ("sum", "mean", "max")
+
+
+@keyword_hints
+@dataclasses.dataclass(frozen=True)
+class RejectionSamplingConfig:
+    """AReaL's rejection grid: filter or bound the π_old / π_rollout weight by a divergence.
+
+    The fields, defaults and checks of AReaL's ``RejectionSamplingConfig``
+    (inclusionAI/AReaL ``areal/api/cli_args.py``, applied by
+    ``apply_rejection_sampling`` in ``areal/utils/functional/functional.py``, commit
+    ``4aef98d8``); the value of :attr:`CorrectionConfig.rejection_sampling`, which
+    brings AReaL's IS weight (``behave_imp_weight``) and decision into the pipeline
+    (docs/semantics.md §8). With ``δ_t = log π_old − log π_rollout``:
+
+    * weight ``w_t = exp(δ_t)``; at ``level="sequence"`` with ``metric="ratio"`` the
+      geometric mean ``exp(Σ δ m / N)`` of the sequence, whatever ``agg``;
+    * statistic per token: ``ratio = e^δ``, ``kl_k1 = δ``, ``kl_k2 = ½δ²``,
+      ``kl_k3 = e^{−δ} − 1 + δ`` (AReaL's ``KLEstimator`` with π_old as ``log_probs``);
+      at ``level="sequence"`` its per-sequence ``agg``: for ``ratio`` in log space
+      (``sum``: ``exp(Σ δ m)``, ``mean``: ``exp(Σ δ m / N)``, ``max``: ``exp(max δ)``),
+      for the KL metrics of the values (``Σ k m``, ``Σ k m / N``, ``max k``); an empty
+      sequence has aggregate 0;
+    * in bounds iff ``lower ≤ stat ≤ upper`` (``stat ≤ upper`` when ``lower`` is None);
+    * ``action="mask"``: tokens (sequences) out of bounds are rejected; the weight is
+      the unbounded ``w``. ``action="clamp"`` (``metric="ratio"`` only): nothing is
+      rejected; ``w ← clip(w, lower or 0, upper)``, every token at the token level and
+      the tokens of out-of-bounds sequences at the sequence level.
+
+    Validated as AReaL does: ``ValueError`` for a choice outside the grid, ``lower >
+    upper``, ``upper ≤ 1`` or ``lower ≤ 0`` with ``metric="ratio"``, ``upper ≤ 0`` with
+    ``kl_k2`` / ``kl_k3``, or ``clamp`` with a KL metric (a bound on a divergence is not
+    a bound on a weight); a ``UserWarning`` when ``agg`` is not ``"mean"`` at the token
+    level (where it is ignored). Bounds must also be normal, finite float32 values (0
+    allowed for ``kl_k1``), compared as float32.
+
+    Attributes:
+      level: ``"token"`` (each token judged alone) or ``"sequence"`` (a sequence shares
+        one fate).
+      action: ``"mask"`` (reject) or ``"clamp"`` (bound the weight).
+      metric: ``"ratio"``, ``"kl_k1"``, ``"kl_k2"`` or ``"kl_k3"``.
+      agg: the per-sequence aggregation at ``level="sequence"``: ``"sum"``, ``"mean"``
+        or ``"max"``.
+      upper: upper bound of the statistic (AReaL's default 5.0).
+      lower: lower bound, or None (none; ``clamp`` then clips at 0).
+    """
+
+    level: Literal["token", "sequence"] = "token"
+    action: Literal["mask", "clamp"] = "mask"
+    metric: Literal["ratio", "kl_k1", "kl_k2", "kl_k3"] = "ratio"
+    agg: Literal["sum", "mean", "max"] = "mean"
+    upper: float = 5.0
+    lower: float | None = None
+
+    def __post_init__(self):
+        owner = "CorrectionConfig.rejection_sampling"
+        set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen)
+        for key, allowed in (
+            ("level", AREAL_LEVELS),
+            ("action", AREAL_ACTIONS),
+            ("metric", AREAL_METRICS),
+            ("agg", AREAL_AGGS),
+        ):
+            set_(key, _check_choice(owner, key, getattr(self, key), allowed))
+        set_("upper", _check_number(owner, "upper", self.upper, optional=False))
+        set_("lower", _check_number(owner, "lower", self.lower, optional=True))
+        self._check_bounds(owner)
+        if self.action == "clamp" and self.metric != "ratio":
+            raise ValueError(
+                f"{owner}.action='clamp' only supports metric='ratio' (it clips the importance "
+                f"weight to [lower, upper]; a bound on {self.metric!r} is not a bound on a "
+                "weight), got metric={self.metric!r}; use action='mask' for KL-based filtering"
+            )
+        if self.level == "token" and self.agg != "mean":
+            warnings.warn(
+                f"{owner}.agg={self.agg!r} is ignored when level='token'; aggregation is only "
+                "used for sequence-level filtering",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _check_bounds(self, owner: str) -> None:
+        upper, lower = self.upper, self.lower
+        assert upper is not None  # optional=False never returns None
+        if lower is not None and lower > upper:
+            raise ValueError(
+                f"{owner}: lower ({shown(lower)}) cannot be greater than upper ({shown(upper)})"
+            )
+        if self.metric == "ratio":
+            if upper <= 1.0:
+                raise ValueError(
+                    f"{owner}.upper must be > 1.0 for metric='ratio' (otherwise every token whose "
+                    f"policies differ is filtered), got {shown(upper)}"
+                )
+            if lower is not None and lower <= 0:
+                raise ValueError(
+                    f"{owner}.lower must be > 0 for metric='ratio', got {shown(lower)}"
+                )
+            for key in ("upper", "lower"):
+                _check_f32_ratio(owner, key, getattr(self, key))
+        else:
+            if self.metric in ("kl_k2", "kl_k3") and upper <= 0:
+                raise ValueError(
+                    f"{owner}.upper must be > 0 for metric={self.metric!r}, got {shown(upper)}"
+                )
+            for key in ("upper", "lower"):
+                check_f32_coefficient(owner, key, getattr(self, key))
+
+    @property
+    def clamp_lower(self) -> float:
+        """The lower clip of ``action="clamp"``: ``lower``, or 0 (AReaL's default)."""
+        return 0.0 if self.lower is None else self.lower
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RejectionSamplingConfig:
+        """From a mapping of AReaL's keys, unknown keys refused with a did-you-mean hint."""
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                "CorrectionConfig.rejection_sampling must be a mapping of AReaL's "
+                f"RejectionSamplingConfig keys or None, got {type(data).__name__}"
+            )
+        _reject_unknown_keys("CorrectionConfig.rejection_sampling", data, cls.keys())
+        return cls(**dict(data))
+
+
 # --------------------------------------------------------------------------- correction
 
 
@@ -269,8 +404,10 @@ class CorrectionConfig:
 
     Attributes:
       use_tis: apply importance weights (and rejection); False = metrics only.
-      tis_level: ``"token"``, ``"sequence"`` (product of ratios) or ``"geometric"``
-        (geometric mean) aggregation of the log-ratio for the IS weight.
+      tis_level: ``"token"``, ``"sequence"`` (product of ratios), ``"geometric"``
+        (geometric mean) or ``"minpro"`` (per token, the smallest ratio of the
+        preceding prefix times the token's: MinPRO) aggregation of the log-ratio for
+        the IS weight.
       tis_mode: ``"truncate"`` (``min(w, U)``), ``"clip"`` (``clip(w, L, U)``),
         ``"mask"`` (reject tokens with ``w`` outside ``[L, U]``), ``"band"`` (IcePop:
         weight ``w`` inside ``[L, U]``, 0 outside, the token stays in the mask and the
@@ -281,7 +418,7 @@ class CorrectionConfig:
       tis_batch_normalize: rescale the weights to mean 1 over what stays in the loss.
       use_rs: rejection sampling: drop tokens/sequences whose ratio at ``rs_level``
         leaves ``[rs_lower_bound, rs_upper_bound]``.
-      rs_level: level of the rejection ratio.
+      rs_level: level of the rejection ratio (the same four levels).
       rs_lower_bound: ``None`` means the resolved ``tis_lower_bound``.
       rs_upper_bound: ``None`` means ``tis_upper_bound``.
       rs_veto_threshold: reject a sequence with any token ratio below this; ``None``
@@ -317,6 +454,17 @@ class CorrectionConfig:
       mask_offpolicy_in_partial_rollout: reject the off-policy prefix of a partial
         rollout, the tokens sampled by an older version than the newest one of their
         sequence (miles ``--mask-offpolicy-in-partial-rollout``); needs ``versions``.
+      rejection_sampling: AReaL's rejection grid, a :class:`RejectionSamplingConfig`
+        (or a mapping of its keys: ``level``, ``action``, ``metric``, ``agg``,
+        ``lower``, ``upper``): the IS weight AReaL multiplies the loss by
+        (``exp(δ)``, or the sequence's geometric mean), masked or clamped by a ratio
+        or KL statistic at the token or sequence level (docs/semantics.md §8). It
+        needs ``use_tis: true`` and ``tis_mode: none`` (it is the weight);
+        :meth:`from_areal` builds it from AReaL's block. ``None`` disables it.
+
+    Levels (``tis_level``, ``rs_level``) also include ``"minpro"``: MinPRO's per-token
+    ratio ``ρ̲_t · ρ_t``, ``ρ̲_t = min_{s<t} ρ_s`` over the earlier valid tokens of the
+    sequence (Lei et al. 2026, arXiv:2601.22718; docs/semantics.md §2).
 
     Ratio bounds and the veto threshold are checked as the float32 values the
     computation uses: each must be a normal, finite float32 (``1.2e-38`` to
@@ -342,6 +490,7 @@ class CorrectionConfig:
     max_weight_staleness: int | None = None
     staleness_level: Literal["token", "sequence"] = "sequence"
     mask_offpolicy_in_partial_rollout: bool = False
+    rejection_sampling: RejectionSamplingConfig | None = None
 
     def __post_init__(self):
         owner = "CorrectionConfig"
@@ -429,11 +578,38 @@ class CorrectionConfig:
                         "set use_tis: true (with tis_mode: none for rejection without IS "
                         "weights)"
                     )
+        self._check_rejection_sampling(owner)
         threshold = self.seq_logprob_error_threshold
         if threshold is not None and threshold < 1.0:
             raise ValueError(
                 f"{owner}.seq_logprob_error_threshold must be >= 1 (exp|δ| >= 1, so a smaller "
                 f"threshold rejects every sequence), got {shown(threshold)}"
+            )
+
+    def _check_rejection_sampling(self, owner: str) -> None:
+        """AReaL's grid (:class:`RejectionSamplingConfig`): a mapping of its keys is read
+        as one; it brings its own IS weight, so the config's ``tis_mode`` must be none."""
+        block = self.rejection_sampling
+        if block is None:
+            return
+        if isinstance(block, Mapping):
+            block = RejectionSamplingConfig.from_dict(block)
+            object.__setattr__(self, "rejection_sampling", block)
+        if not isinstance(block, RejectionSamplingConfig):
+            raise ValueError(
+                f"{owner}.rejection_sampling must be a RejectionSamplingConfig, a mapping of "
+                f"AReaL's keys or None, got {type(block).__name__}"
+            )
+        if not self.use_tis:
+            raise ValueError(
+                f"{owner}.rejection_sampling reweights and rejects tokens, but use_tis is false "
+                "(metrics only); set use_tis: true (and tis_mode: none)"
+            )
+        if self.tis_mode != "none":
+            raise ValueError(
+                f"{owner}.rejection_sampling brings AReaL's own IS weight (behave_imp_weight: "
+                "the ratio, clamped by action='clamp'), which would multiply a second one; "
+                f"set tis_mode: none, got tis_mode={shown(self.tis_mode)}"
             )
 
     def _check_async(self, owner: str) -> None:
@@ -546,6 +722,35 @@ class CorrectionConfig:
         from offpolicy_jax import verl
 
         return cls(**verl.correction_kwargs(rollout_correction))
+
+    @classmethod
+    def from_areal(cls, rejection_sampling: Mapping[str, Any] | None) -> CorrectionConfig:
+        """Builds the native config from AReaL's ``actor.rejection_sampling`` block.
+
+        AReaL (inclusionAI/AReaL ``areal/api/cli_args.py``, ``RejectionSamplingConfig``)
+        weights the decoupled loss by ``behave_imp_weight`` and masks or clamps it with
+        this block; ``None`` disables both (AReaL then applies no IS weight: a
+        metrics-only config here). The keys ``level``, ``action``, ``metric``,
+        ``agg``, ``lower``, ``upper`` are read with AReaL's defaults and checks
+        (:class:`RejectionSamplingConfig`); the result is ``use_tis: true``,
+        ``tis_mode: none`` and ``rejection_sampling`` set. AReaL keeps the tokens a
+        ``mask`` rejects in the loss denominator: pair it with
+        ``LossConfig(algorithm="decoupled_ppo", aggregation="token_mean",
+        rejected_in_denominator=True)`` to reproduce AReaL's loss
+        (docs/coming_from.md).
+
+        Examples:
+          >>> import offpolicy_jax as opj
+          >>> cfg = opj.CorrectionConfig.from_areal(
+          ...     {"level": "sequence", "action": "clamp", "metric": "ratio", "upper": 5.0}
+          ... )
+          >>> cfg.tis_mode, cfg.rejection_sampling.agg, cfg.rejection_sampling.clamp_lower
+          ('none', 'mean', 0.0)
+        """
+        if rejection_sampling is None:
+            return cls()
+        block = RejectionSamplingConfig.from_dict(rejection_sampling)
+        return cls(use_tis=True, tis_mode="none", rejection_sampling=block)
 
     @classmethod
     def preset(cls, name: str) -> CorrectionConfig:

@@ -3,9 +3,10 @@
 The JAX equivalent of the reference rollout-correction helper (miles/slime
 ``mis.py``). :func:`correction_stages` lists the stages the config names, in the
 order of docs/semantics.md §3: the mismatch metrics (``metrics``), ``w = ρ`` at
-``tis_level`` bounded by ``tis_mode`` (``bounds``), rejection sampling and the veto
-(``rejection``), then the field's rules of §8 (``rules``: KL criteria, sequence
-log-prob error, M2PO, and the probability metrics); ``stages.run`` takes their per-sequence sums in two passes,
+``tis_level`` bounded by ``tis_mode`` (``bounds``) or AReaL's mask / clamp grid in its
+place (``rules.AReaLRejection``), rejection sampling and the veto (``rejection``), then
+the field's rules of §8 (``rules``: KL criteria, sequence log-prob error, M2PO, and the
+probability metrics); ``stages.run`` takes their per-sequence sums in two passes,
 applies batch normalisation (``normalize``) and puts the weights on the final mask.
 A new rule is one stage there plus its config key.
 
@@ -70,8 +71,14 @@ def correction_stages(config: CorrectionConfig) -> list[stages.Stage]:
     if config.probability_metrics:
         chain.append(rules.ProbabilityMetrics())
     if config.use_tis:
-        lower, upper = config.lower_bound, config.upper_bound
-        chain.append(bounds.TISWeights(config.tis_level, config.tis_mode, lower, upper))
+        if config.rejection_sampling is not None:  # §8: AReaL's grid is the weight
+            chain.append(rules.AReaLRejection(config.rejection_sampling))
+        else:
+            lower, upper = config.lower_bound, config.upper_bound
+            chain.append(bounds.TISWeights(config.tis_level, config.tis_mode, lower, upper))
+        weight_level = config.tis_level if config.rejection_sampling is None else None
+        if "minpro" in (weight_level, config.rs_level if config.use_rs else None):
+            chain.append(rules.MinPROMetrics())
         if config.use_rs:
             chain.append(
                 rejection.rejection_sampling(config.rs_level, config.rs_lower, config.rs_upper)
@@ -108,7 +115,10 @@ def correction_parts(
     tokens = stages.Tokens(
         old, rollout, ratios.log_ratio(old, rollout, mask > 0), mask, layout, reduction
     )
-    norm = normalize.normalizer_reduction(config.tis_level) if config.tis_batch_normalize else None
+    level = (
+        config.tis_level if config.rejection_sampling is None else config.rejection_sampling.level
+    )
+    norm = normalize.normalizer_reduction(level) if config.tis_batch_normalize else None
     weights, final, parts = stages.run(
         chain,
         tokens,

@@ -23,6 +23,10 @@ that apply them live in :mod:`offpolicy_jax.rules`.
 * **OPSM** (DeepSeek-AI, 2025, "DeepSeek-V3.2", off-policy sequence masking): in the
   loss, drop a sequence whose advantage is negative and whose mean
   ``log(π_rollout / π_θ)`` exceeds ``δ``.
+* **AReaL's grid** (inclusionAI/AReaL ``RejectionSamplingConfig``): a ratio or
+  ``k1``/``k2``/``k3`` statistic (:func:`areal_statistic`) per token or aggregated per
+  sequence (``sum``/``mean``/``max``), bounded by ``[lower, upper]``, masks the tokens
+  out of bounds or clamps their weight.
 * Probability metrics: NeMo-RL's ``token_mult_prob_error`` (``exp(|δ|)``) and
   Jensen–Shannon estimate, and the effective sample size of the weights.
 """
@@ -206,6 +210,44 @@ def kl_statistic(delta: jax.Array, estimator: str) -> jax.Array:
     if estimator == "k3":
         return jnp.exp(lam) - 1.0 - lam
     raise ValueError(f"unknown KL estimator {shown(estimator)}; must be one of {list(ESTIMATORS)}")
+
+
+def areal_statistic(delta: jax.Array, metric: str) -> jax.Array:
+    """AReaL's per-token divergence statistic of its rejection grid, unclamped.
+
+    inclusionAI/AReaL ``apply_rejection_sampling`` (``areal/utils/functional/
+    functional.py``) with ``δ = log π_old − log π_rollout`` (its ``proximal_logprobs −
+    old_logprobs``) and ``KLEstimator._compute_approx_kl(..., apply_clamp=False)``
+    (``areal/utils/data.py``):
+
+    * ``ratio = e^δ`` (the importance ratio),
+    * ``kl_k1 = δ``,
+    * ``kl_k2 = ½ δ²``,
+    * ``kl_k3 = e^{−δ} − 1 + δ`` (AReaL's code negates the log-ratio before ``e^x − 1 −
+      x``; its docstring's ``r − log r − 1`` is the other direction).
+
+    No ``±S`` clamp (AReaL applies none): ``ratio`` and ``kl_k3`` are ``inf`` past
+    float32's range, which every finite upper bound rejects, as AReaL's does.
+
+    Args:
+      delta: ``[..., T]`` float32 log-ratio (finite where valid).
+      metric: ``"ratio"``, ``"kl_k1"``, ``"kl_k2"`` or ``"kl_k3"``.
+
+    Returns:
+      ``[..., T]`` float32 statistic (garbage where ``delta`` is).
+    """
+    if metric == "ratio":
+        return jnp.exp(delta)
+    if metric == "kl_k1":
+        return delta
+    if metric == "kl_k2":
+        return delta * delta / 2.0
+    if metric == "kl_k3":
+        log_ratio = -delta  # AReaL's order of operations, for the same rounding
+        return jnp.exp(log_ratio) - 1.0 - log_ratio
+    raise ValueError(
+        f"unknown AReaL metric {shown(metric)}; must be 'ratio', 'kl_k1', 'kl_k2' or 'kl_k3'"
+    )
 
 
 MULT_PROB_LOG_CAP = 50.0

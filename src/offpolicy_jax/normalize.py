@@ -19,8 +19,9 @@ MIN_NORMALIZER = 1e-8
 
 
 def normalizer_reduction(level: str) -> str:
-    """How ``μ`` averages: per token at the token level, per sequence otherwise (D4)."""
-    return "token" if level == "token" else "sequence"
+    """How ``μ`` averages: per token at the per-token levels (token, minpro), per
+    sequence otherwise (D4)."""
+    return "token" if level in ("token", "minpro") else "sequence"
 
 
 def normalizer(mean_weight: jax.Array) -> jax.Array:

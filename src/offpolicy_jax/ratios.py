@@ -6,6 +6,8 @@ space ``δ_t = o_t − b_t``. Levels (docs/semantics.md §2):
 * token:     ``λ_t = δ_t``
 * sequence:  ``λ = Σ_s δ_s m_s``          (log of the product of ratios)
 * geometric: ``λ = Σ_s δ_s m_s / N̄``      (log of their geometric mean)
+* minpro:    ``λ_t = δ_t + min_{s<t} δ_s`` (MinPRO's minimum prefix ratio times the
+  token's ratio, :func:`minpro_log_ratio`; per token)
 
 and ``ρ = exp(clip(λ, −S, S))`` with ``S = 20``: the clamp comes after the
 aggregation, so a long sequence of small ratios is bounded as a whole.
@@ -62,8 +64,33 @@ def sequence_log_ratio(delta_sum: jax.Array, count: jax.Array, level: str) -> ja
 
 
 def _check_level(level: str) -> None:
-    if level not in ("token", "sequence", "geometric"):
-        raise ValueError(f"level must be one of 'token', 'sequence', 'geometric', got {level!r}")
+    if level not in ("token", "sequence", "geometric", "minpro"):
+        raise ValueError(
+            f"level must be one of 'token', 'sequence', 'geometric', 'minpro', got {level!r}"
+        )
+
+
+def minpro_log_ratio(delta: jax.Array, prefix_min: jax.Array) -> jax.Array:
+    """MinPRO's per-token log-ratio ``λ_t = δ_t + min_{s<t} δ_s`` (0 for no prefix).
+
+    Lei, Cheng & Tao, "A Step Back: Prefix Importance Ratio Stabilizes Policy
+    Optimization", arXiv:2601.22718 (2026): the prefix importance ratio
+    ``ρ_{1:t} = Π_{s≤t} ρ_s`` is replaced by ``ρ̲_t · ρ_t`` with the non-cumulative
+    ``ρ̲_t = min_{s<t} ρ_s``, the smallest token ratio of the preceding prefix; in log
+    space (``exp`` is increasing) ``log(ρ̲_t ρ_t) = min_{s<t} δ_s + δ_t``. The first
+    token of a sequence has an empty prefix, ``ρ̲ = 1`` (the empty product it stands
+    for). The ratio is then ``exp(clip(λ, −S, S))`` like every level's.
+
+    Args:
+      delta: ``[..., T]`` per-token log-ratios ``δ`` (anything where not valid).
+      prefix_min: ``[..., T]`` ``min_{s<t} δ_s`` over the earlier valid tokens of each
+        token's sequence, ``+inf`` where there is none (the layout's
+        :meth:`~offpolicy_jax.reduction.Rows.exclusive_min`).
+
+    Returns:
+      ``[..., T]`` log-ratios (garbage where ``delta`` is).
+    """
+    return delta + jnp.where(prefix_min < jnp.inf, prefix_min, 0.0)
 
 
 def clamped_exp(log_value: jax.Array) -> jax.Array:

@@ -17,13 +17,13 @@ import math
 import jax.numpy as jnp
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.stages import Bounded, Decision, Mean, Stage, level_ratio
+from offpolicy_jax.stages import TOKEN_LEVELS, Bounded, Decision, Mean, Stage, level_ratio
 
 
 def rejection_sampling(level: str, lower: float, upper: float) -> Bounded:
     """RS at ``level``: the ratio ``ρ_rs`` of the level must lie in ``[lower, upper]``."""
     ratio = functools.partial(level_ratio, level)
-    if level == "token":
+    if level in TOKEN_LEVELS:
         return Bounded(
             "mis_rs_mask", lower, upper, statistic=lambda t: ratio(t, {}), name=("ratio", level)
         )

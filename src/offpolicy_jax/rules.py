@@ -15,7 +15,9 @@ own (its keep mask is ANDed into ``m'`` by the pipeline) and reports, with prefi
 
 Stages: :class:`KLCriterion` (verl ``rollout_rs``, ``P = mis_rs_<criterion>``),
 :class:`SeqLogprobError` (NeMo-RL, ``P = mis_seq_logprob_error``), :class:`M2PO`
-(``P = mis_m2po``), and :class:`ProbabilityMetrics` (``mis_token_mult_prob_error``,
+(``P = mis_m2po``), :class:`AReaLRejection` (AReaL's mask / clamp grid, a weighting
+stage, ``P = mis_rs_areal``), :class:`MinPROMetrics` (the ``minpro`` level's prefix
+factor) and :class:`ProbabilityMetrics` (``mis_token_mult_prob_error``,
 ``mis_js_divergence``). Per-sequence quantities go through ``t.layout`` only, so packed
 layouts work unchanged. Formulas: :mod:`offpolicy_jax.criteria`.
 """
@@ -23,15 +25,18 @@ layouts work unchanged. Formulas: :mod:`offpolicy_jax.criteria`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import criteria
+from offpolicy_jax import criteria, ratios
 from offpolicy_jax import reduction as _reduce
+from offpolicy_jax.config import RejectionSamplingConfig
 from offpolicy_jax.criteria import Criterion
-from offpolicy_jax.stages import Decision, Extreme, Mean, Stage
+from offpolicy_jax.ratios import METRIC_LOG_CAP
+from offpolicy_jax.stages import Decision, Extreme, Mean, Stage, prefix_min_delta
 
 RuleFactory = Callable[[float], Stage]
 
@@ -234,6 +239,166 @@ class ProbabilityMetrics(Stage):
             metrics={
                 "mis_token_mult_prob_error": _reduce.seq_mean(own["mult"], count, how),
                 "mis_js_divergence": _reduce.seq_mean(own["js"], count, how),
+            }
+        )
+
+
+# A statistic is reported capped at e^50 (the metric rule of ratios.METRIC_LOG_CAP): the
+# decisions take the exact value, which may be inf past float32's range.
+_STAT_CAP = math.exp(METRIC_LOG_CAP)
+
+
+def _reported(x: jax.Array) -> jax.Array:
+    return jnp.clip(x, -_STAT_CAP, _STAT_CAP)
+
+
+@dataclasses.dataclass(frozen=True)
+class AReaLRejection(Stage):
+    """AReaL's rejection grid (``RejectionSamplingConfig``): the IS weight, masked or clamped.
+
+    inclusionAI/AReaL ``apply_rejection_sampling`` (``areal/utils/functional/
+    functional.py``, commit ``4aef98d8``), as a weighting stage: with ``δ = o − b``, the
+    weight is ``w = exp(clip(δ, −S, S))`` per token, or at ``level="sequence"`` with
+    ``metric="ratio"`` the geometric mean ``exp(clip(Σ δ m / N, −S, S))`` of the
+    sequence. The statistic (:func:`offpolicy_jax.criteria.areal_statistic`, unclamped)
+    is tested per token, or aggregated per sequence by ``agg`` (in log space for
+    ``ratio``), and is in bounds iff ``lower ≤ stat ≤ upper`` (no lower test when
+    ``lower`` is None). ``action="mask"`` rejects what is out of bounds and keeps the
+    unbounded ``w``; ``action="clamp"`` keeps every token and clips ``w`` to
+    ``[lower or 0, upper]``: all tokens at the token level, the out-of-bounds sequences
+    at the sequence level. Its weight replaces the TIS weight (``tis_mode: none``).
+
+    Metrics (``P = mis_rs_areal``): ``P_filtered_fraction`` (AReaL's
+    ``rs_filtered_fraction``: the share of valid tokens masked, or whose weight the clamp
+    changed), ``P_mean`` / ``P_max`` / ``P_min`` (the statistic, capped at ``±e^50``),
+    ``P_fraction_high`` (and ``P_fraction_low`` with a lower bound): the share of valid
+    tokens whose statistic is above / below its bound, ``P_seq_fraction`` (the share of
+    sequences it masks or clamps tokens of), and the weight before and after it as
+    ``mis_tis_weight_before_bound`` / ``mis_tis_weight_after_bound``.
+    """
+
+    config: RejectionSamplingConfig
+
+    @property
+    def prefix(self) -> str:
+        return "mis_rs_areal"
+
+    def _aggregated_values(self, t) -> jax.Array:
+        """What ``agg`` reduces per sequence: ``δ`` for ``ratio`` (log space), else the
+        statistic."""
+        if self.config.metric == "ratio":
+            return t.delta
+        return criteria.areal_statistic(t.delta, self.config.metric)
+
+    def _bounds(self, value):
+        """``(low, high)`` out-of-bounds flags (``low`` None without a lower bound)."""
+        c = self.config
+        return (None if c.lower is None else value < c.lower), value > c.upper
+
+    def _clamped(self, weights):
+        """``clip(w, lower or 0, upper)`` and whether it moved each weight."""
+        c = self.config
+        lo, hi = c.clamp_lower, c.upper
+        return jnp.clip(weights, lo, hi), (weights < lo) | (weights > hi)
+
+    def columns(self, t):
+        c = self.config
+        if c.level == "sequence":
+            if c.agg == "max":
+                return {"agg": _reduce.maximum(self._aggregated_values(t), t.population)}
+            if c.metric == "ratio":  # Σ δ m is the pipeline's own sums["delta"]
+                return {}
+            return {"agg": _reduce.total(self._aggregated_values(t), t.population)}
+        stat = criteria.areal_statistic(t.delta, c.metric)
+        low, high = self._bounds(stat)
+        out = high if low is None else low | high
+        if c.action == "clamp":
+            out = self._clamped(ratios.clamped_exp(t.delta))[1]
+        reported = _reported(stat)
+        return {
+            "affected": _reduce.count_where(out, t.population),
+            "max": _reduce.maximum(reported, t.population),
+            "min": _reduce.minimum(reported, t.population),
+        }
+
+    def _sequence_value(self, sums) -> jax.Array:
+        """The per-sequence statistic: ``agg`` of the values, ``exp`` of it for ``ratio``;
+        an empty sequence has aggregate 0 (AReaL's)."""
+        c, count = self.config, sums["count"]
+        if c.agg == "max":
+            agg = sums["agg"]
+        else:
+            agg = sums["delta"] if c.metric == "ratio" else sums["agg"]
+            if c.agg == "mean":
+                agg = _reduce.safe_divide(agg, count)
+        agg = jnp.where(count > 0, agg, 0.0)
+        return jnp.exp(agg) if c.metric == "ratio" else agg
+
+    def decide(self, t, sums):
+        c, count, p = self.config, sums["count"], self.prefix
+        token_weights = ratios.clamped_exp(t.delta)
+        if c.level == "token":
+            value, per_seq = criteria.areal_statistic(t.delta, c.metric), False
+            high_ext, low_ext = sums["max"], sums["min"]
+            weights = token_weights
+        else:
+            value, per_seq = self._sequence_value(sums), True
+            high_ext = low_ext = _reported(value)
+            geometric = ratios.sequence_log_ratio(sums["delta"], count, "geometric")
+            weights = ratios.clamped_exp(geometric) if c.metric == "ratio" else token_weights
+        low, high = self._bounds(value)
+        outside = high if low is None else low | high
+        weights_per_seq = per_seq and c.metric == "ratio"
+        keep, after = None, weights
+        if c.action == "mask":
+            keep, filtered = ~outside, outside
+            seq_hit = outside if per_seq else sums["affected"] > 0
+        else:
+            clipped, moved = self._clamped(weights)
+            if per_seq:  # only the out-of-bounds sequences are clamped
+                moved = moved & outside
+            after, filtered = jnp.where(moved, clipped, weights), moved
+            seq_hit = moved if per_seq else sums["affected"] > 0
+        if keep is not None and per_seq and not weights_per_seq:
+            keep = t.layout.broadcast(keep)  # KL at the sequence level: token weights
+        metrics = {
+            "mis_tis_weight_before_bound": Mean(weights, per_seq=weights_per_seq),
+            "mis_tis_weight_after_bound": Mean(after, "kept", weights_per_seq),
+            f"{p}_filtered_fraction": Mean(_indicator(filtered), per_seq=per_seq),
+            f"{p}_mean": Mean(_reported(value), per_seq=per_seq),
+            f"{p}_max": batch_extreme(t.layout, high_ext, count, "max"),
+            f"{p}_min": batch_extreme(t.layout, low_ext, count, "min"),
+            f"{p}_fraction_high": Mean(_indicator(high), per_seq=per_seq),
+            f"{p}_seq_fraction": Mean(_indicator(seq_hit), per_seq=True),
+        }
+        if low is not None:
+            metrics[f"{p}_fraction_low"] = Mean(_indicator(low), per_seq=per_seq)
+        return Decision(keep=keep, weights=after, per_seq=weights_per_seq, metrics=metrics)
+
+
+@dataclasses.dataclass(frozen=True)
+class MinPROMetrics(Stage):
+    """MinPRO's prefix factor ``ρ̲_t = exp(clip(min_{s<t} δ_s, −S, S))`` (1 without a
+    prefix) over the valid tokens, with a ``minpro`` level (arXiv:2601.22718):
+
+    ``mis_minpro_prefix_ratio_mean`` (its mean, the call's reduction),
+    ``mis_minpro_prefix_ratio_min`` (its batch minimum, an
+    :class:`~offpolicy_jax.stages.Extreme`) and ``mis_minpro_prefix_fraction_low`` (the
+    share of valid tokens it down-weights, ``ρ̲_t < 1``).
+    """
+
+    prefix: str = "mis_minpro_prefix"
+
+    def decide(self, t, sums):
+        prefix_min = prefix_min_delta(t)  # the scan the minpro level took (cached)
+        factor = ratios.clamped_exp(jnp.where(prefix_min < jnp.inf, prefix_min, 0.0))
+        own = t.layout.reduce({"min": _reduce.minimum(factor, t.population)})
+        p = self.prefix
+        return Decision(
+            metrics={
+                f"{p}_ratio_mean": Mean(factor),
+                f"{p}_ratio_min": batch_extreme(t.layout, own["min"], sums["count"], "min"),
+                f"{p}_fraction_low": Mean(_indicator(factor < 1.0)),
             }
         )
 

@@ -169,10 +169,23 @@ class Stage:
         raise NotImplementedError
 
 
+TOKEN_LEVELS: tuple[str, ...] = ("token", "minpro")
+"""The levels whose ratio is per token (the others give one ratio per sequence)."""
+
+
+def prefix_min_delta(t: Tokens) -> jax.Array:
+    """``min_{s<t} δ_s`` over each token's earlier valid tokens (``+inf``: none), through
+    the layout (packed, sharded alike; taken once per call however many stages ask)."""
+    return t.layout.exclusive_min(t.delta, t.population)
+
+
 def level_ratio(level: str, t: Tokens, sums: Mapping[str, jax.Array]) -> jax.Array:
-    """``ρ = exp(clip(agg(δ), −S, S))``: ``[..., T]`` at the token level, else per sequence."""
+    """``ρ = exp(clip(agg(δ), −S, S))``: ``[..., T]`` at a per-token level
+    (:data:`TOKEN_LEVELS`), else per sequence."""
     if level == "token":
         return ratios.clamped_exp(t.delta)
+    if level == "minpro":
+        return ratios.clamped_exp(ratios.minpro_log_ratio(t.delta, prefix_min_delta(t)))
     return ratios.clamped_exp(ratios.sequence_log_ratio(sums["delta"], sums["count"], level))
 
 

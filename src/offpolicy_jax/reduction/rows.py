@@ -19,7 +19,7 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax.reduction import backend
+from offpolicy_jax.reduction import backend, scan
 from offpolicy_jax.reduction.columns import Column, broadcast_shape, identity, operand
 from offpolicy_jax.reduction.means import MeanParts
 from offpolicy_jax.reduction.mesh import MeshAxes
@@ -102,6 +102,49 @@ class Rows:
     def broadcast(self, per_seq: jax.Array) -> jax.Array:
         """A per-sequence value ``[...]`` on every token of its sequence (``[..., 1]``)."""
         return jnp.asarray(per_seq)[..., None]
+
+    def exclusive_min(self, x: jax.Array, population: jax.Array) -> jax.Array:
+        """Each token's minimum of ``x`` over the *earlier* tokens of its sequence.
+
+        ``out_t = min {x_s : s < t, p_s > 0}`` over the tokens of ``t``'s sequence
+        (``+inf`` where there is none), ``[..., T]``; the prefix scan of
+        :mod:`~offpolicy_jax.reduction.scan`. ``x`` outside the population never
+        reaches a result. Inside ``shard_map`` with a sharded token axis each shard
+        takes the minimum of the shards before it (exact: a minimum does not depend on
+        the order it is taken in). Asked again of the same layout with the same arrays,
+        it is not computed again. Not differentiable (the library scans weights only).
+        """
+        key = ("exclusive_min", id(x), id(population))
+        if key not in self._taken:
+            values = jnp.where(population > 0, x, jnp.inf).astype(jnp.float32)
+            spec = scan.explicit_spec(values)
+            if spec is None:
+                out = self.exclusive_min_of(values, token_axes=self.axes.token)
+            elif self.axes.token:
+                raise ValueError(
+                    f"the token axis is sharded both over the shard_map axes "
+                    f"{list(self.axes.token)} (axis_names) and, in its type, over "
+                    f"{list(scan.token_axes_of(spec))}; shard it one way"
+                )
+            else:
+                token_axes = scan.token_axes_of(spec)
+                out = scan.on_shards(
+                    lambda *local: self.exclusive_min_of(*local, token_axes=token_axes),
+                    (values, *self.scan_inputs(values)),
+                    spec,
+                )
+            # The arrays stay referenced beside the result: their ids are never reused.
+            self._taken[key] = (x, population, out)
+        return self._taken[key][2]
+
+    def scan_inputs(self, values: jax.Array) -> tuple[jax.Array, ...]:
+        """What the scan needs beside the values, token-shaped (none here)."""
+        return ()
+
+    def exclusive_min_of(self, values: jax.Array, *, token_axes: tuple[str, ...]) -> jax.Array:
+        """:meth:`exclusive_min` of ``values`` already ``+inf`` outside the population, on
+        the tokens this device holds (``token_axes``: the shards of the token axis)."""
+        return scan.exclusive_min_rows(values, token_axes)
 
     def batch_means(self, means: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
         """Sums per-sequence :class:`MeanParts` terms over the batch and the devices.

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import _validation
-from offpolicy_jax.reduction import backend, fused_cpu
+from offpolicy_jax.reduction import backend, fused_cpu, scan
 from offpolicy_jax.reduction.columns import Column, broadcast_shape, count_where, operand
 from offpolicy_jax.reduction.mesh import MeshAxes
 from offpolicy_jax.reduction.plain import select_broadcast
@@ -229,6 +229,29 @@ class Packed(Rows):
             out = fused_cpu.window_broadcast(values.astype(jnp.int8), self.ids, plan, 0)
             return out.astype(bool)
         return fused_cpu.window_broadcast(values, self.ids, plan, 0.0)
+
+    def scan_inputs(self, values: jax.Array) -> tuple[jax.Array, ...]:
+        """The segment ids, token-shaped like ``values``."""
+        return (jnp.broadcast_to(self.ids, values.shape),)
+
+    def exclusive_min_of(
+        self, values: jax.Array, ids: jax.Array | None = None, *, token_axes: tuple[str, ...]
+    ) -> jax.Array:
+        """The prefix minimum per segment (see ``Rows.exclusive_min``): a segment's
+        earlier tokens are those with its id and a smaller position, whatever the layout
+        of the ids; a sharded token axis adds the per-segment minimum of earlier shards.
+        ``ids``: this device's segment ids (the layout's own when None)."""
+        local_ids = jnp.broadcast_to(self.ids, values.shape) if ids is None else ids
+        out = scan.exclusive_min_segments(values, local_ids)
+        if token_axes:
+            # The windows plan belongs to the layout's own ids, not to a shard of them.
+            plan = self.plan if ids is None else None
+            (local,) = backend.reduce_segments(
+                ("min",), self.num_segments, (values,), local_ids, plan
+            )
+            carry = scan.carry_from_earlier_shards(local, token_axes)
+            out = jnp.minimum(out, segment_broadcast(carry, local_ids, jnp.inf))
+        return out
 
 
 def layout(
