@@ -185,7 +185,7 @@ def format_table(history: History, rows: list[dict]) -> str:
 
 
 #: Surrogates whose per-token loss is ``−sg(w)·A·log π_θ`` (a REINFORCE term).
-LOG_PROB_SURROGATES = ("cispo", "gpg", "dppo_tv", "dppo_kl", "dro")
+LOG_PROB_SURROGATES = ("cispo", "gpg", "dppo_tv", "dppo_kl", "dro", "vespo")
 
 _LOG_PROB_LOSS_NOTE = (
     "Note on {rows}: their `loss/pg_loss` in metrics.csv is −sg(w)·A·log π_θ averaged "
