@@ -11,9 +11,13 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from offpolicy_jax.cli import PROG, fail, typed
+
+if TYPE_CHECKING:  # the demo's modules import Flax: only where a run needs them
+    from offpolicy_jax.demo.experiment import DemoConfig, History
+    from offpolicy_jax.demo.train import Mismatch
 
 _fail = fail
 _severity = typed(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
@@ -24,14 +28,6 @@ _count = typed(int, lambda v: 0 <= v <= 64, "an integer in [0, 64]")
 
 def add_parser(sub, positive_int) -> argparse.ArgumentParser:
     """Registers ``offpolicy-jax demo`` on the subparsers ``sub`` (imports the demo)."""
-    from offpolicy_jax.demo.experiment import PRESETS
-    from offpolicy_jax.demo.train import (
-        ALGORITHMS,
-        DEFAULT_SEVERITY,
-        MISMATCH_SOURCES,
-        TRAINER_LOGPROBS,
-    )
-
     demo = sub.add_parser(
         "demo",
         help="train a small RL policy under a training-inference mismatch, once "
@@ -41,6 +37,25 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         "trainer; every algorithm is trained on the same seeds, and a table, a "
         "plot and per-step logs are written to --out.",
     )
+    # The groups add their flags in the order --help lists them.
+    _add_run_flags(demo, positive_int)
+    _add_mismatch_flags(demo)
+    _add_policy_flags(demo, positive_int)
+    _add_training_flags(demo)
+    _add_dump_flags(demo, positive_int)
+    demo.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a seconds-long smoke run (small model and batch, few steps)",
+    )
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return demo
+
+
+def _add_run_flags(demo: argparse.ArgumentParser, positive_int) -> None:
+    """``--preset``, ``--out``, ``--steps``, ``--seeds``: which comparison, how long, where."""
+    from offpolicy_jax.demo.experiment import PRESETS
+
     demo.add_argument(
         "--preset",
         default="default",
@@ -64,6 +79,12 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         "--steps", type=positive_int, default=None, help="training steps per run (default 300)"
     )
     demo.add_argument("--seeds", type=positive_int, default=None, help="seeds per row (default 3)")
+
+
+def _add_mismatch_flags(demo: argparse.ArgumentParser) -> None:
+    """``--algorithms``, ``--mismatch``, ``--severity``: the rows, and what they correct."""
+    from offpolicy_jax.demo.train import ALGORITHMS, DEFAULT_SEVERITY, MISMATCH_SOURCES
+
     demo.add_argument(
         "--algorithms",
         default=None,
@@ -91,6 +112,10 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         "(asynchronous RL, mixed versions per batch; the loss gets each token's version) "
         "(default: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_SEVERITY.items()) + ")",
     )
+
+
+def _add_policy_flags(demo: argparse.ArgumentParser, positive_int) -> None:
+    """``--experts``, ``--top-k``, ``--routing-replay``: a routed (MoE) policy."""
     demo.add_argument(
         "--experts",
         type=_count,
@@ -112,6 +137,12 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         help="routing replay (R3) in every mismatched row: the trainer routes each token "
         "through the experts the engine used (rows get the +replay suffix; needs --experts)",
     )
+
+
+def _add_training_flags(demo: argparse.ArgumentParser) -> None:
+    """``--max-grad-norm``, ``--threshold``, ``--lr``, ``--trainer-logprobs``: the trainer."""
+    from offpolicy_jax.demo.train import TRAINER_LOGPROBS
+
     demo.add_argument(
         "--max-grad-norm",
         type=_severity,
@@ -139,6 +170,10 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         "sampler (opj.token_logprobs with the engine's temperature and top-p, the "
         "sampler-consistent log-prob; matters for --mismatch sampling) (default: raw)",
     )
+
+
+def _add_dump_flags(demo: argparse.ArgumentParser, positive_int) -> None:
+    """``--dump-logprobs``, ``--dump-steps``: the batches as ``offpolicy-jax diagnose`` input."""
     demo.add_argument(
         "--dump-logprobs",
         default=None,
@@ -155,13 +190,6 @@ def add_parser(sub, positive_int) -> argparse.ArgumentParser:
         help="with --dump-logprobs: dump K steps spread evenly over the run, the last "
         "one included (default 8)",
     )
-    demo.add_argument(
-        "--tiny",
-        action="store_true",
-        help="a seconds-long smoke run (small model and batch, few steps)",
-    )
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return demo
 
 
 def _check_writable(out: Path) -> None:
@@ -180,50 +208,37 @@ def run(args: argparse.Namespace, fail: Callable[[str], NoReturn] = fail) -> int
 
 
 def _demo(args: argparse.Namespace, argv: list[str]) -> int:
+    from offpolicy_jax.demo import experiment
+
+    config = _config(args)
+    out = Path(args.out)
+    _check_writable(out)
+    if args.dump_logprobs is not None:
+        _check_writable(Path(args.dump_logprobs))
+    command = shlex.join([PROG] + argv)
+    progress, close = _progress_bar(args, config)
+    history = experiment.run(config, progress)
+    close()
+    _write_results(history, args, out, command)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> DemoConfig:
+    """The run's ``DemoConfig``: the preset, ``--tiny``'s sizes, then the flags (an invalid
+    combination fails with ``DemoConfig``'s message)."""
     import dataclasses
 
-    from offpolicy_jax.demo import experiment, report
-    from offpolicy_jax.demo.train import DEFAULT_SEVERITY, Mismatch
+    from offpolicy_jax.demo import experiment
 
     config = dataclasses.replace(experiment.PRESETS[args.preset], preset=args.preset)
     if args.tiny:
-        config = dataclasses.replace(
-            config,
-            steps=4,
-            seeds=2,
-            chunk=2,
-            train=dataclasses.replace(
-                config.train,
-                d_model=16,
-                prompts_per_step=4,
-                group_size=4,
-                prompt_len=3,
-                eval_prompts=8,
-            ),
-        )
+        config = _tiny(config)
     changes: dict = {"steps": args.steps, "seeds": args.seeds, "threshold": args.threshold}
     if args.algorithms is not None:
         changes["algorithms"] = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
     if args.mismatch is not None or args.severity is not None:
-        source = args.mismatch or config.mismatch.source
-        if args.severity is not None:
-            severity = args.severity
-        elif source == config.mismatch.source:
-            severity = config.mismatch.severity
-        else:
-            severity = DEFAULT_SEVERITY[source]
-        changes["mismatch"] = Mismatch(source, severity)
-    train_changes: dict = {}
-    if args.lr is not None:
-        train_changes["learning_rate"] = args.lr
-    if args.trainer_logprobs is not None:
-        train_changes["trainer_logprobs"] = args.trainer_logprobs
-    if args.experts is not None:
-        train_changes["n_experts"] = args.experts
-    if args.top_k is not None:
-        train_changes["top_k"] = args.top_k
-    if args.max_grad_norm is not None:
-        train_changes["max_grad_norm"] = args.max_grad_norm
+        changes["mismatch"] = _mismatch(args, config.mismatch)
+    train_changes = _train_changes(args)
     if train_changes:
         changes["train"] = dataclasses.replace(config.train, **train_changes)
     if args.routing_replay:
@@ -237,32 +252,90 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
             config = dataclasses.replace(config, dump_steps=steps)
     except ValueError as e:
         _fail(str(e))
+    return config
+
+
+def _tiny(config: DemoConfig) -> DemoConfig:
+    """``--tiny``: ``config`` shrunk to a seconds-long smoke run."""
+    import dataclasses
+
+    return dataclasses.replace(
+        config,
+        steps=4,
+        seeds=2,
+        chunk=2,
+        train=dataclasses.replace(
+            config.train,
+            d_model=16,
+            prompts_per_step=4,
+            group_size=4,
+            prompt_len=3,
+            eval_prompts=8,
+        ),
+    )
+
+
+def _mismatch(args: argparse.Namespace, preset: Mismatch) -> Mismatch:
+    """``--mismatch`` / ``--severity`` over the preset's ``Mismatch``: a new source without
+    ``--severity`` gets that source's default severity, not the preset's."""
+    from offpolicy_jax.demo.train import DEFAULT_SEVERITY, Mismatch
+
+    source = args.mismatch or preset.source
+    if args.severity is not None:
+        severity = args.severity
+    elif source == preset.source:
+        severity = preset.severity
+    else:
+        severity = DEFAULT_SEVERITY[source]
+    return Mismatch(source, severity)
+
+
+#: ``TrainConfig`` fields that a flag sets, by the flag's ``args`` name.
+_TRAIN_FLAGS = {
+    "lr": "learning_rate",
+    "trainer_logprobs": "trainer_logprobs",
+    "experts": "n_experts",
+    "top_k": "top_k",
+    "max_grad_norm": "max_grad_norm",
+}
+
+
+def _train_changes(args: argparse.Namespace) -> dict:
+    """The ``TrainConfig`` fields the flags set (a flag left out keeps the preset's)."""
+    values = {field: getattr(args, flag) for flag, field in _TRAIN_FLAGS.items()}
+    return {field: v for field, v in values.items() if v is not None}
+
+
+def _progress_bar(
+    args: argparse.Namespace, config: DemoConfig
+) -> tuple[Callable[[int], None], Callable]:
+    """``(progress, close)``: a tqdm bar on stderr over the run's steps (none with
+    ``--no-progress``; then both do nothing)."""
     algorithms = config.algorithms
-    out = Path(args.out)
-    _check_writable(out)
-    if args.dump_logprobs is not None:
-        _check_writable(Path(args.dump_logprobs))
+    if args.no_progress:
+        return (lambda n: None), (lambda: None)
+    from tqdm import tqdm
 
-    command = shlex.join([PROG] + argv)
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=config.steps,
-            unit="step",
-            desc=f"{len(algorithms)} algorithms × {config.seeds} seeds (compiling first)",
-            file=sys.stderr,
-        )
+    bar = tqdm(
+        total=config.steps,
+        unit="step",
+        desc=f"{len(algorithms)} algorithms × {config.seeds} seeds (compiling first)",
+        file=sys.stderr,
+    )
 
     def progress(n: int) -> None:
-        if bar is not None:
-            bar.set_description(f"{len(algorithms)} algorithms × {config.seeds} seeds")
-            bar.update(n)
+        # The first chunk's call ends the compile: the description drops the note.
+        bar.set_description(f"{len(algorithms)} algorithms × {config.seeds} seeds")
+        bar.update(n)
 
-    history = experiment.run(config, progress)
-    if bar is not None:
-        bar.close()
+    return progress, bar.close
+
+
+def _write_results(history: History, args: argparse.Namespace, out: Path, command: str) -> None:
+    """Writes the outputs to ``out`` (and the dumps to ``--dump-logprobs``); prints the
+    table and the paths written."""
+    from offpolicy_jax.demo import report
+
     try:
         paths = report.write_outputs(history, out, command)
     except OSError as e:
@@ -276,7 +349,6 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"Dumped {len(dumped)} log-prob files to {args.dump_logprobs}")
     print(paths["table"].read_text().split("\n", 2)[2])  # the table, without the title
     print(f"Wrote {', '.join(str(p) for p in paths.values())}")
-    return 0
 
 
 def _with_replay(name: str) -> str:

@@ -16,6 +16,7 @@ import functools
 import importlib.resources
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -550,6 +551,98 @@ def async_generate(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepPlan:
+    """What :func:`make_train_step` fixes before tracing: the step's static settings.
+
+    Per-algorithm tables are tuples indexed by the run's ``algo_index`` (a traced value),
+    so a row's loss, monitor and replay flag are chosen inside the compiled step.
+    """
+
+    graphdef: nnx.GraphDef
+    cfg: TrainConfig
+    tx: optax.GradientTransformation
+    numerics: engine.Numerics
+    #: The engine's ring of weights, in copies (``Mismatch.staleness``; 0: none).
+    stale: int
+    asynchronous: bool
+    routed: bool
+    #: No π_old forward pass: ``old_logp`` is a placeholder and its monitors are NaN.
+    skip_old: bool
+    dump: bool
+    #: Distinct losses (one ``lax.switch`` branch each) and each algorithm's branch.
+    loss_configs: tuple[opj.LossConfig, ...]
+    loss_index: tuple[int, ...]
+    loss_keys: tuple[str, ...]
+    replay_rows: tuple[bool, ...]
+    #: Distinct rejections (one branch each) and each algorithm's, for ``rejected_fraction``.
+    monitors: tuple[opj.CorrectionConfig, ...]
+    monitor_index: tuple[int, ...]
+
+
+def _skips_old_pass(
+    algorithms: Sequence[Algorithm], asynchronous: bool, old_pass: bool | None
+) -> bool:
+    """Whether the step skips the π_old forward pass (``make_train_step``'s ``old_pass``)."""
+    # No row reads the recomputed π_old (every decoupled row approximates it): the
+    # trainer skips that forward pass, the saving the proximal approximation is for.
+    can_skip = asynchronous and not any(needs_old_pass(a.loss) for a in algorithms)
+    if old_pass is False and not can_skip:
+        raise ValueError(
+            "old_pass=False: a row reads π_old (or the mismatch is not async); only rows that "
+            "approximate it (prox_logp_method loglinear / linear) can skip the pass"
+        )
+    return can_skip if old_pass is None else not old_pass
+
+
+def _step_plan(
+    graphdef: nnx.GraphDef,
+    cfg: TrainConfig,
+    algorithms: Sequence[Algorithm],
+    mismatch: Mismatch,
+    dump: bool,
+    old_pass: bool | None,
+) -> _StepPlan:
+    """Validates :func:`make_train_step`'s arguments and fixes its :class:`_StepPlan`."""
+    if cfg.trainer_logprobs not in TRAINER_LOGPROBS:
+        raise ValueError(
+            f"trainer_logprobs must be one of {', '.join(TRAINER_LOGPROBS)}, "
+            f"got {cfg.trainer_logprobs!r}"
+        )
+    stale, routed = mismatch.staleness(), cfg.n_experts > 0
+    if any(a.routing_replay for a in algorithms) and not routed:
+        raise ValueError("routing replay (+replay rows) needs a routed policy (n_experts > 0)")
+    # Runs that share a loss share a switch branch (e.g. ppo:no-mismatch and ppo).
+    loss_configs = tuple(dict.fromkeys(a.loss for a in algorithms))
+    asynchronous = mismatch.source == "async" and stale > 0
+    # The rejection each algorithm's correction applies, run once per batch to count the
+    # tokens it drops (a VanillaTIS or no correction drops none).
+    applied = [
+        a.loss.correction
+        if isinstance(a.loss.correction, opj.CorrectionConfig)
+        else opj.CorrectionConfig()
+        for a in algorithms
+    ]
+    monitors = tuple(dict.fromkeys(applied))
+    return _StepPlan(
+        graphdef=graphdef,
+        cfg=cfg,
+        tx=make_optimizer(cfg),
+        numerics=mismatch.numerics(),
+        stale=stale,
+        asynchronous=asynchronous,
+        routed=routed,
+        skip_old=_skips_old_pass(algorithms, asynchronous, old_pass),
+        dump=dump,
+        loss_configs=loss_configs,
+        loss_index=tuple(loss_configs.index(a.loss) for a in algorithms),
+        loss_keys=loss_metric_keys(algorithms, versions=asynchronous),
+        replay_rows=tuple(a.routing_replay for a in algorithms),
+        monitors=monitors,
+        monitor_index=tuple(monitors.index(c) for c in applied),
+    )
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     cfg: TrainConfig,
@@ -572,226 +665,324 @@ def make_train_step(
     reads it (every decoupled row approximates it, ``prox_logp_method``), and False
     outside that case is a ValueError. True keeps it where it could be skipped: the
     comparison that times the pass (benchmarks/async_demo.py)."""
-    if cfg.trainer_logprobs not in TRAINER_LOGPROBS:
-        raise ValueError(
-            f"trainer_logprobs must be one of {', '.join(TRAINER_LOGPROBS)}, "
-            f"got {cfg.trainer_logprobs!r}"
-        )
-    tx = make_optimizer(cfg)
-    numerics, stale = mismatch.numerics(), mismatch.staleness()
-    n, g, mbs = cfg.prompt_len, cfg.group_size, cfg.minibatches
-    routed = cfg.n_experts > 0
-    replay_rows = jnp.array([a.routing_replay for a in algorithms])
-    if any(a.routing_replay for a in algorithms) and not routed:
-        raise ValueError("routing replay (+replay rows) needs a routed policy (n_experts > 0)")
-    # Runs that share a loss share a switch branch (e.g. ppo:no-mismatch and ppo).
-    loss_configs = list(dict.fromkeys(a.loss for a in algorithms))
-    loss_index = jnp.array([loss_configs.index(a.loss) for a in algorithms], jnp.int32)
-    asynchronous = mismatch.source == "async" and stale > 0
-    loss_keys = loss_metric_keys(algorithms, versions=asynchronous)
-    # No row reads the recomputed π_old (every decoupled row approximates it): the
-    # trainer skips that forward pass, the saving the proximal approximation is for.
-    can_skip = asynchronous and not any(needs_old_pass(a.loss) for a in algorithms)
-    if old_pass is False and not can_skip:
-        raise ValueError(
-            "old_pass=False: a row reads π_old (or the mismatch is not async); only rows that "
-            "approximate it (prox_logp_method loglinear / linear) can skip the pass"
-        )
-    skip_old = can_skip if old_pass is None else not old_pass
-    # The rejection each algorithm's correction applies, run once per batch to count the
-    # tokens it drops (a VanillaTIS or no correction drops none).
-    applied = [
-        a.loss.correction
-        if isinstance(a.loss.correction, opj.CorrectionConfig)
-        else opj.CorrectionConfig()
-        for a in algorithms
+    plan = _step_plan(graphdef, cfg, algorithms, mismatch, dump, old_pass)
+    return functools.partial(_train_step, plan)
+
+
+def _version_args(plan: _StepPlan, versions: Array, current: Array) -> dict:
+    """The per-token versions for the library's calls, under the ``async`` mismatch only."""
+    return {"versions": versions, "current_version": current} if plan.asynchronous else {}
+
+
+def _branch_loss(
+    plan: _StepPlan,
+    lcfg: opj.LossConfig,
+    logp,
+    old_logp,
+    rollout_logp,
+    adv,
+    mask,
+    versions,
+    current,
+):
+    """One ``lax.switch`` branch: ``lcfg``'s loss and its metrics over ``plan.loss_keys``
+    (NaN where ``lcfg`` returns no such key, so that every branch returns the same tree)."""
+    loss, met = opj.policy_loss(
+        logp,
+        old_logp if needs_old_pass(lcfg) else None,
+        rollout_logp,
+        adv,
+        mask,
+        lcfg,
+        **_version_args(plan, versions, current),
+    )
+    nan = jnp.float32(jnp.nan)
+    return loss, {k: jnp.asarray(met.get(k, nan), jnp.float32) for k in plan.loss_keys}
+
+
+def _routing(plan: _StepPlan, algo_index: Array, routes: Array | None) -> Routing | None:
+    """The trainer's routing: the engine's routes in a replay row (``routes`` is
+    ``[n_layers, B, L, k]``), its own pick otherwise; None for a dense policy."""
+    if not plan.routed:
+        return None
+    return Routing(routes=routes, replay=jnp.array(plan.replay_rows)[algo_index])
+
+
+def _minibatch_loss(
+    plan: _StepPlan,
+    params: nnx.State,
+    algo_index: Array,
+    sampler: tuple[Array, Array] | None,
+    current: Array,
+    tokens: Array,
+    old_logp: Array,
+    rollout_logp: Array,
+    adv: Array,
+    mask: Array,
+    routes: Array,
+    versions: Array,
+):
+    """``(loss, loss metrics)`` of this run's algorithm on one minibatch, at ``params``."""
+    # Minibatches split the leading axis: routes travel batch-major, [B, n_layers, L, k].
+    route = _routing(plan, algo_index, jnp.moveaxis(routes, 0, 1) if plan.routed else None)
+    logp = token_logp(plan.graphdef, params, tokens, plan.cfg.prompt_len, sampler, route)
+    losses = [functools.partial(_branch_loss, plan, c) for c in plan.loss_configs]
+    loss_index = jnp.array(plan.loss_index, jnp.int32)
+    return jax.lax.switch(
+        loss_index[algo_index], losses, logp, old_logp, rollout_logp, adv, mask, versions, current
+    )
+
+
+def _dropped_fraction(correction, old_logp, rollout_logp, mask, version_args) -> Array:
+    """The share of ``mask``'s tokens that ``correction``'s rejection drops."""
+    res = opj.compute_correction(
+        old_logp, rollout_logp, mask, correction, reduction="token", **version_args
+    )
+    return (mask.sum() - res.mask.sum()) / jnp.maximum(mask.sum(), 1.0)
+
+
+def _rejected_fraction(plan, algo_index, old_logp, rollout_logp, mask, versions, current) -> Array:
+    """``rejected_fraction``: the tokens this run's correction drops from the batch."""
+    ver = _version_args(plan, versions, current)
+    branches = [
+        functools.partial(_dropped_fraction, c, old_logp, rollout_logp, mask, ver)
+        for c in plan.monitors
     ]
-    monitors = list(dict.fromkeys(applied))
-    monitor_index = jnp.array([monitors.index(c) for c in applied], jnp.int32)
+    monitor_index = jnp.array(plan.monitor_index, jnp.int32)
+    return jax.lax.switch(monitor_index[algo_index], branches)
 
-    def policy_loss(lcfg: opj.LossConfig):
-        needs_old = needs_old_pass(lcfg)
 
-        def loss(logp, old_logp, rollout_logp, adv, mask, versions, current):
-            ver = {"versions": versions, "current_version": current} if asynchronous else {}
-            loss, met = opj.policy_loss(
-                logp, old_logp if needs_old else None, rollout_logp, adv, mask, lcfg, **ver
-            )
-            nan = jnp.float32(jnp.nan)
-            return loss, {k: jnp.asarray(met.get(k, nan), jnp.float32) for k in loss_keys}
+def _diagnostics(old_logp: Array, rollout_logp: Array, mask: Array) -> dict[str, Array]:
+    """The :data:`DIAGNOSTIC_KEYS`: π_old against π_rollout under the untruncated monitor."""
+    res = opj.compute_correction(old_logp, rollout_logp, mask, _MONITOR, reduction="token")
+    # Sequences with a non-finite log-prob (a token outside the trainer's top-p
+    # support) leave every metric, as compute_correction drops them (§0).
+    valid = res.mask > 0
+    log_ratio = jnp.where(valid, old_logp - rollout_logp, 0.0)
+    return {
+        "log_ratio_above_1": jnp.sum(valid & (jnp.abs(log_ratio) > 1.0))
+        / jnp.maximum(jnp.sum(valid), 1),
+        "mis_k3_kl": res.metrics["mis_k3_kl"],
+        "is_weight_max": jnp.max(jnp.where(valid, res.weights, 0.0)),
+        "is_weight_mean": res.metrics["mis_tis_weight_before_bound"],
+        "is_weight_above_2": jnp.sum(valid & (res.weights > DIAGNOSTIC_CAP))
+        / jnp.maximum(jnp.sum(valid), 1),
+        "nonfinite_seq_fraction": res.metrics["mis_nonfinite_seq_fraction"],
+    }
 
-        return loss
 
-    losses = [policy_loss(c) for c in loss_configs]
+class _Rollout(NamedTuple):
+    """One step's batch as the engine returns it (B = prompts_per_step · group_size)."""
 
-    def routing(algo_index, routes):
-        """The trainer's routing: the engine's routes in a replay row (``routes`` is
-        ``[n_layers, B, L, k]``), its own pick otherwise; None for a dense policy."""
-        if not routed:
-            return None
-        return Routing(routes=routes, replay=replay_rows[algo_index])
+    prompts: Array  # [B, n]
+    responses: Array  # [B, n]
+    rollout_logp: Array  # [B, n]
+    #: The engine's experts, ``[n_layers, B, 2n + 1, top_k]``; empty for a dense policy.
+    routes: Array
+    versions: Array  # [B, n] int32: the policy version that sampled each token
 
-    def loss_fn(
-        params, algo_index, sampler, current, tokens, old_logp, rollout_logp, adv, mask, *rest
-    ):
-        routes, versions = rest
-        # Minibatches split the leading axis: routes travel batch-major, [B, n_layers, L, k].
-        route = routing(algo_index, jnp.moveaxis(routes, 0, 1) if routed else None)
-        logp = token_logp(graphdef, params, tokens, n, sampler, route)
-        return jax.lax.switch(
-            loss_index[algo_index],
-            losses,
-            logp,
-            old_logp,
-            rollout_logp,
-            adv,
-            mask,
-            versions,
+
+def _ring_slot(plan: _StepPlan, step: Array) -> Array | int:
+    """The ring's slot that holds the weights ``plan.stale`` updates old (0 without a ring)."""
+    return step % plan.stale if plan.stale else 0
+
+
+def _sample_batch(plan, state, key, k_prompt, k_sample, mismatched) -> _Rollout:
+    """The engine's rollout: ``prompts_per_step`` prompts, each sampled ``group_size`` times,
+    with the mismatch's weights (stale or mixed versions) and numerics where ``mismatched``."""
+    cfg, n, params = plan.cfg, plan.cfg.prompt_len, state["params"]
+    prompts = task.sample_prompts(k_prompt, cfg.prompts_per_step, n)
+    prompts = jnp.repeat(prompts, cfg.group_size, axis=0)
+    if plan.stale and not plan.asynchronous:
+        old = jax.tree.map(lambda r: r[_ring_slot(plan, state["step"])], state["ring"])
+        engine_params = jax.tree.map(lambda o, p: jnp.where(mismatched, o, p), old, params)
+    else:
+        engine_params = params
+    routes = jnp.zeros(0, jnp.int32)  # a dense policy has none
+    current = state["step"]  # the policy version: updates so far
+    versions = jnp.full((len(prompts), n), current, jnp.int32)
+    if plan.asynchronous:
+        ages_key = jax.random.fold_in(key, ASYNC_KEY)
+        responses, rollout_logp, versions = async_generate(
+            plan.graphdef,
+            state["ring"],
             current,
+            prompts,
+            (ages_key, k_sample),
+            cfg.group_size,
+            mismatched,
         )
-
-    def rejected(algo_index, old_logp, rollout_logp, mask, versions, current):
-        ver = {"versions": versions, "current_version": current} if asynchronous else {}
-
-        def run(c):
-            res = opj.compute_correction(old_logp, rollout_logp, mask, c, reduction="token", **ver)
-            return (mask.sum() - res.mask.sum()) / jnp.maximum(mask.sum(), 1.0)
-
-        return jax.lax.switch(monitor_index[algo_index], [lambda c=c: run(c) for c in monitors])
-
-    def diagnostics(old_logp, rollout_logp, mask):
-        res = opj.compute_correction(old_logp, rollout_logp, mask, _MONITOR, reduction="token")
-        # Sequences with a non-finite log-prob (a token outside the trainer's top-p
-        # support) leave every metric, as compute_correction drops them (§0).
-        valid = res.mask > 0
-        log_ratio = jnp.where(valid, old_logp - rollout_logp, 0.0)
-        return {
-            "log_ratio_above_1": jnp.sum(valid & (jnp.abs(log_ratio) > 1.0))
-            / jnp.maximum(jnp.sum(valid), 1),
-            "mis_k3_kl": res.metrics["mis_k3_kl"],
-            "is_weight_max": jnp.max(jnp.where(valid, res.weights, 0.0)),
-            "is_weight_mean": res.metrics["mis_tis_weight_before_bound"],
-            "is_weight_above_2": jnp.sum(valid & (res.weights > DIAGNOSTIC_CAP))
-            / jnp.maximum(jnp.sum(valid), 1),
-            "nonfinite_seq_fraction": res.metrics["mis_nonfinite_seq_fraction"],
-        }
-
-    def train_step(state, key, algo_index, mismatched):
-        params = state["params"]
-        k_prompt, k_sample, k_eval_prompt, k_eval = jax.random.split(key, 4)
-        prompts = jnp.repeat(task.sample_prompts(k_prompt, cfg.prompts_per_step, n), g, axis=0)
-        slot = state["step"] % stale if stale else 0  # the ring's slot (only when stale)
-        if stale and not asynchronous:
-            old = jax.tree.map(lambda r: r[slot], state["ring"])
-            engine_params = jax.tree.map(lambda o, p: jnp.where(mismatched, o, p), old, params)
-        else:
-            engine_params = params
-        routes = jnp.zeros(0, jnp.int32)  # a dense policy has none
-        current = state["step"]  # the policy version: updates so far
-        versions = jnp.full((len(prompts), n), current, jnp.int32)
-        if asynchronous:
-            ages_key = jax.random.fold_in(key, ASYNC_KEY)
-            responses, rollout_logp, versions = async_generate(
-                graphdef, state["ring"], current, prompts, (ages_key, k_sample), g, mismatched
-            )
-        elif routed:
-            responses, rollout_logp, routes = engine.generate_routed(
-                graphdef, engine_params, prompts, k_sample, numerics, mismatched
-            )
-        else:
-            responses, rollout_logp = engine.generate(
-                graphdef, engine_params, prompts, k_sample, numerics, active=mismatched
-            )
-        rewards = task.reward(prompts, responses)
-        tokens = task.join(prompts, responses)
-        if cfg.trainer_logprobs == "sampler":
-            # The engine's own T and top-p (plain float32 sampling in rows without mismatch).
-            sampler = (
-                jnp.where(mismatched, numerics.temperature, 1.0),
-                jnp.where(mismatched, numerics.top_p, 1.0),
-            )
-        else:
-            sampler = None
-        if routed:
-            old_logp, own = token_logp_and_routes(
-                graphdef, params, tokens, n, sampler, routing(algo_index, routes)
-            )
-            old_logp = jax.lax.stop_gradient(old_logp)
-            # A decision differs when the set of experts differs, at the positions whose
-            # outputs score the response tokens (n .. 2n - 1), in any layer.
-            differ = jnp.any(jnp.sort(routes, -1) != jnp.sort(own, -1), -1)[:, :, n : 2 * n]
-            flips = jnp.mean(differ.astype(jnp.float32))
-        elif skip_old:
-            old_logp = rollout_logp  # a placeholder no loss reads (needs_old_pass)
-            flips = jnp.float32(jnp.nan)
-        else:
-            old_logp = jax.lax.stop_gradient(token_logp(graphdef, params, tokens, n, sampler))
-            flips = jnp.float32(jnp.nan)
-        mask = jnp.ones_like(old_logp)
-        if sampler is None:
-            train_mask = mask
-        else:
-            # A token outside the trainer's top-p support has log π_old = −inf. The
-            # correction rejects such a sequence (§0); the trainer drops it for every row
-            # alike, so that rows without a correction (ppo) do not train on −inf either.
-            finite = jnp.all(jnp.isfinite(old_logp) & jnp.isfinite(rollout_logp), axis=-1)
-            train_mask = jnp.where(finite[:, None], mask, 0.0)
-
-        def update(carry, mb):
-            params, opt = carry
-            (_, loss_met), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, algo_index, sampler, current, *mb
-            )
-            updates, opt = tx.update(grads, opt, params)
-            return (optax.apply_updates(params, updates), opt), (loss_met, optax.tree.norm(grads))
-
-        # Minibatches are whole groups, in order: one PPO epoch over the batch.
-        advantages = group_advantages(rewards, g)
-        batch_routes = jnp.moveaxis(routes, 1, 0) if routed else jnp.zeros(len(tokens))
-        batch = (tokens, old_logp, rollout_logp, advantages, train_mask, batch_routes, versions)
-        batch = jax.tree.map(lambda x: x.reshape((mbs, -1) + x.shape[1:]), batch)
-        (params, opt), (loss_met, grad_norm) = jax.lax.scan(update, (params, state["opt"]), batch)
-        # The trained policy itself, sampled with exact float32 numerics on fresh prompts:
-        # the model you would ship, free of the engine's distortion and lag.
-        eval_prompts = task.sample_prompts(k_eval_prompt, cfg.eval_prompts, n)
-        eval_responses, _ = engine.generate(
-            graphdef, params, eval_prompts, k_eval, engine.Numerics(), active=False
+    elif plan.routed:
+        responses, rollout_logp, routes = engine.generate_routed(
+            plan.graphdef, engine_params, prompts, k_sample, plan.numerics, mismatched
         )
-        eval_rewards = task.reward(eval_prompts, eval_responses)
-        ring = state["ring"]
-        if stale:
-            ring = jax.tree.map(lambda r, p: r.at[slot].set(p), ring, params)
-        metrics = {
-            "policy_reward": eval_rewards.mean(),
-            "policy_exact_match": (eval_rewards == 1.0).mean(),
-            "reward": rewards.mean(),
-            "rejected_fraction": rejected(
-                algo_index, old_logp, rollout_logp, train_mask, versions, current
-            ),
-            # Before clipping: the size of the raw update direction.
-            "grad_norm": grad_norm.mean(),
-            **diagnostics(old_logp, rollout_logp, mask),
-            "staleness_mean": jnp.mean((current - versions).astype(jnp.float32)),
-            "route_flip_fraction": flips,
-            **{f"loss/{k}": v.mean() for k, v in loss_met.items()},
-        }
-        if skip_old:
-            # No π_old was computed: the monitors of π_old / π_rollout have nothing to read.
-            for k in ("rejected_fraction", *DIAGNOSTIC_KEYS):
-                metrics[k] = jnp.float32(jnp.nan)
-        if dump:
-            metrics.update(
-                {
-                    "dump/old_logp": old_logp,
-                    "dump/rollout_logp": rollout_logp,
-                    "dump/mask": mask,
-                    "dump/advantages": advantages,
-                    "dump/versions": versions,
-                }
-            )
-        return {"params": params, "opt": opt, "ring": ring, "step": state["step"] + 1}, metrics
+    else:
+        responses, rollout_logp = engine.generate(
+            plan.graphdef, engine_params, prompts, k_sample, plan.numerics, active=mismatched
+        )
+    return _Rollout(prompts, responses, rollout_logp, routes, versions)
 
-    return train_step
+
+def _trainer_sampler(plan: _StepPlan, mismatched: Array) -> tuple[Array, Array] | None:
+    """``(temperature, top_p)`` the trainer scores with (``trainer_logprobs="sampler"``)."""
+    if plan.cfg.trainer_logprobs != "sampler":
+        return None
+    # The engine's own T and top-p (plain float32 sampling in rows without mismatch).
+    return (
+        jnp.where(mismatched, plan.numerics.temperature, 1.0),
+        jnp.where(mismatched, plan.numerics.top_p, 1.0),
+    )
+
+
+def _old_logp(plan, params, algo_index, tokens, rollout, sampler) -> tuple[Array, Array]:
+    """``(old_logp, route_flip_fraction)``: the trainer's π_old of the sampled tokens at the
+    current weights (stop-gradient), and how many routing decisions differ from the
+    engine's (NaN for a dense policy)."""
+    n = plan.cfg.prompt_len
+    if plan.routed:
+        old_logp, own = token_logp_and_routes(
+            plan.graphdef, params, tokens, n, sampler, _routing(plan, algo_index, rollout.routes)
+        )
+        old_logp = jax.lax.stop_gradient(old_logp)
+        # A decision differs when the set of experts differs, at the positions whose
+        # outputs score the response tokens (n .. 2n - 1), in any layer.
+        differ = jnp.any(jnp.sort(rollout.routes, -1) != jnp.sort(own, -1), -1)[:, :, n : 2 * n]
+        return old_logp, jnp.mean(differ.astype(jnp.float32))
+    if plan.skip_old:
+        # A placeholder no loss reads (needs_old_pass).
+        return rollout.rollout_logp, jnp.float32(jnp.nan)
+    old_logp = jax.lax.stop_gradient(token_logp(plan.graphdef, params, tokens, n, sampler))
+    return old_logp, jnp.float32(jnp.nan)
+
+
+def _train_mask(mask: Array, old_logp: Array, rollout_logp: Array, sampler) -> Array:
+    """The tokens every row trains on: ``mask``, less sequences the trainer cannot score."""
+    if sampler is None:
+        return mask
+    # A token outside the trainer's top-p support has log π_old = −inf. The
+    # correction rejects such a sequence (§0); the trainer drops it for every row
+    # alike, so that rows without a correction (ppo) do not train on −inf either.
+    finite = jnp.all(jnp.isfinite(old_logp) & jnp.isfinite(rollout_logp), axis=-1)
+    return jnp.where(finite[:, None], mask, 0.0)
+
+
+def _minibatch_updates(plan, params, opt, algo_index, sampler, current, batch):
+    """One PPO epoch: an optimizer update per minibatch of ``batch`` (whole groups, in
+    order). Returns ``(params, opt, loss metrics [mbs], grad norms [mbs])``."""
+    grad_fn = jax.value_and_grad(functools.partial(_minibatch_loss, plan), has_aux=True)
+
+    def update(carry, mb):
+        params, opt = carry
+        (_, loss_met), grads = grad_fn(params, algo_index, sampler, current, *mb)
+        updates, opt = plan.tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), (loss_met, optax.tree.norm(grads))
+
+    batch = jax.tree.map(lambda x: x.reshape((plan.cfg.minibatches, -1) + x.shape[1:]), batch)
+    (params, opt), (loss_met, grad_norm) = jax.lax.scan(update, (params, opt), batch)
+    return params, opt, loss_met, grad_norm
+
+
+def _policy_rewards(plan: _StepPlan, params: nnx.State, k_prompt: Array, k_sample: Array):
+    """The trained policy itself, sampled with exact float32 numerics on fresh prompts:
+    the model you would ship, free of the engine's distortion and lag. ``[eval_prompts]``."""
+    n = plan.cfg.prompt_len
+    eval_prompts = task.sample_prompts(k_prompt, plan.cfg.eval_prompts, n)
+    eval_responses, _ = engine.generate(
+        plan.graphdef, params, eval_prompts, k_sample, engine.Numerics(), active=False
+    )
+    return task.reward(eval_prompts, eval_responses)
+
+
+class _Scored(NamedTuple):
+    """The batch as the trainer scores it."""
+
+    tokens: Array  # [B, 2n + 1]: prompt, then response
+    #: [B, n] π_old (stop-gradient), or rollout_logp as a placeholder when the pass is skipped.
+    old_logp: Array
+    flips: Array  # route_flip_fraction (NaN for a dense policy)
+    mask: Array  # [B, n] every sampled token
+    train_mask: Array  # [B, n] the tokens trained on
+
+
+def _score_batch(plan, params, algo_index, rollout: _Rollout, sampler) -> _Scored:
+    """The trainer's log-probs of the engine's rollout, and the tokens it trains on."""
+    tokens = task.join(rollout.prompts, rollout.responses)
+    old_logp, flips = _old_logp(plan, params, algo_index, tokens, rollout, sampler)
+    mask = jnp.ones_like(old_logp)
+    train_mask = _train_mask(mask, old_logp, rollout.rollout_logp, sampler)
+    return _Scored(tokens, old_logp, flips, mask, train_mask)
+
+
+def _step_metrics(plan, algo_index, current, rollout, scored, rewards, trained) -> dict:
+    """The step's metrics (:func:`make_train_step`): :data:`STEP_METRICS`, ``loss/<key>``.
+
+    ``rewards`` is ``(rollout rewards, the trained policy's)``; ``trained`` is ``(loss
+    metrics, gradient norms)`` of the minibatch updates, one entry per minibatch.
+    """
+    (rollout_rewards, policy_rewards), (loss_met, grad_norm) = rewards, trained
+    old_logp, rollout_logp, versions = scored.old_logp, rollout.rollout_logp, rollout.versions
+    metrics = {
+        "policy_reward": policy_rewards.mean(),
+        "policy_exact_match": (policy_rewards == 1.0).mean(),
+        "reward": rollout_rewards.mean(),
+        "rejected_fraction": _rejected_fraction(
+            plan, algo_index, old_logp, rollout_logp, scored.train_mask, versions, current
+        ),
+        # Before clipping: the size of the raw update direction.
+        "grad_norm": grad_norm.mean(),
+        **_diagnostics(old_logp, rollout_logp, scored.mask),
+        "staleness_mean": jnp.mean((current - versions).astype(jnp.float32)),
+        "route_flip_fraction": scored.flips,
+        **{f"loss/{k}": v.mean() for k, v in loss_met.items()},
+    }
+    if plan.skip_old:
+        # No π_old was computed: the monitors of π_old / π_rollout have nothing to read.
+        for k in ("rejected_fraction", *DIAGNOSTIC_KEYS):
+            metrics[k] = jnp.float32(jnp.nan)
+    return metrics
+
+
+def _train_step(plan: _StepPlan, state, key, algo_index, mismatched):
+    """:func:`make_train_step`'s ``train_step`` under ``plan``."""
+    params, current = state["params"], state["step"]  # the policy version: updates so far
+    k_prompt, k_sample, k_eval_prompt, k_eval = jax.random.split(key, 4)
+    rollout = _sample_batch(plan, state, key, k_prompt, k_sample, mismatched)
+    rewards = task.reward(rollout.prompts, rollout.responses)
+    sampler = _trainer_sampler(plan, mismatched)
+    scored = _score_batch(plan, params, algo_index, rollout, sampler)
+    advantages = group_advantages(rewards, plan.cfg.group_size)
+    routes = jnp.moveaxis(rollout.routes, 1, 0) if plan.routed else jnp.zeros(len(scored.tokens))
+    batch = (
+        scored.tokens,
+        scored.old_logp,
+        rollout.rollout_logp,
+        advantages,
+        scored.train_mask,
+        routes,
+        rollout.versions,
+    )
+    params, opt, *trained = _minibatch_updates(
+        plan, params, state["opt"], algo_index, sampler, current, batch
+    )
+    policy_rewards = _policy_rewards(plan, params, k_eval_prompt, k_eval)
+    ring = state["ring"]
+    if plan.stale:
+        slot = _ring_slot(plan, current)
+        ring = jax.tree.map(lambda r, p: r.at[slot].set(p), ring, params)
+    metrics = _step_metrics(
+        plan, algo_index, current, rollout, scored, (rewards, policy_rewards), trained
+    )
+    if plan.dump:
+        metrics.update(
+            {
+                "dump/old_logp": scored.old_logp,
+                "dump/rollout_logp": rollout.rollout_logp,
+                "dump/mask": scored.mask,
+                "dump/advantages": advantages,
+                "dump/versions": rollout.versions,
+            }
+        )
+    return {"params": params, "opt": opt, "ring": ring, "step": current + 1}, metrics
 
 
 def make_chunk_runner(train_step: Callable) -> Callable:
