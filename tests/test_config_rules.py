@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import offpolicy_jax as opj
-from offpolicy_jax import verl
+from offpolicy_jax.interop import verl
 
 TRM_ICEPOP = dict(
     use_tis=True,

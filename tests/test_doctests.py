@@ -10,10 +10,10 @@ import pytest
 MODULES = [
     "offpolicy_jax.reduction.means",
     "offpolicy_jax.config",
-    "offpolicy_jax.correction",
-    "offpolicy_jax.losses",
-    "offpolicy_jax.sampling_support",
-    "offpolicy_jax.surrogates",
+    "offpolicy_jax.correction.compute",
+    "offpolicy_jax.losses.policy_loss",
+    "offpolicy_jax.logprobs.sampling_support",
+    "offpolicy_jax.losses.surrogates",
     "offpolicy_jax.vcpo",
     "offpolicy_jax.integrations.optax",
 ]

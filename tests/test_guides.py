@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import offpolicy_jax as opj
-from offpolicy_jax import criteria
-from offpolicy_jax.rules import register_rule
+from offpolicy_jax.correction import criteria
+from offpolicy_jax.correction.rules import register_rule
 
 GUIDES = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide"
 
@@ -68,7 +68,7 @@ def test_adding_a_rule(fresh_rules, capsys):
 
 @pytest.fixture
 def fresh_surrogates():
-    from offpolicy_jax import registry
+    from offpolicy_jax.losses import registry
 
     before = dict(registry._REGISTRY)
     yield

@@ -18,7 +18,7 @@ from strategies import examples
 
 import offpolicy_jax as opj
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.packing import segment_positions
+from offpolicy_jax.interop.packing import segment_positions
 from offpolicy_jax.reduction import MeshAxes
 
 # --------------------------------------------------------------------------- host packer

@@ -28,8 +28,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import offpolicy_jax as opj
-from offpolicy_jax import registry
 from offpolicy_jax.config import AGGREGATIONS
+from offpolicy_jax.losses import registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clear_jax_caches")]
 

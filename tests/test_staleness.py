@@ -23,7 +23,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import offpolicy_jax as opj
-from offpolicy_jax import correction, reduction, stages, staleness
+from offpolicy_jax import reduction
+from offpolicy_jax.correction import compute as correction
+from offpolicy_jax.correction import stages, staleness
 
 GARBAGE = (np.nan, np.inf, -np.inf, 1e30)
 

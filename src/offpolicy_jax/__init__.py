@@ -8,9 +8,13 @@ and sharding safe.
 """
 
 from offpolicy_jax.config import CorrectionConfig, LossConfig, RejectionSamplingConfig, VanillaTIS
-from offpolicy_jax.correction import CorrectionResult, compute_correction
-from offpolicy_jax.logprobs import token_logprobs, token_logprobs_from_hidden
-from offpolicy_jax.losses import (
+from offpolicy_jax.correction.compute import CorrectionResult, compute_correction
+from offpolicy_jax.correction.metrics import finalize as finalize_metrics
+from offpolicy_jax.correction.ratios import METRIC_LOG_CAP
+from offpolicy_jax.interop.packing import PackedSequences, pack_sequences, unpack_sequences
+from offpolicy_jax.logprobs.sampling_support import support_from_csr
+from offpolicy_jax.logprobs.token import token_logprobs, token_logprobs_from_hidden
+from offpolicy_jax.losses.policy_loss import (
     LossParts,
     PolicyLossTerms,
     aggregate,
@@ -18,13 +22,9 @@ from offpolicy_jax.losses import (
     policy_loss_parts,
     policy_loss_terms,
 )
-from offpolicy_jax.metrics import finalize as finalize_metrics
-from offpolicy_jax.packing import PackedSequences, pack_sequences, unpack_sequences
-from offpolicy_jax.ratios import METRIC_LOG_CAP
+from offpolicy_jax.losses.registry import SurrogateInput, SurrogateTerms, register_surrogate
+from offpolicy_jax.losses.surrogates import PPOTerms, ppo_surrogate
 from offpolicy_jax.reduction import MeanParts, MeshAxes
-from offpolicy_jax.registry import SurrogateInput, SurrogateTerms, register_surrogate
-from offpolicy_jax.sampling_support import support_from_csr
-from offpolicy_jax.surrogates import PPOTerms, ppo_surrogate
 from offpolicy_jax.vcpo import (
     ess_learning_rate_scale,
     opob_advantages,

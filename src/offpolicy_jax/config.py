@@ -20,9 +20,9 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import yaml
 
-from offpolicy_jax import registry
 from offpolicy_jax._messages import close_match, shown
-from offpolicy_jax.algorithms import ALGORITHMS as ALGORITHM_SPECS
+from offpolicy_jax.losses import registry
+from offpolicy_jax.losses.algorithms import ALGORITHMS as ALGORITHM_SPECS
 
 Level = Literal["token", "sequence", "geometric", "minpro"]
 Mode = Literal["truncate", "clip", "mask", "band", "none"]
@@ -549,7 +549,9 @@ class CorrectionConfig:
 
     def _check_rules(self, owner: str) -> None:
         """Validates and canonicalises the keys of docs/semantics.md §8."""
-        from offpolicy_jax import criteria  # the formulas module; imported late to stay light
+        from offpolicy_jax.correction import (
+            criteria,  # the formulas module; imported late to stay light
+        )
 
         key = f"{owner}.rs_criteria"
         specs = self.rs_criteria
@@ -654,8 +656,8 @@ class CorrectionConfig:
 
     @property
     def criteria(self):
-        """The parsed ``rs_criteria`` (:class:`offpolicy_jax.criteria.Criterion` tuples)."""
-        from offpolicy_jax import criteria
+        """The parsed ``rs_criteria`` (:class:`offpolicy_jax.correction.criteria.Criterion` tuples)."""
+        from offpolicy_jax.correction import criteria
 
         return tuple(criteria.parse_spec(spec, "rs_criteria") for spec in self.rs_criteria)
 
@@ -716,10 +718,10 @@ class CorrectionConfig:
         single entry shared by every criterion, as verl's ``_parse_rollout_rs_thresholds``
         does; docs/semantics.md §8); the loss-only keys ``bypass_mode`` and
         ``loss_type`` are ignored here (``LossConfig.from_verl`` reads them). The mapping
-        is in :mod:`offpolicy_jax.verl`. Invalid values raise ``ValueError`` naming the
+        is in :mod:`offpolicy_jax.interop.verl`. Invalid values raise ``ValueError`` naming the
         verl key.
         """
-        from offpolicy_jax import verl
+        from offpolicy_jax.interop import verl
 
         return cls(**verl.correction_kwargs(rollout_correction))
 
@@ -757,7 +759,7 @@ class CorrectionConfig:
         """A named recipe: a configuration shipped with the package (``"mis"`` is the
         reference ``mis.yaml``) or any of verl's ``RolloutCorrectionConfig`` preset names
         (``"decoupled_token_icepop"``, ``"decoupled_geo_rs"``, ``"bypass_pg_is"``, ...;
-        their correction part, see :data:`offpolicy_jax.verl.VERL_PRESETS`).
+        their correction part, see :data:`offpolicy_jax.interop.verl.VERL_PRESETS`).
 
         Examples:
           >>> import offpolicy_jax as opj
@@ -767,7 +769,7 @@ class CorrectionConfig:
           >>> opj.CorrectionConfig.preset("decoupled_token_icepop").tis_mode
           'band'
         """
-        from offpolicy_jax import verl
+        from offpolicy_jax.interop import verl
 
         shipped = sorted(
             p.name[: -len(".yaml")]
@@ -855,7 +857,7 @@ class LossConfig:
     policy_loss="gspo", clip_eps=3e-4)``: the fields below, plus the hyperparameters of
     the surrogate ``policy_loss`` names (its registered params, see
     :func:`~offpolicy_jax.register_surrogate` and the table in
-    :mod:`offpolicy_jax._objective`), which it holds as ``params`` and reads flat
+    :mod:`offpolicy_jax.losses.builtins`), which it holds as ``params`` and reads flat
     (``cfg.clip_eps``). A hyperparameter left out or ``None`` takes the surrogate's
     default; one of another surrogate raises ``ValueError``. ``clip_eps`` is accepted
     whatever the surrogate (validated, and ignored by one without a clip range).
@@ -865,7 +867,7 @@ class LossConfig:
         (rollout log-probs as the denominator; ``old_logp`` may be None),
         ``"decoupled_ppo"`` (3-policy PPO: IS weights π_old/π_rollout multiply the
         clipped loss) or ``"reinforce_is"`` (``−sg(w)·A·log π_θ``, no clipping); see
-        :mod:`offpolicy_jax.algorithms`.
+        :mod:`offpolicy_jax.losses.algorithms`.
       correction: a :class:`CorrectionConfig`, a :class:`VanillaTIS`, a callable
         with the signature of ``compute_correction`` minus ``config``
         (``fn(old_logp, rollout_logp, mask, *, reduction, axis_names)``), or None.
@@ -891,7 +893,7 @@ class LossConfig:
         ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"gmpo"``, ``"sapo"``, ``"gpg"``,
         ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, prime-rl's ``"prime_dppo"`` and
         ``"ipo"``, INTELLECT-2's ``"two_sided_clip"``, TRL's ``"vespo"`` and ``"luspo"``
-        or any registered name; formulas and papers in :mod:`offpolicy_jax.policy_losses`.
+        or any registered name; formulas and papers in :mod:`offpolicy_jax.losses.policy_losses`.
         ``reinforce_is`` has its own term and takes only the default.
       params: the surrogate's hyperparameters (an instance of its registered params
         class); built from the flat keywords, or given whole.

@@ -19,7 +19,7 @@ key pools (:func:`population`):
   per-sequence minima/maxima, so they pool like any mean);
 * ``max`` / ``min``: a rule's ``P_max`` / ``P_min`` (``mis_rs_<criterion>_*``,
   ``mis_seq_logprob_error_*``) are batch extremes (their parts are
-  :class:`offpolicy_jax.stages.Extreme`, :func:`extreme_kinds`), not means: the max / min over the
+  :class:`offpolicy_jax.correction.stages.Extreme`, :func:`extreme_kinds`), not means: the max / min over the
   chunks that hold a valid sequence (a chunk without one reports 0, which must not
   win), 0 when no chunk does;
 * ``batch``: ``mis_ess`` and ``mis_batch_norm_factor``, functions of batch-wide sums,
@@ -28,7 +28,7 @@ key pools (:func:`population`):
 Batch normalisation (``tis_batch_normalize``) divides by a *global* ``μ``, so the
 chunks run without it and ``μ`` is applied once to the pooled mean (§3.6): it is the
 pooled ``mis_is_ratio_mean_after_tis_rs`` (taken in the normaliser's own reduction),
-through :func:`offpolicy_jax.normalize.normalizer`. Refused: mask-mode TIS (its
+through :func:`offpolicy_jax.correction.normalize.normalizer`. Refused: mask-mode TIS (its
 ``mis_tis_weight_after_bound`` averages over a population no output reveals) and
 M2PO (``m2po_tau``: its cut-off is a function of the whole batch).
 """
@@ -47,9 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import offpolicy_jax as opj
-from offpolicy_jax import criteria
-from offpolicy_jax.normalize import normalizer, normalizer_reduction
-from offpolicy_jax.stages import Extreme
+from offpolicy_jax.correction import criteria
+from offpolicy_jax.correction.normalize import normalizer, normalizer_reduction
+from offpolicy_jax.correction.stages import Extreme
 
 # Symmetric log bins for a log-ratio δ: |δ| < 1e-6 is the centre bin, then 20 bins per
 # decade up to |δ| = 100 (the last bins hold everything beyond), mirrored for δ < 0.
@@ -179,9 +179,10 @@ METRICS_ONLY = opj.CorrectionConfig(probability_metrics=True)
 @functools.cache
 def extreme_kinds(config: opj.CorrectionConfig) -> dict[str, str]:
     """The metric keys of ``config`` that are batch extremes, with ``"max"`` / ``"min"``:
-    the :class:`~offpolicy_jax.stages.Extreme` parts of the correction (read from the
+    the :class:`~offpolicy_jax.correction.stages.Extreme` parts of the correction (read from the
     types its metric parts have, without computing anything)."""
-    from offpolicy_jax import correction, reduction
+    from offpolicy_jax import reduction
+    from offpolicy_jax.correction import compute as correction
 
     def parts(old, rollout, mask):
         layout = reduction.layout(reduction.MeshAxes(), None, None, old.shape)

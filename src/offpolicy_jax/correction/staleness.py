@@ -6,7 +6,7 @@ per-token ``versions`` (the policy version that sampled each token) and the trai
 ``current_version``, a token's *age* is ``current_version − version``:
 
 * :class:`Staleness` reports the age (``mis_staleness_mean``, and
-  ``mis_staleness_max`` as an :class:`~offpolicy_jax.stages.Extreme` that pools with
+  ``mis_staleness_max`` as an :class:`~offpolicy_jax.correction.stages.Extreme` that pools with
   ``max``) and, with ``max_weight_staleness = L``, rejects what is older than ``L``:
   each token with age ``> L`` (``staleness_level="token"``), or each sequence whose
   oldest valid token is (``"sequence"``, miles' rule: a sample is stale when
@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax import rules
 from offpolicy_jax._validation import as_array
-from offpolicy_jax.stages import Decision, Mean, Stage
+from offpolicy_jax.correction import rules
+from offpolicy_jax.correction.stages import Decision, Mean, Stage
 
 
 def _indicator(x: jax.Array) -> jax.Array:

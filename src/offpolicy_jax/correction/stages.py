@@ -29,8 +29,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import criteria, normalize, ratios
 from offpolicy_jax import reduction as _reduce
+from offpolicy_jax.correction import criteria, normalize, ratios
 from offpolicy_jax.reduction import Column, MeanParts, Reduction, Rows
 
 Population = Literal["valid", "kept", "final"]

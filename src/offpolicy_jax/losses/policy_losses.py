@@ -31,7 +31,7 @@ Gradients at kinks follow the PyTorch reference (verl): a clamp passes the full
 gradient on its closed interval, ties between the clipped and unclipped branch give the
 unclipped gradient, and trust-region masks include their boundary. They are written with
 ``where`` because the JVPs of ``jnp.clip`` / ``jnp.maximum`` split a tie 50/50 (see
-:mod:`offpolicy_jax.surrogates`). Inputs at positions where ``valid`` is False (or whose
+:mod:`offpolicy_jax.losses.surrogates`). Inputs at positions where ``valid`` is False (or whose
 log-ratio is not finite) are replaced before any arithmetic, so NaN/inf garbage there
 reaches neither the loss nor its gradient.
 """
@@ -44,9 +44,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax.ratios import LOG_RATIO_CLAMP
-from offpolicy_jax.registry import SurrogateTerms
-from offpolicy_jax.surrogates import clamp, ppo_surrogate
+from offpolicy_jax.correction.ratios import LOG_RATIO_CLAMP
+from offpolicy_jax.losses.registry import SurrogateTerms
+from offpolicy_jax.losses.surrogates import clamp, ppo_surrogate
 
 GSPO_LOG_RATIO_MAX = 10.0
 """Upper clamp of GSPO's log sequence ratio (verl's numerical guard; no lower clamp)."""

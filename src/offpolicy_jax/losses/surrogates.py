@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.ratios import LOG_RATIO_CLAMP, metric_exp, metric_expm1
+from offpolicy_jax.correction.ratios import LOG_RATIO_CLAMP, metric_exp, metric_expm1
 from offpolicy_jax.reduction import MeanParts, Reduction, Rows
 
 _RATIO_MIN = float(np.exp(np.float32(-LOG_RATIO_CLAMP)))

@@ -22,7 +22,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import (
+from offpolicy_jax import reduction as _reduce
+from offpolicy_jax._validation import (
+    as_float_logp,
+    as_float_mask,
+    check_same_shape,
+    check_split_over,
+)
+from offpolicy_jax.config import CorrectionConfig
+from offpolicy_jax.correction import (
     bounds,
     metrics,
     normalize,
@@ -32,14 +40,6 @@ from offpolicy_jax import (
     stages,
     staleness,
 )
-from offpolicy_jax import reduction as _reduce
-from offpolicy_jax._validation import (
-    as_float_logp,
-    as_float_mask,
-    check_same_shape,
-    check_split_over,
-)
-from offpolicy_jax.config import CorrectionConfig
 from offpolicy_jax.reduction import REDUCTIONS, AxisNames, Reduction
 
 
@@ -105,7 +105,7 @@ def correction_parts(
     ``old`` is whatever plays π_old (``sg(logp)`` in REINFORCE-IS); ``w`` is the IS
     weight on kept tokens, 0 elsewhere, not yet multiplied by the mask value.
     ``versions`` / ``current_version``: float32, checked by
-    :func:`~offpolicy_jax.staleness.check_versions` (or None).
+    :func:`~offpolicy_jax.correction.staleness.check_versions` (or None).
     """
     chain = correction_stages(config)
     if config.nonfinite_rollout == "neutral":

@@ -53,12 +53,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from offpolicy_jax import _validation, sampling_support
-from offpolicy_jax._rowchunks import chunks as _chunks
-from offpolicy_jax._rowchunks import loop as _loop
-from offpolicy_jax._rowchunks import match_cotangent_axes
-from offpolicy_jax._rowchunks import vary as _vary
-from offpolicy_jax._rowchunks import vma as _vma
+from offpolicy_jax import _validation
+from offpolicy_jax.logprobs import sampling_support
+from offpolicy_jax.logprobs._rowchunks import chunks as _chunks
+from offpolicy_jax.logprobs._rowchunks import loop as _loop
+from offpolicy_jax.logprobs._rowchunks import match_cotangent_axes
+from offpolicy_jax.logprobs._rowchunks import vary as _vary
+from offpolicy_jax.logprobs._rowchunks import vma as _vma
 
 __all__ = ["token_logprobs", "token_logprobs_from_hidden"]
 
@@ -297,7 +298,7 @@ def token_logprobs(
       return_entropy: also return the entropy of the same distribution.
       support: the sampler's exact kept set instead of recomputing it: int
         ``[..., T, K]`` token ids, ``support_pad`` entries are padding (see
-        :mod:`offpolicy_jax.sampling_support`; :func:`~offpolicy_jax.support_from_csr`
+        :mod:`offpolicy_jax.logprobs.sampling_support`; :func:`~offpolicy_jax.support_from_csr`
         builds it from vLLM's CSR sampling mask). ``S_t`` is then exactly these ids
         (a repeated id counts once; an empty set gives ``−inf``); excludes ``top_k``
         and ``top_p``.
@@ -632,7 +633,7 @@ def token_logprobs_from_hidden(
 
     top-k / top-p are not recomputed here (they need the sorted full row of logits).
     Pass the engine's kept set as ``support`` instead (the sampler's exact support,
-    :mod:`offpolicy_jax.sampling_support`): each row then gathers only its ``K`` kept
+    :mod:`offpolicy_jax.logprobs.sampling_support`): each row then gathers only its ``K`` kept
     columns of the unembedding (never ``[N, V]``: temporary memory ``O(N·K)`` plus
     ``O(chunk_size·K·D)``), ``log π(y_t) = z_{t,y_t} − logsumexp_{v∈S_t} z_{t,v}``, and the
     backward scatter-adds ``dW`` into those columns only.

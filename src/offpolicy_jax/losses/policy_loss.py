@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import _objective, metrics, proximal, ratios, rules, stages, staleness
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax._validation import (
     as_array,
@@ -36,14 +35,17 @@ from offpolicy_jax._validation import (
     check_same_shape,
     check_split_over,
 )
-from offpolicy_jax.algorithms import ALGORITHMS, Algorithm, Policy
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
-from offpolicy_jax.correction import CorrectionResult, correction_parts
-from offpolicy_jax.policy_losses import safe_log_ratio
-from offpolicy_jax.ratios import metric_exp
+from offpolicy_jax.correction import metrics, ratios, rules, stages, staleness
+from offpolicy_jax.correction.compute import CorrectionResult, correction_parts
+from offpolicy_jax.correction.ratios import metric_exp
+from offpolicy_jax.losses import builtins as _objective
+from offpolicy_jax.losses import proximal
+from offpolicy_jax.losses.algorithms import ALGORITHMS, Algorithm, Policy
+from offpolicy_jax.losses.policy_losses import safe_log_ratio
+from offpolicy_jax.losses.registry import SurrogateInput
+from offpolicy_jax.losses.surrogates import reinforce_term, vanilla_tis
 from offpolicy_jax.reduction import AxisNames, MeanParts, Reduction
-from offpolicy_jax.registry import SurrogateInput
-from offpolicy_jax.surrogates import reinforce_term, vanilla_tis
 
 METRICS_ONLY = CorrectionConfig()
 """The default correction: §4 mismatch metrics only (non-finite sequences left out)."""
@@ -310,7 +312,7 @@ class _Batch:
         return jax.lax.stop_gradient(self.theta)
 
     def policy(self, name: Policy) -> jax.Array | None:
-        """log π of an :class:`~offpolicy_jax.algorithms.Algorithm` role's policy."""
+        """log π of an :class:`~offpolicy_jax.losses.algorithms.Algorithm` role's policy."""
         return {"old": self.old, "rollout": self.rollout, "theta": self.theta_sg}[name]
 
 
@@ -408,7 +410,7 @@ def _versions_key(config: LossConfig) -> str | None:
 
 
 def _proximal(b: _Batch, config: LossConfig) -> _Batch:
-    """AReaL's proximal approximation (:mod:`offpolicy_jax.proximal`): π_old from π_rollout,
+    """AReaL's proximal approximation (:mod:`offpolicy_jax.losses.proximal`): π_old from π_rollout,
     ``sg(θ)`` and the versions (``loglinear`` / ``linear``), and the ``prox_*`` metrics
     (with ``"metrics"``, or whenever ``old_logp`` is given too: the approximations'
     errors against it) over the valid tokens whose log-probs are finite."""
@@ -858,8 +860,8 @@ def policy_loss(
     ``decoupled_ppo``: ``w(π_old/π_rollout) · ℓ(θ; π_old)`` on the corrected mask;
     ``reinforce_is``: ``−sg(w(π_θ/π_rollout)) · A · log π_θ``. ``ℓ`` is the
     surrogate ``config.policy_loss``: the clipped PPO surrogate
-    (:func:`~offpolicy_jax.surrogates.ppo_surrogate`) by default, or GSPO, CISPO, GMPO,
-    SAPO, GPG, DPPO, DRO, VESPO, LUSPO (:mod:`offpolicy_jax.policy_losses`,
+    (:func:`~offpolicy_jax.losses.surrogates.ppo_surrogate`) by default, or GSPO, CISPO, GMPO,
+    SAPO, GPG, DPPO, DRO, VESPO, LUSPO (:mod:`offpolicy_jax.losses.policy_losses`,
     docs/semantics.md §5.1);
     the weights come from ``config.correction``; aggregation per
     ``config.aggregation``. IS weights never carry gradient.

@@ -2,7 +2,7 @@
 
 * :func:`rejection_sampling`: keep iff ``L_rs ≤ ρ_rs ≤ U_rs`` at ``rs_level``
   (docs/semantics.md §3.3), an instance of the generic criterion
-  :class:`~offpolicy_jax.stages.Bounded`;
+  :class:`~offpolicy_jax.correction.stages.Bounded`;
 * :class:`Veto`: reject a sequence holding a catastrophic token (§3.4, D1);
 * the non-finite rejection (§0) is the pipeline's own (``stages.run``): it must
   shrink every population, not only the mask.
@@ -17,7 +17,14 @@ import math
 import jax.numpy as jnp
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.stages import TOKEN_LEVELS, Bounded, Decision, Mean, Stage, level_ratio
+from offpolicy_jax.correction.stages import (
+    TOKEN_LEVELS,
+    Bounded,
+    Decision,
+    Mean,
+    Stage,
+    level_ratio,
+)
 
 
 def rejection_sampling(level: str, lower: float, upper: float) -> Bounded:

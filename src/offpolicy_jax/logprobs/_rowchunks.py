@@ -1,7 +1,7 @@
 """Row chunking and ``shard_map`` varying-axis helpers of the fused log-prob kernels.
 
-Shared by :mod:`offpolicy_jax.logprobs` (the full-vocabulary kernel) and
-:mod:`offpolicy_jax.sampling_support` (the kernel over the sampler's kept ids): both
+Shared by :mod:`offpolicy_jax.logprobs.token` (the full-vocabulary kernel) and
+:mod:`offpolicy_jax.logprobs.sampling_support` (the kernel over the sampler's kept ids): both
 walk ``N`` rows ``chunk_size`` at a time inside a custom VJP, and inside ``shard_map``
 their loop carries must vary over the same mesh axes as the chunk results.
 """

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax._rowchunks import chunks, loop, match_cotangent_axes, vary, vma
+from offpolicy_jax.logprobs._rowchunks import chunks, loop, match_cotangent_axes, vary, vma
 
 __all__ = ["support_from_csr"]
 

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import policy_losses as pl
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.config import (
     _F32,
@@ -31,15 +30,16 @@ from offpolicy_jax.config import (
     _f32,
     check_f32_coefficient,
 )
-from offpolicy_jax.reduction import Column
-from offpolicy_jax.registry import (
+from offpolicy_jax.losses import policy_losses as pl
+from offpolicy_jax.losses.registry import (
     NoParams,
     SurrogateInput,
     SurrogateTerms,
     lookup,
     register_surrogate,
 )
-from offpolicy_jax.surrogates import ppo_surrogate
+from offpolicy_jax.losses.surrogates import ppo_surrogate
+from offpolicy_jax.reduction import Column
 
 PG_METRICS: tuple[str, ...] = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
 _OWNER = "LossConfig"

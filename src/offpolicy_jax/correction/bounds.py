@@ -19,7 +19,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from offpolicy_jax.stages import TOKEN_LEVELS, Decision, Mean, Stage, level_ratio
+from offpolicy_jax.correction.stages import TOKEN_LEVELS, Decision, Mean, Stage, level_ratio
 
 
 def apply_mode(weights, mode: str, lower: float, upper: float):

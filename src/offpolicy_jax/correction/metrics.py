@@ -8,7 +8,7 @@ means, ``"token"`` = token-weighted mean. They are returned as
 exactly; :func:`finalize` divides them out.
 
 :class:`MismatchMetrics` is the §4 metric group as a pipeline stage
-(``offpolicy_jax.stages``): its per-sequence sums are taken in the pipeline's first
+(``offpolicy_jax.correction.stages``): its per-sequence sums are taken in the pipeline's first
 pass together with every other stage's.
 """
 
@@ -21,11 +21,11 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import ratios
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.ratios import LOG_RATIO_CLAMP
+from offpolicy_jax.correction import ratios
+from offpolicy_jax.correction.ratios import LOG_RATIO_CLAMP
+from offpolicy_jax.correction.stages import Decision, Stage
 from offpolicy_jax.reduction import MeanParts
-from offpolicy_jax.stages import Decision, Stage
 
 _E2S_M1 = math.expm1(2 * LOG_RATIO_CLAMP)
 

@@ -1,7 +1,7 @@
 """Rejection rules of the field (docs/semantics.md §8): their specs and per-token formulas.
 
 Every function here is pure and takes plain arrays and numbers; the pipeline stages
-that apply them live in :mod:`offpolicy_jax.rules`.
+that apply them live in :mod:`offpolicy_jax.correction.rules`.
 
 * **KL-estimator criteria** (verl ``rollout_rs``): with ``λ_t = clip(δ_t, −S, S)``,
   ``δ_t = log π_old − log π_rollout``,
@@ -98,7 +98,7 @@ def _hint(value: str, allowed: tuple[str, ...]) -> str:
 
 
 RULES: dict[str, Callable[[float], object]] = {}
-"""Rejection rules registered by name (:func:`offpolicy_jax.rules.register_rule`): name ->
+"""Rejection rules registered by name (:func:`offpolicy_jax.correction.rules.register_rule`): name ->
 ``factory(threshold)`` returning the rule's pipeline stage. ``rs_criteria`` entries
 ``"name:threshold"`` take these names beside :data:`KL_CRITERIA`."""
 

@@ -5,7 +5,7 @@ clipped objective, GSPO, CISPO, ...). It is registered with
 :func:`register_surrogate` under the name ``LossConfig.policy_loss`` selects it by,
 together with its hyperparameters: a small frozen dataclass whose field defaults are
 the surrogate's defaults and whose ``__post_init__`` validates them. The built-in
-surrogates (:mod:`offpolicy_jax._objective`) are registered exactly like a user's::
+surrogates (:mod:`offpolicy_jax.losses.builtins`) are registered exactly like a user's::
 
     @dataclasses.dataclass(frozen=True)
     class ScaledParams:
@@ -201,7 +201,7 @@ def _check_params_type(name: str, params: type) -> None:
 def _ensure_builtins() -> None:
     # The built-ins register themselves on import; the config module validates names
     # without importing JAX-heavy modules at its own import time.
-    importlib.import_module("offpolicy_jax._objective")
+    importlib.import_module("offpolicy_jax.losses.builtins")
 
 
 def names() -> tuple[str, ...]:

@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from offpolicy_jax import criteria
 from offpolicy_jax._messages import close_match, shown
+from offpolicy_jax.correction import criteria
 
 VERL_KEYS: tuple[str, ...] = (
     "rollout_is",

@@ -1,13 +1,13 @@
 """The field's rejection rules as pipeline stages (docs/semantics.md §8).
 
-Each rule is a :class:`~offpolicy_jax.stages.Stage` that tests the valid tokens on its
+Each rule is a :class:`~offpolicy_jax.correction.stages.Stage` that tests the valid tokens on its
 own (its keep mask is ANDed into ``m'`` by the pipeline) and reports, with prefix ``P``:
 
 * ``P_mean``: its statistic over the valid tokens (a per-sequence statistic broadcast
   to its tokens), with the call's reduction;
 * ``P_max`` / ``P_min``: the batch extremes of the statistic (over valid tokens, or over
   non-empty sequences for a per-sequence statistic), as
-  :class:`~offpolicy_jax.stages.Extreme` parts: pooled micro-batches (``+``) report the
+  :class:`~offpolicy_jax.correction.stages.Extreme` parts: pooled micro-batches (``+``) report the
   extreme of their extremes;
 * ``P_fraction_low`` (two-sided bounds only) / ``P_fraction_high``: the share of valid
   tokens below / above the bound;
@@ -19,7 +19,7 @@ Stages: :class:`KLCriterion` (verl ``rollout_rs``, ``P = mis_rs_<criterion>``),
 stage, ``P = mis_rs_areal``), :class:`MinPROMetrics` (the ``minpro`` level's prefix
 factor) and :class:`ProbabilityMetrics` (``mis_token_mult_prob_error``,
 ``mis_js_divergence``). Per-sequence quantities go through ``t.layout`` only, so packed
-layouts work unchanged. Formulas: :mod:`offpolicy_jax.criteria`.
+layouts work unchanged. Formulas: :mod:`offpolicy_jax.correction.criteria`.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import criteria, ratios
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.config import RejectionSamplingConfig
-from offpolicy_jax.criteria import Criterion
-from offpolicy_jax.ratios import METRIC_LOG_CAP
-from offpolicy_jax.stages import Decision, Extreme, Mean, Stage, prefix_min_delta
+from offpolicy_jax.correction import criteria, ratios
+from offpolicy_jax.correction.criteria import Criterion
+from offpolicy_jax.correction.ratios import METRIC_LOG_CAP
+from offpolicy_jax.correction.stages import Decision, Extreme, Mean, Stage, prefix_min_delta
 
 RuleFactory = Callable[[float], Stage]
 
@@ -58,7 +58,7 @@ def _all_axes(t) -> tuple[str, ...]:
 
 def batch_extreme(layout, per_seq: jax.Array, count: jax.Array, kind: str) -> Extreme:
     """The batch max (``kind="max"``) or min of per-sequence values over non-empty
-    sequences (and devices), as an :class:`~offpolicy_jax.stages.Extreme`: 0 for an empty
+    sequences (and devices), as an :class:`~offpolicy_jax.correction.stages.Extreme`: 0 for an empty
     batch, pooled over micro-batches as an extreme, not a mean."""
     nonempty = count > 0
     fill = -jnp.inf if kind == "max" else jnp.inf
@@ -172,7 +172,7 @@ class SeqLogprobError(Stage):
 class M2PO(Stage):
     """M2PO's second-moment budget: keep the valid tokens with ``δ² ≤ c``, ``c`` the
     largest cut-off with ``mean{δ² ≤ c} ≤ τ`` over the whole batch the call sees
-    (:func:`offpolicy_jax.criteria.m2po_cutoff`: a bisection of scalar ``psum`` s, so a
+    (:func:`offpolicy_jax.correction.criteria.m2po_cutoff`: a bisection of scalar ``psum`` s, so a
     sharded call decides exactly as the unsharded one)."""
 
     tau: float
@@ -225,7 +225,7 @@ class M2PO(Stage):
 class ProbabilityMetrics(Stage):
     """NeMo-RL's probability-space mismatch metrics over the valid tokens:
     ``mis_token_mult_prob_error`` (``exp|δ|``) and ``mis_js_divergence``
-    (:func:`offpolicy_jax.criteria.js_divergence`)."""
+    (:func:`offpolicy_jax.correction.criteria.js_divergence`)."""
 
     def decide(self, t, sums):
         # Reduced apart from pass 1's columns: measured faster than inside pass 1
@@ -260,7 +260,7 @@ class AReaLRejection(Stage):
     functional.py``, commit ``4aef98d8``), as a weighting stage: with ``δ = o − b``, the
     weight is ``w = exp(clip(δ, −S, S))`` per token, or at ``level="sequence"`` with
     ``metric="ratio"`` the geometric mean ``exp(clip(Σ δ m / N, −S, S))`` of the
-    sequence. The statistic (:func:`offpolicy_jax.criteria.areal_statistic`, unclamped)
+    sequence. The statistic (:func:`offpolicy_jax.correction.criteria.areal_statistic`, unclamped)
     is tested per token, or aggregated per sequence by ``agg`` (in log space for
     ``ratio``), and is in bounds iff ``lower ≤ stat ≤ upper`` (no lower test when
     ``lower`` is None). ``action="mask"`` rejects what is out of bounds and keeps the
@@ -383,7 +383,7 @@ class MinPROMetrics(Stage):
 
     ``mis_minpro_prefix_ratio_mean`` (its mean, the call's reduction),
     ``mis_minpro_prefix_ratio_min`` (its batch minimum, an
-    :class:`~offpolicy_jax.stages.Extreme`) and ``mis_minpro_prefix_fraction_low`` (the
+    :class:`~offpolicy_jax.correction.stages.Extreme`) and ``mis_minpro_prefix_fraction_low`` (the
     share of valid tokens it down-weights, ``ρ̲_t < 1``).
     """
 

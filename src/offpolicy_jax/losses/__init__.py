@@ -1,0 +1,9 @@
+"""The policy losses built on the correction.
+
+``registry`` (surrogates registered by name), ``surrogates`` and ``policy_losses``
+(the per-token math), ``builtins`` (the built-in surrogates, registered like a user's),
+``algorithms`` (ppo / bypass / decoupled / reinforce_is as data), ``proximal``
+(asynchronous RL's proximal approximation) and ``policy_loss``
+(:func:`~offpolicy_jax.policy_loss`: one pipeline for every algorithm and surrogate).
+The public names are re-exported by :mod:`offpolicy_jax`.
+"""
