@@ -1,19 +1,46 @@
 import os
 import re
 
-# The sharding tests (test_sharding.py, test_hlo_communication.py) need 8 CPU
-# devices, and JAX fixes the count when its CPU backend starts; this file is loaded
-# before any test module, in the main process and in every xdist worker, so the
-# setting lands first. Unsharded programs still run on device 0 only.
-# `JAX_NUM_CPU_DEVICES=1 python -m pytest ...` runs the numeric tests on one device,
-# where the fused CPU reductions take their single-device paths; the multi-device modules below
-# are then skipped (not failed). The fast tier (`-m "not slow"`, which defers every
-# multi-device module) runs on one device unless JAX_NUM_CPU_DEVICES is set: see
-# pytest_configure.
-_DEVICES_CHOSEN = "JAX_NUM_CPU_DEVICES" in os.environ
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+# Two device layouts, two runs (README's test commands):
+#
+# * One CPU device (the default here, unless JAX_NUM_CPU_DEVICES is set): every module
+#   except the multi-device ones below, which are skipped with a pointer to the second run.
+#   With one device an unsharded program cannot be split, so the fused CPU reductions
+#   compile their single-device form: about 0.6x the CPU time of the 8-device run of the
+#   same tests (the conformance pack's 288 grid cases: 318 s vs 532 s of CPU), and
+#   compiling is most of the suite's time.
+# * `JAX_NUM_CPU_DEVICES=8 python -m pytest -m "multi_device or partition_safe"`: the
+#   sharded, HLO-communication and mesh modules and the tests marked `multi_device`
+#   (which need 8 devices), plus the fast tier of the PARTITION_SAFE_MODULES: unsharded
+#   programs on a multi-device backend, where jit may still split them, so the fused
+#   reductions compile their partition-safe form (a path users of multi-device hosts run).
+#
+# JAX fixes the device count when its CPU backend starts; this file is loaded before any
+# test module, in the main process and in every xdist worker, so the setting lands first.
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
 MULTI_DEVICE_MODULES = frozenset(
-    {"test_sharding.py", "test_sharding_losses.py", "test_hlo_communication.py"}
+    {
+        "test_sharding.py",
+        "test_sharding_losses.py",
+        "test_sharding_rules.py",
+        "test_sharding_areal_minpro.py",
+        "test_hlo_communication.py",
+        "test_mesh_examples.py",
+    }
+)
+PARTITION_SAFE_MODULES = frozenset(
+    {
+        "test_seq_reduce.py",
+        "test_primitives.py",
+        "test_pipeline_defects.py",
+        "test_correction.py",
+        "test_losses.py",
+        "test_packing.py",
+        "test_conformance.py",
+    }
+)
+EIGHT_DEVICE_RUN = (
+    'JAX_NUM_CPU_DEVICES=8 python -m pytest -n 2 -m "multi_device or partition_safe" tests'
 )
 
 import jax  # noqa: E402
@@ -106,6 +133,13 @@ SLOW_MODULES = frozenset(
         "test_examples.py",
     }
 )
+# 5. `@pytest.mark.heavy` functions: those whose fast-tier cases took over ~5 s of CPU
+#    (measured with `--durations=0` on the 2-core VM: 98 functions, two thirds of the fast
+#    tier's time: pooling, packed == padded, vmap == loop, jit == eager, finite-difference
+#    gradients, the demo's engines). They run in the whole suite, and CI's plain-path run
+#    (`-m "not slow or heavy_fast"`: the fast tier plus the cases of heavy functions that
+#    rules 2-4 would keep) runs them on the TPU/GPU reduction path too.
+PLAIN_PATH_SELECTION = "not slow or heavy_fast"
 CONFORMANCE_STRIDE = 97
 COVER_MIN = 6
 
@@ -148,36 +182,70 @@ def _mark_tiers(items) -> None:
             covered |= values
 
 
+def _markexpr(config) -> str:
+    return " ".join(config.option.markexpr.split())
+
+
 def _fast_run(config) -> bool:
-    return " ".join(config.option.markexpr.split()) == "not slow"
+    return _markexpr(config) == "not slow"
+
+
+def _eight_device_run(config) -> bool:
+    return _markexpr(config) == "multi_device or partition_safe"
+
+
+def _plain_path_run(config) -> bool:
+    return _markexpr(config) == PLAIN_PATH_SELECTION
 
 
 def pytest_configure(config):
-    # The fast tier on one CPU device. With no mesh in context, the fused CPU reductions must
-    # assume that jit may place an unsharded program on any of the backend's devices,
-    # so with 8 devices it compiles the partition-safe form of every reduction: about
-    # twice the compile time of the single-device form, and compiling is most of the
-    # fast tier's time. The full suite (CI) runs the 8-device form and the sharded
-    # modules; `JAX_NUM_CPU_DEVICES=8 python -m pytest -m "not slow"` runs the fast
-    # tier on 8 devices. This runs before any test module is imported, in the main
-    # process and in every xdist worker, so before the CPU backend starts.
-    if _fast_run(config) and not _DEVICES_CHOSEN:
-        os.environ["JAX_NUM_CPU_DEVICES"] = "1"  # subprocesses (the demo CLI) too
-        jax.config.update("jax_num_cpu_devices", 1)
+    config.addinivalue_line(
+        "markers", f"multi_device: needs 8 CPU devices; runs in `{EIGHT_DEVICE_RUN}`"
+    )
+    config.addinivalue_line(
+        "markers",
+        "partition_safe: unsharded numerics run again on 8 devices (the fused reductions' "
+        "partition-safe form); added by tests/conftest.py",
+    )
+    config.addinivalue_line(
+        "markers",
+        "heavy: over ~5 s of CPU in the fast tier; deferred to the whole suite (rule 5)",
+    )
+    config.addinivalue_line(
+        "markers", "heavy_fast: a heavy test's case that the fast-tier rules would keep"
+    )
     # Before any test module is imported: their @settings decorators read the profile.
-    if _fast_run(config) and os.environ.get("HYPOTHESIS_PROFILE", "ci") in ("ci", "default"):
+    # The 8-device run and CI's plain-path run repeat fast-tier cases with its example cap.
+    fast_profile = _fast_run(config) or _eight_device_run(config) or _plain_path_run(config)
+    if fast_profile and os.environ.get("HYPOTHESIS_PROFILE", "ci") in ("ci", "default"):
         settings.load_profile("fast")
+
+
+def _needs_eight_devices(item) -> bool:
+    return (
+        item.path.name in MULTI_DEVICE_MODULES
+        or item.get_closest_marker("multi_device") is not None
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     _mark_tiers(items)
+    for item in items:
+        if item.get_closest_marker("heavy") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.heavy_fast)
+        if _needs_eight_devices(item):
+            item.add_marker(pytest.mark.multi_device)
+        elif item.path.name in PARTITION_SAFE_MODULES and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.partition_safe)
     count = jax.device_count()
     if count >= 8:
         return
     skip = pytest.mark.skip(
         reason=f"needs 8 devices, this run has {count} (JAX_NUM_CPU_DEVICES="
-        f"{os.environ.get('JAX_NUM_CPU_DEVICES')}); run without it for the 8-device tier"
+        f"{os.environ.get('JAX_NUM_CPU_DEVICES')}); the second test command runs it: "
+        f"{EIGHT_DEVICE_RUN}"
     )
     for item in items:
-        if item.path.name in MULTI_DEVICE_MODULES:
+        if _needs_eight_devices(item):
             item.add_marker(skip)

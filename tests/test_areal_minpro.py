@@ -138,6 +138,7 @@ def assert_matches_reference(batch, config, reduction, jit=True):
 # ----------------------------------------------------------------- the whole grid
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name", [n if n in FAST_GRID else pytest.param(n, marks=pytest.mark.slow) for n in GRID]
 )
@@ -258,6 +259,7 @@ def test_minpro_by_hand():
     )
 
 
+@pytest.mark.heavy
 def test_minpro_reinforce_is_is_the_papers_objective():
     """arXiv:2601.22718: ``J = 1/Σ|o| Σ_t sg[clip(ρ̲_t ρ_t, 1 − ε_l, 1 + ε_h)] Â_t log π_θ``
     with ``ρ_t = π_θ / π_old`` is REINFORCE-IS (weights from ``sg(θ)`` / π_rollout, the
@@ -467,6 +469,7 @@ PACKED_CONFIGS = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_packed_rows_equal_one_sequence_per_row(seed):
     """docs/semantics.md §10: the grid's sequences and MinPRO's prefixes are per (row,
@@ -679,6 +682,7 @@ def _areal_loss_port(logprobs, proximal, old, advantages, loss_mask, rs, eps, ep
     return jnp.where(loss_mask, pg_loss, 0.0).sum() / loss_mask_count
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name",
     [

@@ -54,6 +54,7 @@ def test_benchmark_command_rejects_a_bad_cpu_count():
     assert "--cpus must be between 1 and" in proc.stderr
 
 
+@pytest.mark.heavy
 def test_thread_probe_runs_and_reports_every_size():
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.threads", "--tiny"],

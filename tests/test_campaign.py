@@ -462,6 +462,7 @@ def test_correction_garbage_dtypes_and_finiteness(batch, config, dtype, mask_dty
 # Found by this campaign (issue 17, defects 1 and 2); fixed in the stage pipeline.
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "config", [c for c in CAMPAIGN_LOSS_CONFIGS if not c.reweights], ids=lambda c: c.algorithm
 )
@@ -676,6 +677,7 @@ _LOSS_KEYS = st.sampled_from(
 )
 
 
+@pytest.mark.heavy
 @budget(ci=300)
 @given(
     entry=st.sampled_from(

@@ -93,6 +93,7 @@ def test_command_help_without_any_extra(monkeypatch, capsys):
     assert e.value.code == 2 and "[demo]" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_python_dash_m_entry_points():
     for module, args in (("offpolicy_jax", ["--version"]), ("offpolicy_jax.diagnose", ["--help"])):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))

@@ -171,6 +171,7 @@ def test_mismatch_severity():
     assert train.Mismatch("fp8", 0).numerics() == engine.Numerics()
 
 
+@pytest.mark.heavy
 def test_engine_without_mismatch_reports_the_trainers_log_probs():
     cfg = train.TrainConfig(d_model=16, prompt_len=3)
     graphdef, state = train.init_state(cfg, train.Mismatch("precision", 1), [0])
@@ -452,6 +453,7 @@ def test_dump_steps_spread_over_the_run():
     assert cli.dump_name("decoupled_ppo+mis/gspo", 0) == "decoupled_ppo+mis-gspo_seed0.npz"
 
 
+@pytest.mark.heavy
 def test_sampler_logprobs_of_trainer_equal_the_engines():
     """Under a sampling mismatch the engine reports opj.token_logprobs(T, top-p); the
     trainer's sampler-consistent log-probs of the same tokens are the same numbers (up to
@@ -538,6 +540,7 @@ def _routed(top_k=1):
     return cfg, graphdef, jax.tree.map(lambda x: x[0], state["params"])
 
 
+@pytest.mark.heavy
 def test_routing_replay_makes_engine_and_trainer_log_probs_equal():
     """A router-mismatched engine (same weights) flips some routes; the trainer replaying
     its routes computes its log-probs (K3 <= 1e-12), without replay it does not."""
@@ -575,6 +578,7 @@ def test_routing_replay_makes_engine_and_trainer_log_probs_equal():
     np.testing.assert_allclose(own[~flipped], rollout_logp[~flipped], rtol=0, atol=2e-6)
 
 
+@pytest.mark.heavy
 def test_routed_policy_trains():
     """A top-2 routed policy fits a batch of sequences: the loss falls over a few Adam
     steps and the router, the experts and attention all get gradient."""
@@ -607,6 +611,7 @@ def test_routed_policy_trains():
         assert float(jnp.abs(g[...]).max()) > 0, name
 
 
+@pytest.mark.heavy
 def test_fp8_engine_differs_a_little_and_e5m2_more():
     """The fp8 engine's forward pass (fp8 weights and matmul inputs, bf16 rest) is close
     to the trainer's, e5m2 (2 mantissa bits) farther than e4m3 (3 bits)."""

@@ -22,6 +22,7 @@ PROX_ROWS = ("decoupled_ppo+mis+loglinear", "decoupled_ppo+mis+linear")
 STALENESS_ROW = f"decoupled_ppo+mis+staleness{train.ASYNC_MAX_STALENESS}"
 
 
+@pytest.mark.heavy
 def test_async_engine_reports_the_versions_of_the_weights_it_sampled_with():
     """Each group's tokens and log-probs are those of the ring slot holding the version it
     reports (every slot different weights), and the versions are mixed and in range."""
@@ -57,6 +58,7 @@ def test_async_engine_reports_the_versions_of_the_weights_it_sampled_with():
     assert set(np.unique(early)) <= {0, 1}
 
 
+@pytest.mark.heavy
 def test_prox_rows_skip_the_old_pass(monkeypatch):
     """The trainer computes token log-probs once per trace (the loss's θ) for the prox
     rows, twice when a row recomputes π_old or the pass is kept on purpose."""
@@ -87,6 +89,7 @@ def test_prox_rows_skip_the_old_pass(monkeypatch):
         traced(("decoupled_ppo+mis",), old_pass=False)
 
 
+@pytest.mark.heavy
 def test_prox_rows_train_without_old_logp():
     """The prox rows train on the mixed-version batches: finite losses, α > 0 once old
     versions appear, the policy moves, and the π_old monitors are NaN (never computed)."""
@@ -109,6 +112,7 @@ def test_prox_rows_train_without_old_logp():
         assert (m["staleness_mean"][1:] > 0).any()
 
 
+@pytest.mark.heavy
 def test_staleness_row_rejects_exactly_the_sequences_too_old_plus_mis():
     """The staleness row's rejected tokens = those MIS rejects ∪ those of sequences more than
     ``ASYNC_MAX_STALENESS`` versions old (ages from the dumped versions, step t = version t),

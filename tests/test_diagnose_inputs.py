@@ -37,6 +37,7 @@ def _dump_folder(root, *, index=True):
     return folder, arrays
 
 
+@pytest.mark.heavy
 def test_folder_and_index_read_the_listed_files_labelled_by_step(tmp_path):
     folder, _ = _dump_folder(tmp_path)
     by_folder = diagnose(folder)

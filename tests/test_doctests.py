@@ -19,6 +19,7 @@ MODULES = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", MODULES)
 def test_examples(name):
     module = importlib.import_module(name)

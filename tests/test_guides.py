@@ -29,6 +29,7 @@ def fresh_rules():
     criteria.RULES.update(before)
 
 
+@pytest.mark.heavy
 def test_adding_a_rule(fresh_rules, capsys):
     blocks = _python_blocks("adding_a_rule.md")
     unit = blocks[0]
@@ -76,6 +77,7 @@ def fresh_surrogates():
     registry._REGISTRY.update(before)
 
 
+@pytest.mark.heavy
 def test_adding_a_loss(fresh_surrogates):
     import jax
 

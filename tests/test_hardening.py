@@ -19,6 +19,7 @@ METRICS = opj.LossConfig(get_mismatch_metrics=True)
 # ------------------------------------------------------------------ 6: lists, axis_names
 
 
+@pytest.mark.heavy
 def test_nested_lists_are_accepted_like_arrays():
     logp, old, rollout = [[-1.0, -1.5]], ((-1.25, -1.0),), [[-1.0, -2.0]]
     advantages, mask = [1.0], [[1, 1]]
@@ -67,6 +68,7 @@ def test_axis_names_outside_shard_map_error_names_the_argument(use_jit, axis_nam
             (jax.jit(call) if use_jit else call)(x)
 
 
+@pytest.mark.heavy
 def test_axis_names_of_a_vmap_axis_are_bound():
     batches = np.full((3, 2, 4), -1.0, np.float32)
     per_call = jax.vmap(
@@ -188,6 +190,7 @@ def _fp16_readme_block() -> dict:
     return namespace
 
 
+@pytest.mark.heavy
 def test_fp16_gradient_overflow_and_the_float32_recipe():
     # Default ppo, log-ratio 12, advantage -1: dℓ/dθ = e^12 = 162754.8, above fp16's 65504.
     readme = _fp16_readme_block()

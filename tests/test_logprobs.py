@@ -145,6 +145,7 @@ def test_token_logprobs_match_float64_reference(case):
     assert np.all(np.isfinite(np.asarray(grad)))
 
 
+@pytest.mark.heavy
 def test_tie_rules_at_the_boundary():
     """Ties at the k-th value are all kept; a tied group straddling p is kept whole."""
     logits = jnp.log(jnp.array([[[0.4, 0.2, 0.2, 0.1, 0.1]]]))
@@ -167,6 +168,7 @@ def test_tie_rules_at_the_boundary():
     np.testing.assert_allclose(np.exp(np.asarray(lp)), [[0.25]], rtol=1e-6)
 
 
+@pytest.mark.heavy
 def test_per_sequence_sampler_parameters():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 4, 9))
@@ -184,6 +186,7 @@ def test_per_sequence_sampler_parameters():
         np.testing.assert_allclose(np.asarray(got[b]), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.heavy
 def test_out_of_range_ids_are_nan_and_the_correction_rejects_them():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(4, 6, 10)), jnp.float32)
@@ -275,6 +278,7 @@ def test_from_hidden_values_and_gradients_match_log_softmax(case):
         np.testing.assert_allclose(g, want_g, rtol=tol, atol=tol * max(1.0, np.abs(want_g).max()))
 
 
+@pytest.mark.heavy
 def test_from_hidden_forward_only_and_vmap():
     rng = np.random.default_rng(0)
     h = jnp.asarray(rng.normal(size=(3, 5, 4)), jnp.float32)
@@ -403,6 +407,7 @@ def _need_8_devices():
         pytest.skip("needs JAX_NUM_CPU_DEVICES=8 (tests/conftest.py)")
 
 
+@pytest.mark.multi_device
 @pytest.mark.slow
 @pytest.mark.usefixtures("clear_jax_caches")
 @pytest.mark.parametrize("vocab_chunk", [None, 3])
@@ -443,6 +448,7 @@ def test_vocab_sharded_shard_map_equals_unsharded(vocab_chunk):
     "layout",
     ["vocab", "batch_and_vocab", "tokens", "batch_and_tokens"],
 )
+@pytest.mark.multi_device
 def test_jit_over_sharded_inputs_equals_unsharded(layout, axis_type):
     """Plain jit, the vocabulary of W and/or the batch / token axes of hidden sharded.
 
@@ -474,6 +480,7 @@ def test_jit_over_sharded_inputs_equals_unsharded(layout, axis_type):
         _assert_same(fn(*args), want)
 
 
+@pytest.mark.multi_device
 @pytest.mark.slow
 @pytest.mark.usefixtures("clear_jax_caches")
 def test_vocab_parallel_hlo_moves_only_per_token_values():

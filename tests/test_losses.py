@@ -151,6 +151,7 @@ def _smooth_batch(seed=0, batch=3, length=7):
     ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "config",
     [
@@ -168,6 +169,7 @@ def test_gradient_matches_finite_differences_away_from_kinks(config):
     check_grads(loss, (logp,), order=1, modes=["rev"], eps=1e-3, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.heavy
 def test_reinforce_is_gradient_matches_finite_differences_with_frozen_weights():
     # sg(w(θ)) changes with θ, so finite differences only apply with w frozen at θ0.
     logp, _, rollout, adv, mask = (np.asarray(x, np.float32) for x in _smooth_batch())
@@ -247,6 +249,7 @@ def test_is_weights_carry_no_gradient(config):
 ALL_MASKED_FAST = (0, 5, 13, 15, 16, 18)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "config",
     [
@@ -266,6 +269,7 @@ def test_all_masked_batch_gives_zero_loss_and_zero_gradient(config):
     assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean", "sequence_sum"])
 @pytest.mark.parametrize("in_denominator", [False, True])
 def test_all_rejected_batch_gives_zero_loss_and_finite_zero_gradient(aggregation, in_denominator):
@@ -295,6 +299,7 @@ def _clean(batch):
     }
 
 
+@pytest.mark.heavy
 @settings(max_examples=examples(20))
 @given(batch=ragged_batches(), config=loss_configs)
 def test_padding_garbage_never_leaks_into_loss_or_gradient(batch, config):
@@ -308,6 +313,7 @@ def test_padding_garbage_never_leaks_into_loss_or_gradient(batch, config):
         assert float(metrics[key]) == float(metrics_c[key]), key
 
 
+@pytest.mark.heavy
 @settings(max_examples=examples(20))
 @given(batch=ragged_batches(batch=6), config=loss_configs, data=st.data())
 def test_micro_batch_pooling_equals_full_batch(batch, config, data):
@@ -373,6 +379,7 @@ def _reject_second_half():
     return logp, old, rollout, adv, mask
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("in_denominator, length", [(False, 4), (True, 7)])
 def test_d5_rejected_tokens_and_the_denominator(in_denominator, length):
     logp, old, rollout, adv, mask = _reject_second_half()

@@ -146,6 +146,7 @@ def test_keeps_the_dtype_of_bf16_updates():
     np.testing.assert_allclose(np.asarray(updates["w"], np.float32), want, rtol=1e-2)
 
 
+@pytest.mark.heavy
 def test_policy_loss_metrics_feed_the_transform_in_a_jitted_step():
     """The training step of the docs: mis_ess from policy_loss's metrics, under jit; its
     parts from policy_loss_parts give the same update (pooling: tests/test_vcpo.py)."""

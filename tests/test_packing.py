@@ -252,6 +252,7 @@ def test_check_segments_errors():
 # --------------------------------------------------------------------------- the harness
 
 
+@pytest.mark.heavy
 @given(seed=st.integers(0, 2**31 - 1))
 def test_harness_per_sequence_reductions(seed):
     """Per-(row, segment) statistics on the packed batch == per-row ones on the unpacked."""
@@ -479,6 +480,7 @@ CORE_SURROGATES = (
 )
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("seed", [4])
 def test_core_surrogates_packed_equal_one_per_row(seed):
     batch = pc.packed_batch(seed, rows=6, length=24, num_segments=K)
@@ -610,6 +612,7 @@ def _sharded_configs():
 
 
 @pytest.mark.slow
+@pytest.mark.multi_device
 @pytest.mark.parametrize("path", ["shard_map", "jit"])
 def test_sharded_packed_equals_unsharded(path):
     """8 devices, ``P('data', 'seq')``: sequences cross token-shard boundaries."""
@@ -651,6 +654,7 @@ def test_sharded_packed_equals_unsharded(path):
 
 
 @pytest.mark.slow
+@pytest.mark.multi_device
 @pytest.mark.parametrize("path", ["shard_map", "jit"])
 def test_packed_hlo_moves_no_token_data(path):
     """Only ``[B_local, K]`` per-segment partials and scalars cross devices."""

@@ -52,6 +52,7 @@ def _without_row(batch, row):
     return out
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 @pytest.mark.parametrize("field", ["logp", "advantages"])
 def test_nonfinite_model_input_drops_its_sequence(name, field):
@@ -68,6 +69,7 @@ def test_nonfinite_model_input_drops_its_sequence(name, field):
     assert float(metrics["pg_nonfinite_seq_fraction"]) == pytest.approx(1 / 3)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 @pytest.mark.parametrize("field", ["old_logp", "rollout_logp"])
 def test_nonfinite_old_or_rollout_is_rejected_and_counted_on_every_path(name, field):
@@ -117,6 +119,7 @@ def _correction_metrics(old, rollout, jit):
     return (jax.jit(fn) if jit else fn)(jnp.asarray(old), jnp.asarray(rollout))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("jit", [True, False])
 def test_metrics_saturate_finitely_and_alike_under_jit(jit):
     cap = math.exp(opj.METRIC_LOG_CAP)
@@ -160,6 +163,7 @@ def test_k3_and_chi2_without_cancellation(delta):
 
 # Tiers: each case calls the library eagerly eight times (~3.5 s of CPU on one device);
 # the fast tier runs int32, the full suite every dtype.
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "value, dtype",
     [

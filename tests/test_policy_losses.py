@@ -177,6 +177,7 @@ VALUE_CONSISTENT = ("gspo", "gmpo", "sapo", "gpg", "dro")
 # Tiers: second-order finite differences in float64 (~1.5 s of CPU each); the fast tier
 # checks a sequence-ratio (GSPO) and a geometric (GMPO) surrogate, the full suite all
 # five. test_value_and_gradient_match_numpy checks every surrogate's VJP in the fast tier.
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "name",
     [
@@ -212,6 +213,7 @@ def test_gspo_token_gradient_equals_gspo_for_sequence_advantages(spread):
     np.testing.assert_allclose(total("gspo_token"), total("gspo"), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["gspo"])
 def test_check_grads_gspo_outside_the_clip_range(name):
     """Clipped sequences: the gradient is exactly 0, and finite differences agree."""
@@ -735,6 +737,7 @@ def test_policy_loss_ignores_padding_garbage(name):
     np.testing.assert_array_equal(np.asarray(grad_g), np.asarray(grad_c))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("name", "aggregation"), TIERED_COVERAGE)
 def test_micro_batches_pool_to_the_full_batch(name, aggregation):
     theta, old, rollout, adv, valid = policy_batch(27)
@@ -777,6 +780,7 @@ def test_micro_batches_pool_to_the_full_batch(name, aggregation):
 # --------------------------------------------------------------------------- KL and entropy
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("estimator", pl.KL_ESTIMATORS)
 @pytest.mark.parametrize("off_policy", [False, True])
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
@@ -864,6 +868,7 @@ def test_truncated_is_gradients_are_the_ratio_objectives_gradient(name, seed):
         check_vjp(objective, surrogate_vjp, (jnp.asarray(theta),), eps=1e-5, atol=1e-7, rtol=1e-7)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("spread", [0.05, 0.5])
 def test_gspo_token_gradient_is_the_gspo_objectives_gradient(spread):
     """GSPO-token's VJP (sequence advantages, each sequence's tokens averaged) against
@@ -1006,6 +1011,7 @@ def _regularised_tier(first):
     ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("name", "aggregation"), _regularised_tier(2))
 def test_empty_and_rejected_batches_give_zero_with_kl_and_entropy(name, aggregation):
     theta, old, rollout, adv, valid = policy_batch(31)
@@ -1021,6 +1027,7 @@ def test_empty_and_rejected_batches_give_zero_with_kl_and_entropy(name, aggregat
         assert float(metrics["kl_loss"]) == 0.0 and float(metrics["entropy"]) == 0.0
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("name", "aggregation"), _regularised_tier(1))
 def test_padding_garbage_never_leaks_with_kl_and_entropy(name, aggregation):
     """NaN / ±inf / 1e30 in every input (ref_logp and entropy too) where the mask is 0."""
@@ -1041,6 +1048,7 @@ def test_padding_garbage_never_leaks_with_kl_and_entropy(name, aggregation):
         assert np.all(np.asarray(got)[~valid] == 0)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("name", "aggregation"), _regularised_tier(0))
 def test_micro_batches_pool_to_the_full_batch_with_kl_and_entropy(name, aggregation):
     theta, old, rollout, adv, valid = policy_batch(33)
@@ -1087,6 +1095,7 @@ def test_micro_batches_pool_to_the_full_batch_with_kl_and_entropy(name, aggregat
             )
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("estimator", pl.KL_ESTIMATORS)
 @pytest.mark.parametrize("off_policy", [False, True])
 @pytest.mark.parametrize(
@@ -1115,6 +1124,7 @@ def test_kl_term_in_bypass_mode_matches_numpy(estimator, off_policy, aggregation
     )
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", VALUE_CONSISTENT)
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_sum_norm"])
 def test_check_grads_through_policy_loss_away_from_kinks(name, aggregation):
@@ -1140,6 +1150,7 @@ def test_check_grads_through_policy_loss_away_from_kinks(name, aggregation):
     )
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("name", "aggregation"),
     [

@@ -282,6 +282,7 @@ def test_bypass_without_rollout_logp_is_a_clear_error():
         opj.policy_loss(theta, None, None, adv, valid, _config("prime_dppo"))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["prime_dppo", "ipo"])
 def test_every_token_masked_gives_zero_without_the_kl_term(name):
     """All tokens outside the trust region (Δp ≈ 0.6) and kl_tau = 0: loss 0, zero gradient,
@@ -300,6 +301,7 @@ def test_every_token_masked_gives_zero_without_the_kl_term(name):
     np.testing.assert_allclose(float(loss), 0.5 * x * x, rtol=1e-5)  # the mean over all tokens
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", NAMES)
 def test_empty_and_fully_rejected_batches_give_zero(name):
     theta, d, adv, valid = batch(8)
@@ -347,6 +349,7 @@ def _args(b, config):
     return (b["logp"], old, b["rollout_logp"], b["advantages"], b["mask"])
 
 
+@pytest.mark.heavy
 @settings(max_examples=examples(15))
 @given(data=ragged_batches(), config=property_configs)
 def test_garbage_jit_eager_and_finite_gradients(data, config):
@@ -383,6 +386,7 @@ def _numerator(config):
     return jax.jit(jax.value_and_grad(f, has_aux=True))
 
 
+@pytest.mark.heavy
 @settings(max_examples=examples(15))
 @given(data=ragged_batches(), config=property_configs, cut=st.integers(1, 4))
 def test_micro_batches_pool_to_the_full_batch(data, config, cut):
@@ -420,6 +424,7 @@ def _packed_value_and_grad(config, packed: bool):
     return jax.jit(jax.value_and_grad(f, has_aux=True))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("config", PROPERTY_CONFIGS, ids=lambda c: c.policy_loss)
 @pytest.mark.parametrize("seed", [0, 3])
 def test_packed_equals_one_sequence_per_row(config, seed):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from strategies import ALL_CORRECTION_CONFIGS, correction_configs, examples, ragged_batches
@@ -51,6 +52,7 @@ def test_garbage_at_masked_positions_changes_nothing(batch, config, reduction):
     _assert_same(dirty, clean)
 
 
+@pytest.mark.heavy
 @given(
     batch=ragged_batches(holes=False),
     config=st.sampled_from([c for c in ALL_CORRECTION_CONFIGS if not c.tis_batch_normalize]),
@@ -77,6 +79,7 @@ def test_padded_ragged_batch_equals_sequences_one_by_one(batch, config):
     )
 
 
+@pytest.mark.heavy
 @settings(max_examples=examples(10))
 @given(batch=ragged_batches(), config=correction_configs, reduction=reductions)
 def test_jit_equals_eager(batch, config, reduction):
@@ -84,6 +87,7 @@ def test_jit_equals_eager(batch, config, reduction):
     _assert_same(correct(*_args(batch), config=config, reduction=reduction), eager, exact=False)
 
 
+@pytest.mark.heavy
 @settings(max_examples=examples(10))
 @given(
     batches=st.lists(ragged_batches(), min_size=3, max_size=3),
@@ -100,6 +104,7 @@ def test_vmap_over_leading_axis_equals_loop(batches, config, reduction):
         _assert_same(jax.tree.map(lambda x, i=i: x[i], mapped), one, exact=False)
 
 
+@pytest.mark.heavy
 @given(
     batch=ragged_batches(),
     config=st.sampled_from([c for c in ALL_CORRECTION_CONFIGS if c.tis_batch_normalize]),

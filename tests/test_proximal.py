@@ -87,6 +87,7 @@ def _loss_case(seed=0):
 CORRECTION = opj.CorrectionConfig(use_tis=True, tis_mode="clip", tis_upper_bound=1.5)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("method", proximal.METHODS)
 def test_approximated_loss_matches_numpy_reference(method):
     logp, rollout, adv, mask, versions, current = _loss_case()
@@ -121,6 +122,7 @@ def test_approximated_loss_matches_numpy_reference(method):
     )
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("method", proximal.METHODS)
 def test_exact_approximation_gives_the_recomputed_loss(method):
     """When the recomputed π_old is what the approximation gives, the two losses (and
@@ -220,6 +222,7 @@ def test_staleness_rule_through_the_loss():
     )
 
 
+@pytest.mark.heavy
 def test_packed_rows_equal_one_sequence_per_row():
     rng = np.random.default_rng(4)
     current, seqs = 9, []
@@ -272,6 +275,7 @@ def test_packed_rows_equal_one_sequence_per_row():
     np.testing.assert_allclose(unpacked["g"].reshape(-1, 10), want_grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.multi_device
 @pytest.mark.slow
 @pytest.mark.usefixtures("clear_jax_caches")
 def test_shard_map_over_data_and_tokens_equals_unsharded():

@@ -68,6 +68,7 @@ def _run(monkeypatch, path, packed, *args):
     return value, grad, metrics, result
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the fused path is CPU's")
 @pytest.mark.parametrize("packed", [False, True])
 def test_plain_and_fused_paths_agree(monkeypatch, packed):

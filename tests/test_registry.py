@@ -66,6 +66,7 @@ def test_loss_config_reads_hyperparameters_flat_and_round_trips():
         opj.LossConfig(algorithm="decoupled_ppo", correction=opj.VanillaTIS()).to_dict()
 
 
+@pytest.mark.heavy
 def test_a_surrogate_sees_rollout_and_key_and_reports_its_own_metrics(scratch_registry):
     """The seam of the 2026 losses: ``x.rollout`` is π_rollout, ``x.key`` the call's key,
     and ``SurrogateTerms.metrics`` become metrics reduced like pg_clipfrac (per sequence,

@@ -97,6 +97,7 @@ def test_fully_masked_sequences_counted_in_a_denominator():
         )
 
 
+@pytest.mark.heavy
 def test_nan_rollout_logprobs_turn_the_loss_into_nan():
     logp, old, rollout, adv, mask = _batch()
     rollout[1, 1] = np.nan  # a valid token of sequence 1
@@ -139,6 +140,7 @@ def test_rollout_ratio_applied_twice_in_bypass_mode():
         opj.LossConfig(algorithm="bypass_ppo", correction=opj.CorrectionConfig(use_tis=True))
 
 
+@pytest.mark.heavy
 def test_per_micro_batch_normalisation_biases_the_pooled_loss():
     logp, old, rollout, adv, mask = _batch()
     rollout[:2] -= 0.5  # the first micro-batch has larger ratios than the second

@@ -32,6 +32,7 @@ def _packed_batch(seed=0, rows=2, length=12, segments=3):
 # --------------------------------------------------------------------------- packing
 
 
+@pytest.mark.heavy
 def test_segment_ids_above_num_segments_raise_eagerly_and_are_padding_under_jit():
     logp, old, rollout, adv, mask, ids = _packed_batch()
     config = opj.LossConfig(algorithm="decoupled_ppo", correction=MIS)

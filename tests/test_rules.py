@@ -97,6 +97,7 @@ def test_rules_match_numpy_reference(batch, name, reduction):
     assert_matches_reference(batch, RULE_CONFIGS[name], reduction)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(RULE_CONFIGS))
 def test_rules_fixed_batch(name):
     rng = np.random.default_rng(3)
@@ -161,6 +162,7 @@ def test_m2po_budget_holds_after_masking():
     assert (delta[~kept] ** 2).min() >= (delta[kept] ** 2).max()
 
 
+@pytest.mark.heavy
 def test_rules_under_vmap_and_grad_free():
     config = RULE_CONFIGS["seq_truncate_logprob_m2po"]
     rng = np.random.default_rng(1)
@@ -205,6 +207,7 @@ def _opsm_batch(seed):
     return garbage(logp), garbage(old), garbage(rollout), garbage(adv), mask.astype(np.float32)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("delta", [0.02, 0.1])
 @pytest.mark.parametrize("algorithm", ["ppo", "bypass_ppo"])
@@ -275,6 +278,7 @@ def test_decoupled_loss_with_rules_matches_reference(name):
 # ----------------------------------------------------------------- packed sequences
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["trm_icepop", "seq_truncate_logprob_m2po", "none_k1_family"])
 def test_rules_on_packed_rows_equal_one_sequence_per_row(name):
     """docs/semantics.md §10: the rules read "sequence" as (row, segment)."""

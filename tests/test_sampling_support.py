@@ -93,6 +93,7 @@ def _close(got, want, tol=2e-5):
     np.testing.assert_allclose(got[finite], want[finite], rtol=tol, atol=tol)
 
 
+@pytest.mark.heavy
 @given(support_cases())
 def test_support_logprobs_match_numpy_reference(case):
     hidden, w, tokens, support, mask, temperature, chunk = case
@@ -135,6 +136,7 @@ def test_repeated_ids_count_once_and_custom_pad():
     np.testing.assert_allclose(got[:, 0], want, rtol=1e-2)  # bf16 logits
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("k", [1, 4, 31])
 def test_trainers_own_top_k_set_equals_top_k(k):
     rng = np.random.default_rng(k)
@@ -176,6 +178,7 @@ def _objective(fn, mask, g):
     return loss
 
 
+@pytest.mark.heavy
 def test_from_hidden_gradient_matches_autodiff_and_numerics():
     hidden, w, tokens, support, mask, g = _hidden_case()
     kw = dict(support=support, return_entropy=True, temperature=0.8)
@@ -202,6 +205,7 @@ def _temp_bytes(fn, *shapes):
     return jax.jit(fn).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.heavy
 def test_from_hidden_temp_memory_is_order_n_k_at_v_131072():
     """Compiled temporary memory: O(N·K) + one chunk's gathered columns, whatever V."""
     n, dim, k, chunk = 512, 32, 16, 128
@@ -284,6 +288,7 @@ def test_bad_support_is_refused(kwargs, error, match):
             )
 
 
+@pytest.mark.multi_device
 @pytest.mark.slow
 @pytest.mark.usefixtures("clear_jax_caches")
 def test_vocab_sharded_support_equals_unsharded():

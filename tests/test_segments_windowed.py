@@ -151,6 +151,7 @@ _SIZES = [(515, 8)] + [
 _FAST_KINDS = ("ordered", "short", "garbage_tail", "random")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("length", "k"), _SIZES)
 @pytest.mark.parametrize(
     "kind",
@@ -181,6 +182,7 @@ def test_windowed_matches_numpy(one_device, length, k, kind):
         _check(got, values, population, ids, k)
 
 
+@pytest.mark.heavy
 def test_the_promise_is_static_and_compiles_once(one_device):
     rng = np.random.default_rng(3)
     ids = _ids(rng, 2, 256, 4, 16, "ordered")
@@ -203,6 +205,7 @@ def test_the_promise_is_static_and_compiles_once(one_device):
         _segments.layout(MeshAxes(), ids, 4, ids.shape, 1)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_windowed_gradient_is_the_gather(one_device, contiguous):
     rng = np.random.default_rng(5)
@@ -234,6 +237,7 @@ def test_windowed_gradient_is_the_gather(one_device, contiguous):
     assert f"{k},{length}]" not in hlo.replace(" ", "")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("length", [515, pytest.param(131, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["ordered", "edges", "garbage", "padding"])
 def test_windowed_broadcast_matches_the_gather(one_device, length, kind):
@@ -317,6 +321,7 @@ def _unpacked(ids, k, *arrays):
     return out, rows, seqs
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "kind",
     ["ordered", *(pytest.param(kind, marks=pytest.mark.slow) for kind in ("contiguous", "random"))],

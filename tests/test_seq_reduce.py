@@ -76,6 +76,7 @@ def test_broadcast_values_and_counts():
     np.testing.assert_array_equal(got["scalar"], [4.5, 0.0])
 
 
+@pytest.mark.heavy
 def test_gradient_matches_plain_sums():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(4, 32)), jnp.float32)
@@ -138,6 +139,7 @@ def _ragged(rng, batch, length):
     return logp.astype(f32), old.astype(f32), rollout.astype(f32), adv.astype(f32), mask
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_fast_path_policy_loss_matches_numpy_reference(level):
     """A batch large enough for the chunked, grouped passes, against the NumPy oracle."""
@@ -179,6 +181,7 @@ def test_fast_path_policy_loss_matches_numpy_reference(level):
         np.testing.assert_allclose(metrics[key], want, rtol=1e-4, atol=1e-5, err_msg=key)
 
 
+@pytest.mark.heavy
 def test_custom_derivatives_keep_forward_mode_and_second_order():
     """Rows.reduce and the PPO surrogate define their derivatives; jvp, grad and HVP agree."""
     rng = np.random.default_rng(3)
@@ -203,6 +206,7 @@ def test_custom_derivatives_keep_forward_mode_and_second_order():
     assert hvp.shape == logp.shape and bool(jnp.all(jnp.isfinite(hvp)))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("length", [256, 257, 1031, 1030, 3, 5, 9])
 def test_unsplit_cpu_path_with_ragged_lengths(length):
     """The one-device CPU path (chunked prefix + remainder), whatever the process's device
@@ -243,6 +247,7 @@ def test_cpu_loops_take_as_few_even_groups_as_possible(count, want):
     assert all(s.stop - s.start <= _fusion._MAX_COLUMNS for s in loops)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_column_asked_again_is_reduced_once(monkeypatch, packed):
     """A layout reduces each distinct column (same op, same arrays) once per call: the

@@ -121,6 +121,7 @@ def async_batches(draw):
     return old, rollout, mask, versions, current, cfg, reduction
 
 
+@pytest.mark.heavy
 @given(async_batches())
 def test_async_rules_match_numpy_reference(case):
     old, rollout, mask, versions, current, cfg, reduction = case
@@ -148,6 +149,7 @@ def test_async_rules_match_numpy_reference(case):
         np.testing.assert_allclose(res.metrics[key], want, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.heavy
 def test_versions_leave_the_default_rules_alone_and_neutral_is_ratio_one():
     old = jnp.log(jnp.array([[0.5, 0.9, 0.2], [0.4, 0.4, 0.1]]))
     rollout = jnp.log(jnp.array([[0.5, 0.3, 0.2], [0.4, 0.5, 0.9]])).at[0, 1].set(jnp.nan)
@@ -196,6 +198,7 @@ def _packed_case(seed=0):
     return seqs, current
 
 
+@pytest.mark.heavy
 def test_packed_rows_equal_one_sequence_per_row():
     seqs, current = _packed_case()
     cfg = opj.CorrectionConfig(
@@ -233,6 +236,7 @@ def test_packed_rows_equal_one_sequence_per_row():
     np.testing.assert_array_equal(unpacked_mask, want.mask)
 
 
+@pytest.mark.heavy
 def test_micro_batches_pool_exactly_and_the_max_with_max():
     old, rollout, mask, versions, current = _pool_case()
     cfg = opj.CorrectionConfig(use_tis=True, max_weight_staleness=3)
@@ -326,6 +330,7 @@ def test_bad_async_keys_are_refused(cfg, match):
     )
 
 
+@pytest.mark.multi_device
 @pytest.mark.slow
 @pytest.mark.usefixtures("clear_jax_caches")
 def test_shard_map_over_data_and_tokens_equals_unsharded():

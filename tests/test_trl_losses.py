@@ -136,6 +136,7 @@ def test_vespo_gradient_is_the_reweighted_reinforce_gradient():
 # --------------------------------------------------------------------------- LUSPO
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("spread", [0.05, 0.5, 3.0])
 @pytest.mark.parametrize("per_sequence_adv", [True, False])
@@ -310,6 +311,7 @@ SLOW_ORACLE_CASES = [
 ]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("name", "aggregation", "algorithm", "extra"), ORACLE_CASES + SLOW_ORACLE_CASES
 )
@@ -446,6 +448,7 @@ def _clean(b):
     }
 
 
+@pytest.mark.heavy
 @settings(max_examples=examples(15))
 @given(b=ragged_batches(), config=property_configs)
 def test_padding_garbage_never_leaks_and_gradients_are_finite(b, config):
@@ -478,6 +481,7 @@ def test_jit_equals_eager(b, config):
         )
 
 
+@pytest.mark.heavy
 def test_jit_equals_eager_once():
     """The fast tier's jit == eager check: one fixed batch, VESPO with the NLL and LUSPO
     with weights (eager runs op by op: seconds a call; the property above does the rest)."""
@@ -499,6 +503,7 @@ def _jit_parts(config):
     return jax.jit(jax.value_and_grad(numerator, has_aux=True))
 
 
+@pytest.mark.heavy
 @settings(max_examples=examples(15))
 @given(b=ragged_batches(batch=6), config=property_configs, data=st.data())
 def test_micro_batches_pool_to_the_full_batch(b, config, data):
@@ -548,6 +553,7 @@ def _packed_loss(config, batch, segments=None):
     return jax.value_and_grad(loss, has_aux=True)(batch["logp"])
 
 
+@pytest.mark.heavy
 @settings(max_examples=examples(6))
 @given(seed=st.integers(0, 2**16), config=property_configs)
 def test_packed_equals_one_sequence_per_row(seed, config):

@@ -370,6 +370,7 @@ def _data_mesh():
     return jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
+@pytest.mark.multi_device
 @pytest.mark.slow
 @pytest.mark.parametrize("axes", ["data", opj.MeshAxes(batch="data")])
 def test_sharded_ess_and_minibatch_opob_match_unsharded(axes):
