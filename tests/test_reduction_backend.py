@@ -94,3 +94,25 @@ def test_plain_and_fused_paths_agree(monkeypatch, packed):
         np.testing.assert_allclose(
             fused[3].metrics[key], plain[3].metrics[key], rtol=2e-5, atol=1e-6, err_msg=key
         )
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4)])
+def test_batch_totals_sum_every_axis_and_differentiate(shape):
+    """Batch totals of per-sequence terms (``[...]`` padded, ``[..., K]`` packed): on the
+    fused path small operands of two or more axes are summed in one loop. Both paths
+    give the sums, to float32 rounding, and the gradient of a total is all ones."""
+    from offpolicy_jax.reduction import fused_cpu, plain
+
+    rng = np.random.default_rng(11)
+    values = tuple(rng.normal(size=shape).astype(np.float32) for _ in range(3))
+    want = [v.astype(np.float64).sum() for v in values]
+    for totals in (fused_cpu.batch_totals, backend.batch_totals):
+        got = jax.jit(totals)(values)
+        assert all(g.shape == () for g in got)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    grad = jax.grad(lambda v: fused_cpu.batch_totals((v, 2 * v))[1])(values[0])
+    np.testing.assert_array_equal(grad, np.full(shape, 2.0, np.float32))
+    tangent = jax.jvp(fused_cpu.batch_totals, (values,), (values,))[1]
+    np.testing.assert_allclose(tangent, want, rtol=1e-6, atol=1e-6)
+    plain_sums = plain.reduce_columns(("sum",) * 3, tuple(v.reshape(-1) for v in values))
+    np.testing.assert_allclose(plain_sums, want, rtol=1e-6, atol=1e-6)

@@ -99,6 +99,7 @@ def correction_parts(
     layout,
     versions=None,
     current_version=None,
+    over_final=(),
 ):
     """:func:`compute_correction` on validated float32 inputs: ``(w, m', metric parts)``.
 
@@ -106,6 +107,8 @@ def correction_parts(
     weight on kept tokens, 0 elsewhere, not yet multiplied by the mask value.
     ``versions`` / ``current_version``: float32, checked by
     :func:`~offpolicy_jax.correction.staleness.check_versions` (or None).
+    ``over_final``: per-token values the caller sums over ``m'`` next (see
+    :func:`~offpolicy_jax.correction.stages.run`).
     """
     chain = correction_stages(config)
     if config.nonfinite_rollout == "neutral":
@@ -124,6 +127,7 @@ def correction_parts(
         tokens,
         weight_stats=config.use_tis,
         batch_normalize=norm,
+        over_final=over_final if config.use_tis else (),
     )
     if not config.use_tis:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts

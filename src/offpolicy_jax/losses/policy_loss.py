@@ -540,8 +540,9 @@ class _Corrected(NamedTuple):
     counts_nonfinite: bool = False
 
 
-def _correct(config: LossConfig, old, b: _Batch, precomputed) -> _Corrected:
-    """The configured correction, with ``old`` as the IS numerator."""
+def _correct(config: LossConfig, old, b: _Batch, precomputed, over_final=()) -> _Corrected:
+    """The configured correction, with ``old`` as the IS numerator; ``over_final``:
+    per-token values the loss sums over ``m'`` (see :func:`stages.run`)."""
     correction, mask, layout, rollout = config.correction, b.mask, b.layout, b.rollout
     assert rollout is not None  # _check_inputs: a correction requires rollout_logp
     if precomputed is not None:
@@ -558,6 +559,7 @@ def _correct(config: LossConfig, old, b: _Batch, precomputed) -> _Corrected:
             layout=layout,
             versions=b.versions,
             current_version=b.current,
+            over_final=over_final,
         )
         return _Corrected(weights, final, dict(parts), counts_nonfinite=True)
     if isinstance(correction, VanillaTIS):
@@ -580,11 +582,15 @@ def _correct(config: LossConfig, old, b: _Batch, precomputed) -> _Corrected:
     return _Corrected(weights, final, parts, "mis_nonfinite_seq_fraction" in parts)
 
 
-def _corrected(b: _Batch, config: LossConfig, algo: Algorithm, precomputed) -> _Corrected:
-    """The correction (if it reweights), the mismatch metrics and OPSM: ``w``, ``m'``."""
+def _corrected(
+    b: _Batch, config: LossConfig, algo: Algorithm, precomputed, over_final=()
+) -> _Corrected:
+    """The correction (if it reweights), the mismatch metrics and OPSM: ``w``, ``m'``.
+    ``over_final``: per-token values the loss sums over ``m'``, handed to the
+    correction's second pass (which reduces over ``m'`` anyway)."""
     done = _Corrected(None, b.mask, {})
     if config.reweights:
-        done = _correct(config, b.policy(algo.is_numerator), b, precomputed)
+        done = _correct(config, b.policy(algo.is_numerator), b, precomputed, over_final)
     proxy_old = b.old if b.old is not None else b.theta_sg
     has_metrics = (
         algo.weighted
@@ -630,10 +636,23 @@ def _corrected(b: _Batch, config: LossConfig, algo: Algorithm, precomputed) -> _
     return done._replace(mask=jnp.where(kept > 0, done.mask, 0.0))
 
 
+def _rollout_abs_diff(b: _Batch, algo: Algorithm) -> jax.Array | None:
+    """``|log π_old − log π_rollout|`` per token (0 where not finite) for the
+    ``train_rollout_logprob_abs_diff`` metric, or None where the loss does not report it."""
+    if algo.ratio is None or b.rollout is None:
+        return None
+    # D8b: where π_old is sg(θ) (bypass) the reference reports 0 here.
+    source = b.policy(algo.is_numerator)
+    assert source is not None
+    diff = jnp.abs(source - b.rollout)
+    return jax.lax.stop_gradient(jnp.where(jnp.isfinite(diff), diff, 0.0))
+
+
 def _policy_term(
-    b: _Batch, config: LossConfig, algo: Algorithm, c: _Corrected
+    b: _Batch, config: LossConfig, algo: Algorithm, c: _Corrected, diff: jax.Array | None
 ) -> _objective.SurrogateOutput:
-    """The per-token policy loss ``ℓ'`` and its metric columns (over ``m'``)."""
+    """The per-token policy loss ``ℓ'`` and its metric columns (over ``m'``); ``diff``:
+    :func:`_rollout_abs_diff`."""
     if algo.ratio is None:  # the REINFORCE term: the IS weights are its only correction
         assert c.weights is not None  # a weighted algorithm always reweights
         loss = reinforce_term(jnp.where(c.mask > 0, b.theta, 0.0), b.adv, c.weights)
@@ -655,12 +674,7 @@ def _policy_term(
     )
     out = _objective.surrogate_columns(config, x)
     columns = dict(out.columns)
-    if b.rollout is not None:
-        # D8b: where π_old is sg(θ) (bypass) the reference reports 0 here.
-        source = b.policy(algo.is_numerator)
-        assert source is not None
-        diff = jnp.abs(source - b.rollout)
-        diff = jax.lax.stop_gradient(jnp.where(jnp.isfinite(diff), diff, 0.0))
+    if diff is not None:
         columns["train_rollout_logprob_abs_diff"] = _reduce.total(diff, c.mask)
     if config.correction is not None or config.get_mismatch_metrics:
         # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
@@ -673,8 +687,12 @@ def _policy_term(
 def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLossTerms:
     b = _prepare(inputs, config, axes, packing)
     algo = ALGORITHMS[config.algorithm]
-    c = _corrected(b, config, algo, inputs.correction_result)
-    policy = _policy_term(b, config, algo, c)
+    # The abs-diff metric sums over m': the correction's second pass takes it (the
+    # layout then finds it taken below) where the correction reduces over m'.
+    diff = _rollout_abs_diff(b, algo)
+    over_final = () if diff is None else (diff,)
+    c = _corrected(b, config, algo, inputs.correction_result, over_final)
+    policy = _policy_term(b, config, algo, c, diff)
     per_token, policy_columns = policy.loss, policy.columns
     columns = {
         "count": _reduce.count(c.mask),
@@ -717,7 +735,8 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
     columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
     columns["loss"] = _reduce.total(per_token, c.mask)
     # The rollout abs-diff metric, the only column of this pass that reads
-    # rollout_logp, is reduced apart: measured faster (docs/guide/reduction_engine.md).
+    # rollout_logp, is reduced apart (measured faster, docs/guide/reduction_engine.md)
+    # where the correction's second pass has not taken it already.
     apart = {k: columns.pop(k) for k in ("train_rollout_logprob_abs_diff",) if k in columns}
     sums = b.layout.reduce(columns) | b.layout.reduce(apart)
     return _aggregated(b, config, per_token, c, sums, policy.own_metrics)

@@ -52,6 +52,15 @@ def reduce_rows(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[ja
     return plain.reduce_columns(ops, values)
 
 
+def batch_totals(values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Each operand summed over all its axes: scalars."""
+    if implementation() == "fused":
+        return fused_cpu.batch_totals(values)
+    while values[0].ndim:  # one trailing axis at a time
+        values = plain.reduce_columns(("sum",) * len(values), values)
+    return values
+
+
 def windows_plan(
     segment_ids: jax.Array, num_segments: int, contiguous: bool
 ) -> fused_cpu.Plan | None:

@@ -157,8 +157,7 @@ class Rows:
         totals = tuple(
             jnp.broadcast_arrays(*(t for m in means.values() for t in (m.numerator, m.denominator)))
         )
-        while totals[0].ndim:  # one leading axis at a time
-            totals = backend.reduce_rows(("sum",) * len(totals), totals)
+        totals = backend.batch_totals(totals)
         if self.axes.batch:
             totals = jax.lax.psum(totals, self.axes.batch)
         return {key: MeanParts(*totals[2 * i : 2 * i + 2]) for i, key in enumerate(means)}
