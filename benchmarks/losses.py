@@ -47,6 +47,10 @@ HYPERPARAMETERS = {
     "two_sided_clip": dict(clip_eps_high=0.28),
     "vespo": {},  # TRL's defaults
     "luspo": dict(clip_eps=2e-3, clip_eps_high=2.5e-3),  # the paper's (Section 5.1)
+    # verl's default ratios (2e-4); a covariance band wide enough that clip_cov has
+    # candidates on the benchmark batch (whose advantages and log-probs are small).
+    "clip_cov": dict(clip_cov_lb=0.01),
+    "kl_cov": {},
 }
 
 
@@ -69,7 +73,9 @@ def run(batch: int, length: int, repeats: int, warmup: int) -> dict:
     host = workloads.make_inputs(batch, length)
     args = tuple(jnp.asarray(host[k]) for k in workloads.LOSS_INPUTS)
     compiled = {
-        name: jax.jit(workloads.loss_step(config(name))).lower(*args).compile()
+        name: jax.jit(workloads.loss_step(config(name), key=jax.random.key(0)))
+        .lower(*args)
+        .compile()
         for name in HYPERPARAMETERS
     }
     for fn in compiled.values():
