@@ -297,8 +297,7 @@ def run_verl(root: pathlib.Path) -> None:
             arrays = {k: data[k] for k in data.files}
         actor = case["actor"]
         tensors = {
-            k: torch.tensor(arrays[k])
-            for k in ("old_log_prob", "advantages", "response_mask")
+            k: torch.tensor(arrays[k]) for k in ("old_log_prob", "advantages", "response_mask")
         }
         log_prob = torch.tensor(arrays["log_prob"], requires_grad=True)
         mode = actor["loss_mode"]

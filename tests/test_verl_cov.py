@@ -286,7 +286,7 @@ def test_packed_equals_padded():
         step = functools.partial(_loss_and_grad, config, key=jax.random.key(2))
         (want, want_metrics), want_grad = jax.jit(step)(*(flat[k] for k in keys))
         packed = functools.partial(step, num_segments=3)
-        (got, metrics), grad = jax.jit(lambda *a: packed(*a[:4], segment_ids=a[4]))(
+        (got, metrics), grad = jax.jit(lambda *a, f=packed: f(*a[:4], segment_ids=a[4]))(
             *(batch[k] for k in keys), batch["segment_ids"]
         )
         np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-7)
