@@ -169,7 +169,17 @@ REFERENCE_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(REFERENCE_CASES))
+# The fast tier runs three of them (~2 s of compilation each); the full run all.
+FAST_REFERENCE = {"clip_cov_ragged_nan_padding", "kl_cov_ragged_nan_padding", "kl_cov_ties"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=() if n in FAST_REFERENCE else pytest.mark.slow)
+        for n in REFERENCE_CASES
+    ],
+)
 def test_numpy_reference(name):
     fields, extra = REFERENCE_CASES[name]
     config = opj.LossConfig(algorithm="ppo", clip_eps=0.1, **fields)
@@ -194,16 +204,19 @@ def test_numpy_reference(name):
 def test_fully_masked_batch_gives_zero_loss_and_zero_grad(fields):
     logp, old, adv, mask = _batch(1)
     config = opj.LossConfig(algorithm="ppo", **fields)
-    (loss, metrics), grad = _loss_and_grad(
-        config, logp, old, adv, np.zeros_like(mask), key=jax.random.key(0)
-    )
+    step = jax.jit(functools.partial(_loss_and_grad, config, key=jax.random.key(0)))
+    (loss, metrics), grad = step(logp, old, adv, np.zeros_like(mask))
     assert float(loss) == 0.0
     assert np.all(np.asarray(grad) == 0.0)
     assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
-@pytest.mark.parametrize("fields", [CLIP, KL], ids=["clip_cov", "kl_cov"])
+@pytest.mark.parametrize(
+    "fields",
+    [pytest.param(CLIP, id="clip_cov", marks=pytest.mark.slow), pytest.param(KL, id="kl_cov")],
+)
 def test_jit_equals_eager_and_gradients_are_finite(fields):
+    """Eager runs op by op (~10 s of CPU cold): the fast tier runs kl_cov only."""
     logp, old, adv, mask = _batch(2)
     config = opj.LossConfig(algorithm="ppo", **fields)
     step = functools.partial(_loss_and_grad, config, key=jax.random.key(3))
@@ -302,9 +315,10 @@ def test_vmap_selects_per_example():
     logp, old, adv, mask = _batch(6)
     config = opj.LossConfig(algorithm="ppo", **KL)
     step = functools.partial(_loss_and_grad, config)
-    (loss, _), grad = jax.vmap(step)(*(np.stack([v[:3], v[3:]]) for v in (logp, old, adv, mask)))
+    halves = (np.stack([v[:3], v[3:]]) for v in (logp, old, adv, mask))
+    (loss, _), grad = jax.jit(jax.vmap(step))(*halves)
     for i, rows in enumerate((slice(0, 3), slice(3, 6))):
-        (want, _), want_grad = step(logp[rows], old[rows], adv[rows], mask[rows])
+        (want, _), want_grad = jax.jit(step)(logp[rows], old[rows], adv[rows], mask[rows])
         np.testing.assert_allclose(float(loss[i]), float(want), rtol=1e-6)
         np.testing.assert_allclose(np.asarray(grad[i]), np.asarray(want_grad), rtol=1e-6)
 
