@@ -345,7 +345,8 @@ def _mesh(shape, names):
     ids=["data2_seq4", "seq8", "data8"],
 )
 def test_shard_map_equals_unsharded(shape, names, axes):
-    """``shard_map`` with ``axis_names``: global means and ranks, each device its block."""
+    """``shard_map`` with ``axis_names`` (global means and ranks, each device its block)
+    and ``jit`` on arrays sharded in their type (explicit mesh) == the unsharded call."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -367,8 +368,9 @@ def test_shard_map_equals_unsharded(shape, names, axes):
         )
         with jax.set_mesh(mesh):
             arrays = [jax.device_put(v, NamedSharding(mesh, spec)) for v in (logp, old, adv, mask)]
-            (got, metrics), grad = jax.jit(sharded)(*arrays)
-        np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-5, atol=1e-7)
-        for k in want_metrics:
-            np.testing.assert_allclose(float(metrics[k]), float(want_metrics[k]), rtol=1e-5)
+            results = [jax.jit(sharded)(*arrays), jax.jit(step)(*arrays)]  # + explicit jit
+        for (got, metrics), grad in results:
+            np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-7)
+            for k in want_metrics:
+                np.testing.assert_allclose(float(metrics[k]), float(want_metrics[k]), rtol=1e-5)

@@ -21,7 +21,9 @@ KL-Cov adds a KL penalty to the top ``k``. This module selects those tokens as v
   ``jit`` with sharded arrays the arrays are global, so the selection is that of the
   whole call; inside ``shard_map`` with ``axis_names`` the means are ``psum`` -ed and the
   few per-token values the ranking needs are all-gathered, so every device selects
-  exactly as the unsharded call would and keeps its own block.
+  as the unsharded call would and keeps its own block. (The means are float32 sums:
+  summed in another order, a covariance within rounding of a band edge or of the
+  ``k``-th largest can decide the other way, as it can between verl and this library.)
 
 Order and ties, deterministic: tokens are ranked in the row-major ("flat") order of the
 batch. KL-Cov ranks the population by ``cov`` descending, equal values by flat position.
@@ -38,6 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.losses.registry import SurrogateInput
@@ -164,14 +167,30 @@ def _first_k(keys: tuple[jax.Array, ...], k: jax.Array) -> jax.Array:
     return jnp.zeros(size, bool).at[order].set(position < k)
 
 
+def _explicit_spec(x: jax.Array) -> P | None:
+    """``x``'s ``PartitionSpec`` where it is sharded in its type (``jit`` with
+    ``NamedSharding`` on an ``AxisType.Explicit`` mesh), else None."""
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except AttributeError:
+        return None
+    return spec if any(entry is not None for entry in spec) else None
+
+
 def _on_global(select, arrays: tuple[jax.Array, ...], axes) -> jax.Array:
     """``select`` (flat global arrays -> flat bool) on the call's global arrays; the
-    result as this device's ``[..., T]`` block."""
+    result as this device's ``[..., T]`` block. Arrays sharded in their type (explicit
+    sharding) are replicated for the ranking (flattening a sharded array is refused) and
+    the result is sharded back like them."""
+    spec = _explicit_spec(arrays[0])
+    if spec is not None:
+        arrays = tuple(jax.sharding.reshard(a, P()) for a in arrays)
     length = arrays[0].shape[-1]
     gathered = [_gather(a, axes) for a in arrays]
     full, rows = gathered[0]
     chosen = select(*(a.reshape(-1) for a, _ in gathered)).reshape(full.shape)
-    return _block(chosen, rows, length, axes)
+    chosen = _block(chosen, rows, length, axes)
+    return chosen if spec is None else jax.sharding.reshard(chosen, spec)
 
 
 def select_top(cov: jax.Array, members: jax.Array, n: jax.Array, ratio: float, axes) -> jax.Array:
