@@ -69,9 +69,11 @@ def test_verl_parity(case):
     # No rollout log-probs here (the correction only reports metrics); verl's token means.
     config = dataclasses.replace(config, correction=None, metric_reduction="token")
     if config.aggregation == "sequence_sum_norm":
-        # verl b178a3c's seq-mean-token-sum-norm is Σ_seq Σ_t ℓ / T, not a mean over the
-        # sequences (its seq-mean denominator was reverted, verl 78014a2); this library's
-        # sequence_sum_norm (the mean over sequences / T) equals it with H = T / #sequences.
+        # The fixtures' verl (b178a3c, Jan 2026) has seq-mean-token-sum-norm = Σ_seq Σ_t ℓ / T
+        # (its seq-mean denominator was reverted in 78014a2); later verl (verl-project/verl,
+        # e.g. 018f23b, and the verl pack's 1dda039b9c) divides the seq-mean by T, as this
+        # library's sequence_sum_norm does. H = T / #sequences makes the two equal here; the
+        # two losses' own functions are the same in both verl versions.
         rows = int(np.sum(a["response_mask"].sum(-1) > 0))
         scale = a["response_mask"].shape[-1] / rows
         config = dataclasses.replace(config, loss_scale_factor=scale)
