@@ -95,11 +95,19 @@ def test_verl_parity(case):
 # --------------------------------------------------------------------------- NumPy reference
 
 
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    h = h.astype(np.uint64)  # uint32 arithmetic, wrapped by hand
+    m = np.uint64(0xFFFFFFFF)
+    h = ((h ^ (h >> np.uint64(16))) * np.uint64(0x7FEB352D)) & m
+    h = ((h ^ (h >> np.uint64(15))) * np.uint64(0x846CA68B)) & m
+    return h ^ (h >> np.uint64(16))
+
+
 def _priorities(key_seed: int, size: int) -> np.ndarray:
-    """The documented priorities: ``bits(fold_in(key, j))`` of the j-th population token."""
-    key = jax.random.key(key_seed)
-    draw = jax.vmap(lambda j: jax.random.bits(jax.random.fold_in(key, j), (), jnp.uint32))
-    return np.asarray(draw(jnp.arange(size, dtype=jnp.int32)))
+    """The documented priorities of flat positions ``j``: ``fmix32(fmix32(j) ^ seed) >> 8``,
+    ``seed = bits(key)`` (uint32), in NumPy."""
+    seed = np.uint64(int(jax.random.bits(jax.random.key(key_seed), (), jnp.uint32)))
+    return _fmix32(_fmix32(np.arange(size, dtype=np.uint64)) ^ seed) >> np.uint64(8)
 
 
 def reference(logp, old, adv, mask, config, key_seed=0):
@@ -121,7 +129,7 @@ def reference(logp, old, adv, mask, config, key_seed=0):
         clipped = pg2 > pg1
         cand = pop & ~clipped & (cov > p.clip_cov_lb) & (cov < p.clip_cov_ub)
         k = max(int(p.clip_cov_ratio * n), 1)
-        prio = dict(zip(flat, _priorities(key_seed, len(flat)), strict=True))
+        prio = _priorities(key_seed, pop.size)
         order = sorted(np.flatnonzero(cand.reshape(-1)), key=lambda i: (prio[i], i))
         sel = np.isin(np.arange(pop.size), order[:k]).reshape(pop.shape)
         loss = np.where(sel, 0.0, np.maximum(pg1, pg2))
@@ -286,17 +294,47 @@ def test_selection_count_is_pythons_float64_product(ratio):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_clip_cov_choice_is_a_uniformly_random_subset():
+    """Over many keys each candidate is chosen with frequency ≈ k / #candidates, exactly
+    ``min(k, #candidates)`` at a time (candidates spread over the batch, gaps between)."""
+    rng = np.random.default_rng(0)
+    candidates = jnp.asarray(rng.random((8, 64)) < 0.3)
+    count, n, ratio = int(candidates.sum()), 400.0, 0.02  # k = 8
+    select = jax.jit(
+        jax.vmap(lambda key: covariance.select_random(candidates, n, ratio, key, opj.MeshAxes()))
+    )
+    chosen = np.asarray(select(jax.random.split(jax.random.key(1), 4000)))
+    assert np.all(chosen.sum(axis=(1, 2)) == 8)
+    assert not np.any(chosen & ~np.asarray(candidates))
+    freq = chosen.mean(0)[np.asarray(candidates)]
+    # binomial(4000, p = 8 / count): sd ≈ 0.004 at p ≈ 0.05; 5 sd, loose
+    np.testing.assert_allclose(freq, 8 / count, atol=0.025)
+    assert abs(freq.mean() - 8 / count) < 1e-9  # 8 a draw, every draw
+
+
+def test_kl_cov_non_finite_covariance_ranks_lowest_among_members():
+    """NaN / −inf covariances rank below every finite member (as the lowest finite
+    float32, ties by position) but above non-members; +inf ranks highest."""
+    inf, nan = np.inf, np.nan
+    cov = jnp.asarray([[nan, 1.0, -inf, 5.0, 2.0, inf, -0.0, 0.0]], jnp.float32)
+    members = jnp.asarray([[1, 1, 1, 1, 1, 1, 0, 1]], bool)
+    pick = jax.jit(lambda n: covariance.select_top(cov, members, n, 1.0, opj.MeshAxes()))
+    got = [np.flatnonzero(np.asarray(pick(jnp.float32(k)))[0]).tolist() for k in (1, 5, 6, 7)]
+    assert got == [[5], [1, 3, 4, 5, 7], [0, 1, 3, 4, 5, 7], [0, 1, 2, 3, 4, 5, 7]]
+
+
 # --------------------------------------------------------------------------- layouts
 
 
 def test_packed_equals_padded():
     """Selection is token-level over the call's tokens: packing sequences (in order) into
     rows picks the same tokens, so value, metrics and gradient are those of one
-    sequence per row."""
+    sequence per row. Clip-Cov's random choice depends on the layout (priorities by
+    flat position): here ``k`` (ratio 1) covers every candidate, so it cannot differ."""
     batch = pc.packed_batch(11, rows=6, length=24, num_segments=3)
     keys = ("logp", "old_logp", "advantages", "mask")
     flat = pc.unpack(batch, 3)
-    for fields in (CLIP, KL):
+    for fields in ({**CLIP, "clip_cov_ratio": 1.0}, KL):
         config = opj.LossConfig(algorithm="ppo", **fields)
         step = functools.partial(_loss_and_grad, config, key=jax.random.key(2))
         (want, want_metrics), want_grad = jax.jit(step)(*(flat[k] for k in keys))

@@ -539,7 +539,7 @@ def clip_cov(x: SurrogateInput, p: ClipCovParams) -> SurrogateTerms:
     band = (covariance > p.clip_cov_lb) & (covariance < p.clip_cov_ub)
     candidates = members & ~ppo.clipped & band
     axes = x.layout.axes
-    selected = cov.select_random(candidates, members, n, p.clip_cov_ratio, x.key, axes)
+    selected = cov.select_random(candidates, n, p.clip_cov_ratio, x.key, axes)
     return pl.clip_cov(
         x.logp,
         x.denominator,
