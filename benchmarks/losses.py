@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -47,6 +48,10 @@ HYPERPARAMETERS = {
     "two_sided_clip": dict(clip_eps_high=0.28),
     "vespo": {},  # TRL's defaults
     "luspo": dict(clip_eps=2e-3, clip_eps_high=2.5e-3),  # the paper's (Section 5.1)
+    # verl's default ratios (2e-4); a covariance band wide enough that clip_cov has
+    # candidates on the benchmark batch (whose advantages and log-probs are small).
+    "clip_cov": dict(clip_cov_lb=0.01),
+    "kl_cov": {},
 }
 
 
@@ -69,7 +74,9 @@ def run(batch: int, length: int, repeats: int, warmup: int) -> dict:
     host = workloads.make_inputs(batch, length)
     args = tuple(jnp.asarray(host[k]) for k in workloads.LOSS_INPUTS)
     compiled = {
-        name: jax.jit(workloads.loss_step(config(name))).lower(*args).compile()
+        name: jax.jit(workloads.loss_step(config(name), key=jax.random.key(0)))
+        .lower(*args)
+        .compile()
         for name in HYPERPARAMETERS
     }
     for fn in compiled.values():
@@ -98,6 +105,8 @@ def markdown(report: dict) -> str:
         f"Produced by `{report['command']}` on {report['date']}.",
         "",
         f"- backend **{report['backend']}**, jax {report['jax']}, Python {report['python']}",
+        f"- {report['cpus']} CPUs, 1-minute load average {report['load_1min']['before']:.2f}"
+        f" before and {report['load_1min']['after']:.2f} after the run",
         f"- medians of {report['repeats']} interleaved calls after {report['warmup']} warm-up calls",
         "- every loss with `decoupled_ppo`, the reference `mis.yaml` correction and every metric;"
         " ratio = time / `ppo_clip`'s time in the same run (target <= 1.5)",
@@ -133,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
     args = parser.parse_args(argv)
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
+    load = [os.getloadavg()[0]]  # the machine may be shared: the ratios are the measure
     results = [run(b, t, args.repeats, args.warmup) for b, t in sizes]
+    load.append(os.getloadavg()[0])
     report = {
         "command": "python -m benchmarks.losses "
         + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -143,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "cpus": os.cpu_count(),
+        "load_1min": {"before": load[0], "after": load[1]},
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)

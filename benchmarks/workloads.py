@@ -127,12 +127,13 @@ def read_once(*arrays):
     return tuple(jnp.sum(x) for x in arrays)
 
 
-def loss_step(config: opj.LossConfig) -> Callable:
-    """``(loss, metrics), grad`` of ``policy_loss`` w.r.t. ``logp``: one training step's share."""
+def loss_step(config: opj.LossConfig, key: jax.Array | None = None) -> Callable:
+    """``(loss, metrics), grad`` of ``policy_loss`` w.r.t. ``logp``: one training step's share
+    (``key``: the PRNG key of the surrogates that draw tokens, ``clip_cov``)."""
 
     def step(logp, old_logp, rollout_logp, advantages, mask):
         def loss(lp):
-            return opj.policy_loss(lp, old_logp, rollout_logp, advantages, mask, config)
+            return opj.policy_loss(lp, old_logp, rollout_logp, advantages, mask, config, key=key)
 
         return jax.value_and_grad(loss, has_aux=True)(logp)
 

@@ -261,7 +261,16 @@ _SURROGATE_HYPER: dict[str, dict] = {
     # k and λ large enough that φ moves well away from 1 on the test batches' weights.
     "vespo": dict(vespo_k_pos=4.0, vespo_lambda_pos=6.0, vespo_k_neg=6.0, vespo_lambda_neg=4.0),
     "luspo": dict(clip_eps=2e-3, clip_eps_high=2.5e-3),
+    # Selections of several tokens on the test batches. clip_cov's random choice (key=KEY
+    # below) is by flat position, so it differs between the padded / packed layouts these
+    # cases compare (on any batch, test_packing draws some): ratio 1 makes k = n cover
+    # every candidate, so no choice is left to the key (tests/test_verl_cov.py checks the
+    # random choice, sharded == unsharded included).
+    "clip_cov": dict(clip_eps=0.05, clip_cov_ratio=1.0, clip_cov_lb=0.02, clip_cov_ub=5.0),
+    "kl_cov": dict(kl_cov_ratio=0.15, ppo_kl_coef=0.5),
 }
+# The PRNG key of every loss call (policy_loss(key=...)): clip_cov draws its tokens with it.
+KEY_SEED = 7
 _AGGREGATION_CYCLE = (
     "sequence_mean",
     "token_mean",
@@ -465,7 +474,15 @@ def evaluate_all(
 
         def loss_fn(logp, config=config, adv=adv, old=old, extra=extra):
             return opj.policy_loss(
-                logp, old, a["rollout"], adv, a["mask"], config, axis_names=axis_names, **extra
+                logp,
+                old,
+                a["rollout"],
+                adv,
+                a["mask"],
+                config,
+                axis_names=axis_names,
+                key=jax.random.key(KEY_SEED),
+                **extra,
             )
 
         (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(a["logp"])

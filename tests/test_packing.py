@@ -364,6 +364,7 @@ def _evaluate(batch, corrections, losses, segments=None, axis_names=None):
                 batch["mask"],
                 config,
                 axis_names=axis_names,
+                key=jax.random.key(mc.KEY_SEED),
                 **packed,
                 **extra,
             )

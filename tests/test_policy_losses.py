@@ -497,11 +497,44 @@ def test_from_verl_regularisers_and_ignored_actor_keys():
     assert opj.LossConfig.from_verl(None, None) == opj.LossConfig.from_verl({}, {})
 
 
+def test_from_verl_clip_cov_and_kl_cov_read_the_policy_loss_block():
+    policy = {
+        "loss_mode": "clip_cov",
+        "clip_cov_ratio": 0.05,
+        "clip_cov_lb": 0.5,
+        "clip_cov_ub": 4.0,
+        "kl_cov_ratio": 0.3,  # another loss's key: accepted and ignored, as verl does
+        "ppo_kl_coef": 0.2,
+    }
+    actor = {"clip_ratio_low": 0.1, "clip_ratio_high": 0.28, "policy_loss": policy}
+    cfg = opj.LossConfig.from_verl({}, actor)
+    assert (cfg.algorithm, cfg.policy_loss, cfg.aggregation) == ("ppo", "clip_cov", "token_mean")
+    assert (cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub) == (0.05, 0.5, 4.0)
+    assert (cfg.clip_eps, cfg.clip_eps_high) == (0.1, 0.28)
+    cfg = opj.LossConfig.from_verl({}, {"loss_mode": "clip_cov"})
+    assert (cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub) == (0.0002, 1.0, 5.0)
+
+    actor = {
+        "policy_loss": {**policy, "loss_mode": "kl_cov"},
+        "loss_agg_mode": "seq-mean-token-sum",
+    }
+    cfg = opj.LossConfig.from_verl({}, actor)
+    assert (cfg.policy_loss, cfg.aggregation) == ("kl_cov", "sequence_sum")
+    assert (cfg.kl_cov_ratio, cfg.ppo_kl_coef) == (0.3, 0.2)
+    # verl's config default is 0.1; its function's fallback for an explicit null is 1.0.
+    assert opj.LossConfig.from_verl({}, {"loss_mode": "kl_cov"}).ppo_kl_coef == 0.1
+    null = {"loss_mode": "kl_cov", "policy_loss": {"ppo_kl_coef": None}}
+    assert opj.LossConfig.from_verl({}, null).ppo_kl_coef == 1.0
+
+
 @pytest.mark.parametrize(
     ("rc", "actor", "message"),
     [
         ({}, {"clip_ratio_hgh": 0.3}, "did you mean 'clip_ratio_high'"),
-        ({}, {"loss_mode": "clip_cov"}, "actor.loss_mode"),
+        ({}, {"loss_mode": "clip-cov"}, "actor.loss_mode"),
+        ({}, {"loss_mode": "clip_cov", "policy_loss": {"clip_cov_ratio": 0}}, "clip_cov_ratio"),
+        ({}, {"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 2}}, "kl_cov_ratio"),
+        ({}, {"loss_mode": "clip_cov", "policy_loss": {"clip_cov_lb": 5.0}}, "clip_cov_lb"),
         ({}, {"loss_agg_mode": "seq-mean"}, "actor.loss_agg_mode"),
         ({}, {"use_kl_loss": True, "kl_loss_type": "k3+"}, "actor.kl_loss_type"),
         ({}, {"clip_ratio_c": 1.0}, "actor.clip_ratio_c"),

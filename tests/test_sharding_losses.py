@@ -2,7 +2,8 @@
 
 On 8 virtual CPU devices (tests/conftest.py): GSPO / GSPO-token (a per-sequence ratio
 summed across token shards), GMPO (per-sequence geometric means), CISPO, SAPO, GPG,
-DPPO-TV / -KL and DRO, each with a correction, across every aggregation (verl's five
+DPPO-TV / -KL, DRO, Clip-Cov and KL-Cov (batch means and ranks across every shard; one
+key= for all), each with a correction, across every aggregation (verl's five
 and ``row_mean``), bypass and plain PPO, and the KL-to-reference (k1 / k2 / k3, with
 and without the π_θ/π_d weighting) and entropy terms: ``mesh_cases.SURROGATE_LOSSES``.
 Layouts: ``jit`` with NamedSharding ``P('data', 'seq')`` (batch and token axis split)

@@ -1208,9 +1208,13 @@ class LossConfig:
           ``vanilla`` → ``ppo_clip`` with dual clip ``c = clip_ratio_c`` (verl always
           applies it; default 3.0), ``gspo`` → ``gspo_token`` (verl implements the token
           form), ``cispo``, ``geo_mean`` → ``gmpo``, ``sapo``, ``gpg``, ``dppo_tv``,
-          ``dppo_kl`` (``clip_ratio_c`` → ``dppo_ratio_cap``), ``dro``.
-          ``clip_ratio_low`` / ``clip_ratio_high`` (default ``clip_ratio``, 0.2) →
-          ``clip_eps`` / ``clip_eps_high``; ``tau_pos``, ``tau_neg``, ``dro_beta`` as named.
+          ``dppo_kl`` (``clip_ratio_c`` → ``dppo_ratio_cap``), ``dro``, ``clip_cov``,
+          ``kl_cov``. ``clip_ratio_low`` / ``clip_ratio_high`` (default ``clip_ratio``,
+          0.2) → ``clip_eps`` / ``clip_eps_high``; ``tau_pos``, ``tau_neg``, ``dro_beta``
+          as named; ``actor.policy_loss``'s ``clip_cov_ratio``, ``clip_cov_lb``,
+          ``clip_cov_ub``, ``kl_cov_ratio`` and ``ppo_kl_coef`` (default 0.1 as verl's
+          config; an explicit null is 1.0, the fallback of verl's function) as named.
+          ``clip_cov`` draws its tokens with ``policy_loss(..., key=...)``.
         * Aggregation (``actor.loss_agg_mode``, default ``token-mean``): ``token-mean`` →
           ``token_mean``, ``seq-mean-token-sum`` → ``sequence_sum``, ``seq-mean-token-mean``
           → ``sequence_mean``, ``seq-mean-token-sum-norm`` → ``sequence_sum_norm``
@@ -1289,6 +1293,7 @@ class LossConfig:
             "tau_pos": actor.get("tau_pos"),
             "tau_neg": actor.get("tau_neg"),
             "dro_beta": actor.get("dro_beta"),
+            **_verl_cov_values(policy),
         }
         takes = registry.lookup(surrogate).param_names
         if "dual_clip_c" in takes and clip_c <= 1:
@@ -1337,6 +1342,8 @@ _VERL_LOSS_MODES: dict[str, str] = {
     "dppo_tv": "dppo_tv",
     "dppo_kl": "dppo_kl",
     "dro": "dro",
+    "clip_cov": "clip_cov",
+    "kl_cov": "kl_cov",
 }
 _VERL_AGGREGATIONS: dict[str, str] = {
     "token-mean": "token_mean",
@@ -1429,6 +1436,17 @@ _VERL_POLICY_LOSS_KEYS: tuple[str, ...] = (
     "ppo_kl_coef",
     "rollout_correction",
 )
+
+
+def _verl_cov_values(policy: Mapping[str, Any]) -> dict[str, Any]:
+    """Clip-Cov / KL-Cov's keys of verl's ``actor.policy_loss`` (absent: the defaults of
+    verl's config, which are this library's; ``ppo_kl_coef: null`` is 1.0, the fallback
+    of verl's ``compute_policy_loss_kl_cov``, the others' null their config defaults)."""
+    keys = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+    values = {key: policy.get(key) for key in keys}
+    if "ppo_kl_coef" in policy and policy["ppo_kl_coef"] is None:
+        values["ppo_kl_coef"] = 1.0
+    return values
 
 
 def _verl_mapping(name: str, value: Any) -> Mapping[str, Any]:

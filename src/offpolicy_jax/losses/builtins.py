@@ -30,6 +30,7 @@ from offpolicy_jax.config import (
     _f32,
     check_f32_coefficient,
 )
+from offpolicy_jax.losses import covariance as cov
 from offpolicy_jax.losses import policy_losses as pl
 from offpolicy_jax.losses.registry import (
     NoParams,
@@ -232,6 +233,52 @@ class VESPOKernel:
                 bound = ">= 0" if "_k_" in key else "> 0"
                 raise ValueError(f"{_OWNER}.{key} must be a number {bound}, got {value!r}")
             check_f32_coefficient(_OWNER, key, value)
+
+
+def _selection_ratio(params, key: str) -> None:
+    """``params.key`` as a share of the tokens in ``(0, 1]`` (verl asserts ``> 0``)."""
+    _number(params, key)
+    value = getattr(params, key)
+    if value is None or not 0 < value <= 1:
+        raise ValueError(f"{_OWNER}.{key} must be in (0, 1] (a share of the tokens), got {value!r}")
+    check_f32_coefficient(_OWNER, key, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipCovParams(ClipRange):
+    """Clip-Cov: PPO's clip range, the share ``clip_cov_ratio`` of the tokens taken out of
+    the gradient and the covariance band ``(clip_cov_lb, clip_cov_ub)`` they are drawn
+    from (verl's ``actor.policy_loss`` keys and defaults)."""
+
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        _selection_ratio(self, "clip_cov_ratio")
+        _number(self, "clip_cov_lb")
+        _number(self, "clip_cov_ub")
+        lb, ub = self.clip_cov_lb, self.clip_cov_ub
+        if lb is None or ub is None or not _f32(lb) < _f32(ub):
+            raise ValueError(
+                f"{_OWNER}.clip_cov_lb must be < {_OWNER}.clip_cov_ub (in float32), got "
+                f"clip_cov_lb={lb!r}, clip_cov_ub={ub!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class KLCovParams:
+    """KL-Cov: the share ``kl_cov_ratio`` of the tokens penalised and the penalty's
+    coefficient ``ppo_kl_coef`` (verl's ``ActorConfig.policy_loss`` defaults; verl's
+    function falls back to 1.0 when the key is None, its config says 0.1)."""
+
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+
+    def __post_init__(self):
+        _selection_ratio(self, "kl_cov_ratio")
+        _non_negative(self, "ppo_kl_coef")
 
 
 # --------------------------------------------------------------------------- built-ins
@@ -465,6 +512,62 @@ def luspo(x: SurrogateInput, p: ClipRange) -> SurrogateTerms:
         clip_eps=p.clip_eps,
         clip_eps_high=p.upper_clip_eps,
     )
+
+
+@register_surrogate("clip_cov", params=ClipCovParams)
+def clip_cov(x: SurrogateInput, p: ClipCovParams) -> SurrogateTerms:
+    """Clip-Cov (:func:`.policy_losses.clip_cov`): PPO, with ``max(int(clip_cov_ratio·n),
+    1)`` tokens drawn with ``key`` among the unclipped ones whose covariance lies in
+    ``(clip_cov_lb, clip_cov_ub)`` taken out of the gradient (:mod:`.covariance`).
+    Needs ``policy_loss(..., key=jax.random.key(seed))``."""
+    if x.key is None:
+        raise ValueError(
+            "LossConfig.policy_loss='clip_cov' draws the tokens it takes out of the gradient "
+            "at random: pass key=jax.random.key(seed) to policy_loss (the library draws no "
+            "randomness of its own; the same key gives the same loss)"
+        )
+    members = cov.population(x)
+    covariance, n = cov.covariance(x, members)
+    ppo = ppo_surrogate(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        where=x.valid,
+        clip_eps=p.clip_eps,
+        clip_eps_high=p.upper_clip_eps,
+    )
+    band = (covariance > p.clip_cov_lb) & (covariance < p.clip_cov_ub)
+    candidates = members & ~ppo.clipped & band
+    axes = x.layout.axes
+    selected = cov.select_random(candidates, n, p.clip_cov_ratio, x.key, axes)
+    return pl.clip_cov(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        x.valid,
+        selected,
+        clip_eps=p.clip_eps,
+        clip_eps_high=p.upper_clip_eps,
+    )
+
+
+@register_surrogate("kl_cov", params=KLCovParams)
+def kl_cov(x: SurrogateInput, p: KLCovParams) -> SurrogateTerms:
+    """KL-Cov (:func:`.policy_losses.kl_cov`): ``ppo_kl_coef·|x|`` added on the
+    ``max(int(kl_cov_ratio·n), 1)`` tokens of largest covariance (:mod:`.covariance`).
+    Metrics ``ppo_kl_abs`` (mean ``|x|``, verl's ``actor/ppo_kl`` of this loss) and
+    ``kl_cov_frac`` (the share of penalised tokens)."""
+    members = cov.population(x)
+    covariance, n = cov.covariance(x, members)
+    selected = cov.select_top(covariance, members, n, p.kl_cov_ratio, x.layout.axes)
+    terms = pl.kl_cov(
+        x.logp, x.denominator, x.advantages, x.valid, selected, ppo_kl_coef=p.ppo_kl_coef
+    )
+    metrics = {
+        "ppo_kl_abs": _reduce.total(jnp.abs(jax.lax.stop_gradient(x.log_ratio)), x.mask),
+        "kl_cov_frac": _reduce.count_where(selected, x.mask),
+    }
+    return terms._replace(metrics=metrics)
 
 
 # --------------------------------------------------------------------------- the objective

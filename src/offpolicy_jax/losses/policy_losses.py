@@ -25,6 +25,8 @@ name           per-token loss ``ℓ`` (``x = θ − d``, ``r = e^x``)           
 ``two_sided_clip`` ``ppo_clip`` with ``r`` capped at ``δ`` (bounds ``A < 0``)   INTELLECT-2, 2025
 ``vespo``      ``−sg(φ)·A·θ``, ``φ = W^k·e^{λ(1 − W)}``, ``W = Π_t r_t·w_t``   VESPO, 2026
 ``luspo``      ``L·max(−A·s, −A·clip(s))``, ``L = Σ_t m'``, ``s`` as GSPO      LUSPO, 2026
+``clip_cov``   ``ppo_clip``'s ``ℓ``, 0 on a random few high-covariance tokens   Cui et al. 2025 (Clip-Cov)
+``kl_cov``     ``−A·r + [top-k covariance]·β·|x|``                              Cui et al. 2025 (KL-Cov)
 =============  ==============================================================  =========================
 
 Gradients at kinks follow the PyTorch reference (verl): a clamp passes the full
@@ -711,6 +713,81 @@ def two_sided_clip(
         dual_clip_c=delta,
     )
     return SurrogateTerms(terms.loss, terms.clipped, terms.clipped_lower)
+
+
+# --------------------------------------------------------------------------- Clip-Cov, KL-Cov
+
+
+def clip_cov(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    selected: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float,
+) -> SurrogateTerms:
+    """Clip-Cov (Cui et al. 2025, arXiv:2505.22617, §4): PPO without the selected tokens.
+
+    ``ℓ = [t ∉ S]·max(−r·A, −clip(r, 1 − ε, 1 + ε_high)·A)``: the clipped PPO loss, set
+    to 0 (value and gradient) on the selected tokens ``S``, a few chosen at random
+    among the unclipped tokens whose covariance ``(A − Ā)(θ − θ̄)`` lies in
+    ``(lb, ub)``; the selection is :func:`offpolicy_jax.losses.covariance.select_random`.
+    The selected tokens stay in the aggregation's denominator, as in verl
+    (``compute_policy_loss_clip_cov``, ``verl/trainer/ppo/core_algos.py``; the loss is
+    multiplied by ``corr = 0``).
+
+    Args:
+      logp, denominator_logp, advantages, valid: as :func:`dppo`.
+      selected: ``[..., T]`` bool, ``S``.
+      clip_eps: ``ε``.
+      clip_eps_high: ``ε_high``.
+
+    Returns:
+      :class:`SurrogateTerms`: ``clipped = S`` (verl's ``pg_clipfrac`` of this loss,
+      the share of tokens with ``corr = 0``).
+    """
+    terms = ppo_surrogate(
+        logp,
+        denominator_logp,
+        advantages,
+        where=valid,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+    )
+    return SurrogateTerms(jnp.where(selected, 0.0, terms.loss), selected & valid)
+
+
+def kl_cov(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    selected: jax.Array,
+    *,
+    ppo_kl_coef: float,
+) -> SurrogateTerms:
+    """KL-Cov (Cui et al. 2025, arXiv:2505.22617, §4): a KL penalty on the top tokens.
+
+    ``ℓ = −r·A + [t ∈ S]·β·|x|`` with ``x = θ − d``, ``r = exp(clip(x, −20, 20))``,
+    ``β`` = ``ppo_kl_coef`` and ``S`` the ``k`` tokens of largest covariance
+    ``(A − Ā)(θ − θ̄)`` (:func:`offpolicy_jax.losses.covariance.select_top`). No ratio
+    clipping. ``|x|`` has gradient ``sign(x)`` (0 at ``x = 0``, as ``torch.abs``).
+    verl: ``compute_policy_loss_kl_cov``, ``verl/trainer/ppo/core_algos.py``.
+
+    Args:
+      logp, denominator_logp, advantages, valid: as :func:`dppo`.
+      selected: ``[..., T]`` bool, ``S``.
+      ppo_kl_coef: ``β``.
+
+    Returns:
+      :class:`SurrogateTerms` (no clipped indicator).
+    """
+    log_ratio = safe_log_ratio(logp, denominator_logp, valid)
+    absolute = jnp.sign(log_ratio) * log_ratio  # d|x|/dx = sign(x): 0 at x = 0
+    penalty = jnp.where(selected & valid, ppo_kl_coef * absolute, 0.0)
+    return SurrogateTerms(-clamped_ratio(log_ratio) * _sg(advantages) + penalty)
 
 
 # --------------------------------------------------------------------------- KL, entropy
