@@ -249,3 +249,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _needs_eight_devices(item):
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # A test that skips itself for want of devices but is not marked `multi_device` would
+    # run in neither device layout: fail it, naming the marker that puts it in the second.
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and call.excinfo is not None and not _needs_eight_devices(item):
+        reason = str(call.excinfo.value).lower()
+        if "devices" in reason and "needs" in reason:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.nodeid} skipped itself ({reason}) but is not marked "
+                "@pytest.mark.multi_device, so no run of the suite would run it"
+            )

@@ -375,6 +375,7 @@ def _mesh(shape, names):
 
 
 @pytest.mark.slow
+@pytest.mark.multi_device
 @pytest.mark.parametrize(
     ("shape", "names", "axes"),
     [
