@@ -28,9 +28,8 @@ KL-Cov adds a KL penalty to the top ``k``. This module selects those tokens as v
 Order and ties, deterministic: tokens are ranked in the row-major ("flat") order of the
 call's global batch, with ``jax.lax.top_k`` on a float32 key (equal values: the lower
 flat position first) of static size ``max(int(ratio · size), 1)`` (``size`` the number
-of tokens, ``k`` never more), so no sort over the tokens (XLA:CPU sorts 131k tokens in
-~65 ms; its float32 TopK takes ~0.2 ms at verl's ratio 2e-4, ~1 ms at 1e-2 and ~6 ms
-at 0.1, and is a sort at 1). KL-Cov ranks the population by ``cov`` descending; a
+of tokens, ``k`` never more), so no sort over the tokens (the work grows with the ratio:
+a sort of every token at ratio 1; times in ``benchmarks/``). KL-Cov ranks the population by ``cov`` descending; a
 non-finite covariance ranks lowest (NaN and −inf as the lowest finite float32; +inf
 highest). Clip-Cov gives the token at flat position ``j`` the priority
 ``fmix32(fmix32(j) ^ seed) >> 8`` (:func:`priorities`, ``seed = bits(key)``) and keeps
@@ -194,9 +193,9 @@ def priorities(key: jax.Array, size: int) -> jax.Array:
     """Clip-Cov's priorities of the flat positions ``0 .. size − 1``: float32 integers
     in ``[0, 2^24)``, ``fmix32(fmix32(j) ^ seed) >> 8``, ``seed = bits(key)`` (uint32).
 
-    A counter-based hash of (seed, position): ~1 ns a token where ``fold_in`` per token
-    costs ~20; 24 bits so that float32 holds them exactly (``jax.lax.top_k`` ranks
-    float32 fast on CPU, integers by a sort).
+    A counter-based hash of (seed, position), a few integer operations a token (a
+    ``fold_in`` per token is a whole threefry); 24 bits so that a float32 holds them
+    exactly and the ranking runs on the same float32 ``jax.lax.top_k`` as KL-Cov's.
 
     Args:
       key: a typed PRNG key (or raw ``uint32[2]`` key data).
