@@ -20,9 +20,9 @@ import tempfile
 
 # Two CPU devices: the trainer on one, the sampler on the other (tunix then gives the
 # sampler its own, bf16, copy of the policy and syncs the weights after each step).
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-)
+# Set, not defaulted: an inherited JAX_NUM_CPU_DEVICES (our test suite runs with 1)
+# would otherwise win over any XLA flag.
+os.environ["JAX_NUM_CPU_DEVICES"] = "2"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
