@@ -192,8 +192,7 @@ def make_inputs() -> list[dict]:
         if config.policy_loss == "clip_cov":
             selected = registry.lookup("clip_cov").fn(x, config.params).clipped
         else:
-            members = cov.population(x)
-            c, n = cov.covariance(x, members)
+            members, c, n = cov.covariance(x)
             selected = cov.select_top(c, members, n, config.kl_cov_ratio, Rows().axes)
         np.savez_compressed(OUT / f"{name}.npz", **batch, selected=np.asarray(selected))
         manifest.append(

@@ -526,8 +526,7 @@ def clip_cov(x: SurrogateInput, p: ClipCovParams) -> SurrogateTerms:
             "at random: pass key=jax.random.key(seed) to policy_loss (the library draws no "
             "randomness of its own; the same key gives the same loss)"
         )
-    members = cov.population(x)
-    covariance, n = cov.covariance(x, members)
+    members, covariance, n = cov.covariance(x)
     ppo = ppo_surrogate(
         x.logp,
         x.denominator,
@@ -557,8 +556,7 @@ def kl_cov(x: SurrogateInput, p: KLCovParams) -> SurrogateTerms:
     ``max(int(kl_cov_ratio·n), 1)`` tokens of largest covariance (:mod:`.covariance`).
     Metrics ``ppo_kl_abs`` (mean ``|x|``, verl's ``actor/ppo_kl`` of this loss) and
     ``kl_cov_frac`` (the share of penalised tokens)."""
-    members = cov.population(x)
-    covariance, n = cov.covariance(x, members)
+    members, covariance, n = cov.covariance(x)
     selected = cov.select_top(covariance, members, n, p.kl_cov_ratio, x.layout.axes)
     terms = pl.kl_cov(
         x.logp, x.denominator, x.advantages, x.valid, selected, ppo_kl_coef=p.ppo_kl_coef

@@ -52,7 +52,6 @@ from offpolicy_jax.losses.registry import SurrogateInput
 
 __all__ = [
     "covariance",
-    "population",
     "priorities",
     "select_random",
     "select_top",
@@ -60,49 +59,53 @@ __all__ = [
 ]
 
 
-def population(x: SurrogateInput) -> jax.Array:
-    """The tokens the selection sees: ``m' > 0`` in sequences with a finite ``log π_θ``.
+def covariance(x: SurrogateInput) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The population, ``cov_t = (A_t − Ā)·(θ_t − θ̄)`` over it (stop-gradient), its size.
+
+    The population (the *members*) is the tokens with ``m' > 0`` in sequences whose
+    ``log π_θ`` is finite at every valid token. ``Ā = Σ A / n`` and ``θ̄ = Σ θ / n``
+    over the members of the whole call (all devices of ``x.layout.axes``); ``cov`` is
+    0 outside the members, and everything is 0 when there are none.
+
+    A sequence is in or out as a whole, so the members' sums are the per-sequence sums
+    over ``m' > 0`` of the sequences in: one pass of the layout takes them with the
+    non-finite count that decides it (a sequence out is dropped with ``where``, NaN
+    and all).
 
     Args:
       x: the surrogate's input.
 
     Returns:
-      ``[..., T]`` bool.
+      ``(members [..., T] bool, cov [..., T] float32, n)``, ``n`` the global number of
+      members (float32 scalar).
     """
-    valid = jnp.where(x.valid, 1.0, 0.0)
-    bad = x.layout.reduce({"bad": _reduce.count_where(~jnp.isfinite(x.logp), valid)})["bad"]
-    finite = x.layout.broadcast(bad == 0)
-    return (x.mask > 0) & jnp.broadcast_to(finite, x.mask.shape)
-
-
-def _psum(value, axes) -> jax.Array:
-    names = tuple(axes.batch) + tuple(axes.token)
-    return jax.lax.psum(value, names) if names else value
-
-
-def covariance(x: SurrogateInput, members: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``cov_t = (A_t − Ā)·(θ_t − θ̄)`` over ``members`` (stop-gradient), and their count.
-
-    ``Ā = Σ A / n`` and ``θ̄ = Σ θ / n`` over the members of the whole call (all devices
-    of ``x.layout.axes``); ``cov`` is 0 outside ``members``, and everything is 0 when
-    there are none.
-
-    Args:
-      x: the surrogate's input.
-      members: ``[..., T]`` bool, :func:`population`.
-
-    Returns:
-      ``(cov [..., T] float32, n)``, ``n`` the global number of members (float32 scalar).
-    """
-    theta = jax.lax.stop_gradient(jnp.where(members, x.logp, 0.0))
-    adv = jax.lax.stop_gradient(jnp.where(members, x.advantages, 0.0))
-    sums = _psum(
-        (jnp.sum(adv), jnp.sum(theta), jnp.sum(jnp.where(members, 1.0, 0.0))), x.layout.axes
+    kept = jnp.where(x.mask > 0, 1.0, 0.0)
+    theta = jax.lax.stop_gradient(x.logp)
+    adv = jax.lax.stop_gradient(x.advantages)
+    per_seq = x.layout.reduce(
+        {
+            "bad": _reduce.count_where(~jnp.isfinite(x.logp), jnp.where(x.valid, 1.0, 0.0)),
+            "adv": _reduce.total(adv, kept),
+            "theta": _reduce.total(theta, kept),
+            "count": _reduce.count(kept),
+        }
     )
+    finite = per_seq["bad"] == 0
+    sums = _over_batch_axes(
+        tuple(jnp.sum(jnp.where(finite, per_seq[k], 0.0)) for k in ("adv", "theta", "count")),
+        x.layout.axes,
+    )
+    members = (x.mask > 0) & jnp.broadcast_to(x.layout.broadcast(finite), x.mask.shape)
     n = sums[2]
     safe_n = jnp.where(n > 0, n, 1.0)
     cov = (adv - sums[0] / safe_n) * (theta - sums[1] / safe_n)
-    return jnp.where(members, cov, 0.0), n
+    return members, jnp.where(members, cov, 0.0), n
+
+
+def _over_batch_axes(values: tuple, axes) -> tuple:
+    """Batch totals of this device's rows summed over the data-parallel mesh axes (the
+    layout already combined each sequence over the token axes)."""
+    return jax.lax.psum(values, tuple(axes.batch)) if axes.batch else values
 
 
 @functools.lru_cache(maxsize=64)
