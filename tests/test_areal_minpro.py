@@ -506,10 +506,13 @@ def test_exclusive_min_matches_loops(data, shape):
     ids = data.draw(hnp.arrays(np.int32, shape, elements=st.integers(0, 3)))
     population = data.draw(hnp.arrays(np.float32, shape, elements=st.sampled_from([0.0, 0.5, 1.0])))
     population = np.where(ids > 0, population, 0.0).astype(np.float32)
-    rows = _reduce.Rows().exclusive_min(jnp.asarray(values), jnp.asarray(population))
+    rows = jax.jit(lambda v, p: _reduce.Rows().exclusive_min(v, p))(values, population)
     np.testing.assert_array_equal(np.asarray(rows), rules_ref.minpro_prefix_min(values, population))
-    packed = _reduce.Packed(opj.MeshAxes(), jnp.asarray(ids), 3)
-    got = np.asarray(packed.exclusive_min(jnp.asarray(values), jnp.asarray(population)))
+    got = np.asarray(
+        jax.jit(lambda v, p, i: _reduce.Packed(opj.MeshAxes(), i, 3).exclusive_min(v, p))(
+            values, population, ids
+        )
+    )
     want = np.full(shape, np.inf)
     for r, t in np.ndindex(*shape):
         earlier = (ids[r, :t] == ids[r, t]) & (population[r, :t] > 0)
@@ -717,12 +720,14 @@ def test_decoupled_loss_matches_a_port_of_areals_loss(name):
         aggregation="token_mean",
         rejected_in_denominator=True,
     )
-    got, got_grad = jax.value_and_grad(
-        lambda lp: opj.policy_loss(lp, prox, old, adv, mask, config)[0]
+    got, got_grad = jax.jit(
+        jax.value_and_grad(lambda lp: opj.policy_loss(lp, prox, old, adv, mask, config)[0])
     )(theta)
-    want, want_grad = jax.value_and_grad(
-        lambda lp: _areal_loss_port(
-            lp, prox, old, adv, jnp.asarray(mask), GRID[name], eps, eps_high, c_clip
+    want, want_grad = jax.jit(
+        jax.value_and_grad(
+            lambda lp: _areal_loss_port(
+                lp, prox, old, adv, jnp.asarray(mask), GRID[name], eps, eps_high, c_clip
+            )
         )
     )(theta)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-7)

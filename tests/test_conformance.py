@@ -47,8 +47,13 @@ def _expect_config_error(case, build):
     assert any(key in str(info.value) for key in err["key_any_of"] or [""]), str(info.value)
 
 
+# Both reductions in one program: one compile a case (the two share their first pass).
 _correct = jax.jit(
-    lambda o, b, m, c, r: opj.compute_correction(o, b, m, c, reduction=r), static_argnums=(3, 4)
+    lambda o, b, m, c: {
+        tag: opj.compute_correction(o, b, m, c, reduction=reduction)
+        for reduction, tag in (("sequence", "seq"), ("token", "tok"))
+    },
+    static_argnums=3,
 )
 
 
@@ -63,10 +68,9 @@ def test_correction_case(case):
     args = (inputs["old_logp"], inputs["rollout_logp"], inputs["mask"], config)
     if err["raised"]:
         with pytest.raises((ValueError, TypeError)):
-            _correct(*args, "sequence")
+            _correct(*args)
         return
-    for reduction, tag in (("sequence", "seq"), ("token", "tok")):
-        res = _correct(*args, reduction)
+    for tag, res in _correct(*args).items():
         assert res.weights.dtype == np.float32 and res.mask.dtype == np.float32
         if case["compare"]["weights"]:
             assert res.weights.shape == data["weights"].shape

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -42,11 +43,16 @@ def make_dump(seed=0, batch=29, length=24, sigma=0.3, spike=0.02, drift=0.0, nan
     return old, rollout, mask
 
 
+# The whole dump in one call, the reference the pooled chunks must equal (jitted: one
+# compile per config, not an eager dispatch per operation).
+_whole_batch = jax.jit(opj.compute_correction, static_argnums=3, static_argnames="reduction")
+
+
 def _check_equal(report, old, rollout, mask, reduction):
     configs = {"metrics": METRICS_ONLY} | {w.name: w.build() for w in WHAT_IFS}
     for name, config in configs.items():
         got = report["metrics"] if name == "metrics" else report["what_if"][name]["metrics"]
-        want = opj.compute_correction(old, rollout, mask, config, reduction=reduction).metrics
+        want = _whole_batch(old, rollout, mask, config, reduction=reduction).metrics
         assert set(got) == set(want), name
         for key, value in want.items():
             np.testing.assert_allclose(
@@ -137,7 +143,7 @@ def test_accumulator_pools_rule_and_band_metrics_exactly(split, reduction):
     extremes = 0
     for name, config in configs.items():
         got = acc.metrics(name)
-        want = opj.compute_correction(old, rollout, mask, config, reduction=reduction).metrics
+        want = _whole_batch(old, rollout, mask, config, reduction=reduction).metrics
         assert set(got) == set(want), name
         for key, value in want.items():
             np.testing.assert_allclose(
@@ -173,7 +179,7 @@ def test_accumulator_extremes_of_a_dump_without_valid_sequence_are_zero():
     for chunk in _chunks(old[rows], rollout[rows], mask[rows], [3]):
         acc.add(chunk)
     got = acc.metrics("trm")
-    want = opj.compute_correction(old[rows], rollout[rows], mask[rows], config).metrics
+    want = _whole_batch(old[rows], rollout[rows], mask[rows], config).metrics
     assert got == pytest.approx({k: float(v) for k, v in want.items()}, abs=1e-7)
     assert got["mis_rs_seq_mean_k3_max"] == got["mis_rs_seq_mean_k3_min"] == 0
 

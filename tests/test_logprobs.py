@@ -108,14 +108,15 @@ def test_token_logprobs_match_float64_reference(case):
     )
     # A cumulative mass within float32 rounding of p is decided by the rounding.
     assume(np.all(margin > 1e-5))
-    logp, ent = opj.token_logprobs(
-        jnp.asarray(logits, DTYPES[dtype]),
-        jnp.asarray(tokens),
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        return_entropy=True,
-    )
+    logp, ent = jax.jit(
+        functools.partial(
+            opj.token_logprobs,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            return_entropy=True,
+        )
+    )(jnp.asarray(logits, DTYPES[dtype]), jnp.asarray(tokens))
     assert logp.dtype == jnp.float32 and ent.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(logp), want_logp, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ent), want_ent, rtol=1e-5, atol=1e-5)
@@ -133,7 +134,7 @@ def test_token_logprobs_match_float64_reference(case):
         lp = opj.token_logprobs(x, tokens, temperature=temperature, top_k=top_k, top_p=top_p)
         return jnp.sum(jnp.where(inside, lp, 0.0) * cot)
 
-    grad = jax.grad(f)(jnp.asarray(logits, jnp.float32))
+    grad = jax.jit(jax.grad(f))(jnp.asarray(logits, jnp.float32))
     z = logits / temperature
     # log-sum-exp over the support, recovered from the reference: z_y - log π(y).
     lse = np.take_along_axis(z, tokens[..., None], -1)[..., 0] - want_logp
@@ -260,11 +261,11 @@ def test_from_hidden_values_and_gradients_match_log_softmax(case):
         return_entropy=True,
     )
     ref = functools.partial(jax_reference, tokens=jnp.asarray(tokens), temperature=temperature)
-    (got, (lp, ent)), grads = jax.value_and_grad(
-        lambda h, w: loss(mine, h, w), (0, 1), has_aux=True
+    (got, (lp, ent)), grads = jax.jit(
+        jax.value_and_grad(lambda h, w: loss(mine, h, w), (0, 1), has_aux=True)
     )(h, w)
-    (want, (want_lp, want_ent)), want_grads = jax.value_and_grad(
-        lambda h, w: loss(ref, h, w), (0, 1), has_aux=True
+    (want, (want_lp, want_ent)), want_grads = jax.jit(
+        jax.value_and_grad(lambda h, w: loss(ref, h, w), (0, 1), has_aux=True)
     )(h, w)
     assert lp.dtype == jnp.float32
     np.testing.assert_allclose(lp, want_lp, rtol=2e-5, atol=2e-5)

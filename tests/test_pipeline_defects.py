@@ -40,11 +40,22 @@ def _batch():
     }
 
 
-def _value_and_grad(batch, config):
-    def loss(lp):
-        return opj.policy_loss(lp, *(batch[k] for k in list(batch)[1:]), config)
+# The batch as arguments, not constants: one compile per config and shape, shared by
+# the tests (a closure over the batch compiled a program per call).
+_jit_value_and_grad = jax.jit(
+    jax.value_and_grad(
+        lambda lp, old, rollout, adv, mask, config: opj.policy_loss(
+            lp, old, rollout, adv, mask, config
+        ),
+        has_aux=True,
+    ),
+    static_argnums=5,
+)
 
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))(batch["logp"])
+
+def _value_and_grad(batch, config):
+    keys = ("logp", "old_logp", "rollout_logp", "advantages", "mask")
+    return _jit_value_and_grad(*(batch[k] for k in keys), config)
 
 
 def _without_row(batch, row):

@@ -125,15 +125,11 @@ def async_batches(draw):
 @given(async_batches())
 def test_async_rules_match_numpy_reference(case):
     old, rollout, mask, versions, current, cfg, reduction = case
-    res = opj.compute_correction(
-        jnp.asarray(old, jnp.float32),
-        jnp.asarray(rollout, jnp.float32),
-        mask,
-        cfg,
-        reduction=reduction,
-        versions=versions,
-        current_version=current,
-    )
+    res = jax.jit(
+        lambda o, b, m, v, c: opj.compute_correction(
+            o, b, m, cfg, reduction=reduction, versions=v, current_version=c
+        )
+    )(jnp.asarray(old, jnp.float32), jnp.asarray(rollout, jnp.float32), mask, versions, current)
     keep, weights, metrics = np_async(
         np.asarray(old, np.float32),
         np.asarray(rollout, np.float32),
