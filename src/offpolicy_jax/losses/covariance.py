@@ -91,21 +91,13 @@ def covariance(x: SurrogateInput) -> tuple[jax.Array, jax.Array, jax.Array]:
         }
     )
     finite = per_seq["bad"] == 0
-    sums = _over_batch_axes(
-        tuple(jnp.sum(jnp.where(finite, per_seq[k], 0.0)) for k in ("adv", "theta", "count")),
-        x.layout.axes,
+    count = jnp.where(finite, per_seq["count"], 0.0)
+    means = x.layout.batch_means(
+        {k: _reduce.MeanParts(jnp.where(finite, per_seq[k], 0.0), count) for k in ("adv", "theta")}
     )
     members = (x.mask > 0) & jnp.broadcast_to(x.layout.broadcast(finite), x.mask.shape)
-    n = sums[2]
-    safe_n = jnp.where(n > 0, n, 1.0)
-    cov = (adv - sums[0] / safe_n) * (theta - sums[1] / safe_n)
-    return members, jnp.where(members, cov, 0.0), n
-
-
-def _over_batch_axes(values: tuple, axes) -> tuple:
-    """Batch totals of this device's rows summed over the data-parallel mesh axes (the
-    layout already combined each sequence over the token axes)."""
-    return jax.lax.psum(values, tuple(axes.batch)) if axes.batch else values
+    cov = (adv - means["adv"].value()) * (theta - means["theta"].value())
+    return members, jnp.where(members, cov, 0.0), means["adv"].denominator
 
 
 @functools.lru_cache(maxsize=64)
