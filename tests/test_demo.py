@@ -19,6 +19,8 @@ import pytest
 pytest.importorskip("flax")
 pytest.importorskip("matplotlib")
 
+from run_once import shared_folder
+
 from offpolicy_jax.demo import cli, engine, task, train
 from offpolicy_jax.demo.model import round_mantissa
 
@@ -57,11 +59,16 @@ def run_cli(out: Path, *flags: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """The console command, as a user runs it, at a tiny size."""
-    out = tmp_path_factory.mktemp("demo") / "out"
-    proc = run_cli(out, "--steps", "4", "--seeds", "2", "--algorithms", ",".join(TINY_ALGOS))
-    assert proc.returncode == 0, proc.stderr
-    return out, proc.stdout
+    """The console command, as a user runs it, at a tiny size (once per test run)."""
+
+    def build(folder):
+        flags = ("--steps", "4", "--seeds", "2", "--algorithms", ",".join(TINY_ALGOS))
+        proc = run_cli(folder / "out", *flags)
+        assert proc.returncode == 0, proc.stderr
+        (folder / "stdout.txt").write_text(proc.stdout)
+
+    folder = shared_folder(tmp_path_factory, "demo_tiny_run", build)
+    return folder / "out", (folder / "stdout.txt").read_text()
 
 
 @pytest.mark.slow  # an end-to-end demo run (~20 s); the README quick start runs one too

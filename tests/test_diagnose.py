@@ -11,6 +11,8 @@ import pytest
 pytest.importorskip("pyarrow")
 pytest.importorskip("matplotlib")
 
+from run_once import shared_folder  # noqa: E402
+
 import offpolicy_jax as opj  # noqa: E402
 from offpolicy_jax.demo import cli  # noqa: E402
 from offpolicy_jax.diagnose import (  # noqa: E402
@@ -462,31 +464,37 @@ def _load_dumps(paths):
     )
 
 
-@pytest.fixture(scope="module")
-def demo_dumps(tmp_path_factory):
-    """Dumps written by the demo itself: stale engine (default severity), and a precision
-    mismatch at 5 mantissa bits (mild) and at 1 bit (severe); every step of the tiny run."""
-    root = tmp_path_factory.mktemp("demo_dumps")
-    rows = "ppo,decoupled_ppo+mis"
-    runs = {
-        "stale": ("--mismatch", "stale"),
-        "mild": ("--mismatch", "precision", "--severity", "3"),
-        "severe": ("--mismatch", "precision", "--severity", "7"),
-    }
-    return {
-        name: _demo_dump(root / name, "--algorithms", rows, "--dump-steps", "4", *flags)
-        for name, flags in runs.items()
-    }
+_DEMO_DUMP_RUNS = {
+    "stale": ("--mismatch", "stale"),
+    "mild": ("--mismatch", "precision", "--severity", "3"),
+    "severe": ("--mismatch", "precision", "--severity", "7"),
+}
+
+
+@pytest.fixture
+def demo_dump(tmp_path_factory):
+    """``demo_dump(run)``: the folder of dumps the demo itself wrote, each run built once
+    per test run: a stale engine (default severity), and a precision mismatch at 5
+    mantissa bits (mild) and at 1 bit (severe); every step of the tiny run."""
+
+    def get(run):
+        def build(folder):
+            flags = ("--algorithms", "ppo,decoupled_ppo+mis", "--dump-steps", "4")
+            _demo_dump(folder, *flags, *_DEMO_DUMP_RUNS[run])
+
+        return shared_folder(tmp_path_factory, f"demo_dump_{run}", build) / "dumps"
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["stale", "severe"])
-def test_demo_dump_report_equals_compute_correction(demo_dumps, run, tmp_path, capsys):
+def test_demo_dump_report_equals_compute_correction(demo_dump, run, tmp_path, capsys):
     """The must-show of issue 15: `offpolicy-jax diagnose` on the demo's own dump reports
     the metrics of one `compute_correction` call on the same arrays (every config)."""
     from offpolicy_jax.diagnose import readers
 
-    dumps = demo_dumps[run]
+    dumps = demo_dump(run)
     index = json.loads((dumps / "index.json").read_text())
     assert index["steps"] == [1, 2, 3, 4] and set(index["files"]) == {"ppo", "decoupled_ppo+mis"}
     assert sorted(p.name for p in dumps.glob("*.npz")) == sorted(
@@ -509,13 +517,13 @@ def test_demo_dump_report_equals_compute_correction(demo_dumps, run, tmp_path, c
 
 
 @pytest.mark.slow
-def test_demo_dump_recommendation_mild_vs_severe(demo_dumps):
+def test_demo_dump_recommendation_mild_vs_severe(demo_dump):
     """The demo's engine at 5 and at 1 mantissa bits: token TIS for the mild mismatch,
     sequence-level rejection (geometric RS + veto, or mis.yaml) for the severe one, in
     the direction README.md's "Diagnose a run" explains (k3 below / above 1e-2)."""
     got = {}
     for run in ("mild", "severe"):
-        report = diagnose(str(demo_dumps[run] / "*.npz"))
+        report = diagnose(str(demo_dump(run) / "*.npz"))
         got[run] = report
     mild, severe = got["mild"], got["severe"]
     assert 1e-4 <= mild["metrics"]["mis_k3_kl"] < 1e-2 <= severe["metrics"]["mis_k3_kl"]
