@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import shutil
 import time
 from collections.abc import Callable
@@ -56,3 +57,17 @@ def shared_folder(
         raise
     done.touch()
     return folder
+
+
+def shared_value(
+    tmp_path_factory: pytest.TempPathFactory, name: str, compute: Callable[[], object]
+) -> object:
+    """``compute()`` once per test run (a picklable value: NumPy arrays, not jax.Arrays),
+    read back by every worker that asks."""
+
+    def build(folder: pathlib.Path) -> None:
+        with open(folder / "value.pkl", "wb") as f:
+            pickle.dump(compute(), f)
+
+    with open(shared_folder(tmp_path_factory, name, build) / "value.pkl", "rb") as f:
+        return pickle.load(f)

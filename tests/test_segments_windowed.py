@@ -13,6 +13,8 @@ NumPy.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,6 +153,18 @@ _SIZES = [(515, 8)] + [
 _FAST_KINDS = ("ordered", "short", "garbage_tail", "random")
 
 
+# Module-level and keyed by the static arguments: the kinds of ids of one size share
+# their three programs (a jit of a fresh closure per test compiled them again).
+@functools.partial(jax.jit, static_argnames=("k", "contiguous"))
+def _segment_reduce(values, population, ids, *, k, contiguous):
+    return _segments.segment_reduce(
+        _columns(values, population), ids, k, MeshAxes(), contiguous=contiguous
+    )
+
+
+_contiguous_rows = jax.jit(_segments.contiguous_rows, static_argnums=1)
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize(("length", "k"), _SIZES)
 @pytest.mark.parametrize(
@@ -167,19 +181,15 @@ def test_windowed_matches_numpy(one_device, length, k, kind):
     values, population = _data(rng, ids, 7, k)  # 3 sums, 2 mins, 2 maxes in two loops
     assert _windows.use_windows(jnp.asarray(values[0]), k)
 
-    def reduce(values, population, ids, contiguous=False):
-        return _segments.segment_reduce(
-            _columns(values, population), ids, k, MeshAxes(), contiguous=contiguous
-        )
-
-    _check(jax.jit(reduce)(values, population, ids), values, population, ids, k)
-    ok = bool(jax.jit(_segments.contiguous_rows, static_argnums=1)(ids, k))
+    exact = _segment_reduce(values, population, ids, k=k, contiguous=False)
+    _check(exact, values, population, ids, k)
+    ok = bool(_contiguous_rows(ids, k))
     assert ok == _windowable(ids, window, k)
     if kind in ("ordered", "edges", "padding"):
         assert ok  # the packed layouts of the field never fall back
     if ok:
-        got = jax.jit(lambda *a: reduce(*a, contiguous=True))(values, population, ids)
-        _check(got, values, population, ids, k)
+        windowed = _segment_reduce(values, population, ids, k=k, contiguous=True)
+        _check(windowed, values, population, ids, k)
 
 
 @pytest.mark.heavy

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from run_once import shared_value
 
 import offpolicy_jax as opj
 
@@ -56,9 +57,9 @@ def _put(mesh, token_spec, keys=None):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(tmp_path_factory):
     """The unsharded call on the unpadded batch (computed outside any mesh context)."""
-    return mc.unsharded_reference()
+    return shared_value(tmp_path_factory, "sharding_reference", mc.unsharded_reference)
 
 
 def _assert_matches(got, reference):

@@ -20,6 +20,7 @@ import packing_cases as pc
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from run_once import shared_value
 
 import offpolicy_jax as opj
 
@@ -83,10 +84,13 @@ EVALUATE = functools.partial(mc.evaluate_all, losses=LOSSES, corrections=CORRECT
 
 
 @pytest.fixture(scope="module")
-def reference():
-    cpu = jax.devices("cpu")[0]
-    data = {k: jax.device_put(v, cpu) for k, v in mc.make_batch().items()}
-    return mc.to_numpy(jax.jit(EVALUATE)(data))
+def reference(tmp_path_factory):
+    def compute():
+        cpu = jax.devices("cpu")[0]
+        data = {k: jax.device_put(v, cpu) for k, v in mc.make_batch().items()}
+        return mc.to_numpy(jax.jit(EVALUATE)(data))
+
+    return shared_value(tmp_path_factory, "sharding_areal_minpro_reference", compute)
 
 
 def _mesh(shape, names):

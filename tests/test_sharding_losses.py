@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from run_once import shared_value
 
 import offpolicy_jax as opj
 from offpolicy_jax.config import AGGREGATIONS
@@ -56,13 +57,17 @@ def _on_cpu(arrays):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(tmp_path_factory):
     evaluate = functools.partial(
         mc.evaluate_all,
         losses={k: v for k, v in mc.SURROGATE_LOSSES.items() if k not in PADDED_LOSSES},
         corrections={},
     )
-    return mc.to_numpy(jax.jit(evaluate)(_on_cpu(mc.make_batch())))
+    return shared_value(
+        tmp_path_factory,
+        "sharding_losses_reference",
+        lambda: mc.to_numpy(jax.jit(evaluate)(_on_cpu(mc.make_batch()))),
+    )
 
 
 def _padded_reference(padded: dict) -> dict:
