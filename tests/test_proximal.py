@@ -258,7 +258,7 @@ def test_packed_rows_equal_one_sequence_per_row():
                 **kw,
             )
 
-        return jax.value_and_grad(f, has_aux=True)(jnp.asarray(x["logp"]))
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(x["logp"]))
 
     (got, got_metrics), got_grad = call(
         a, segment_ids=packed.segment_ids, num_segments=packed.num_segments

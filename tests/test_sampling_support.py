@@ -144,15 +144,14 @@ def test_trainers_own_top_k_set_equals_top_k(k):
     logits = hidden @ w
     ids = jax.lax.top_k(logits / 0.7, k)[1]  # continuous logits: no ties at the k-th value
     tokens = jnp.where(jnp.arange(6) % 2 == 0, ids[..., 0], ids[..., -1] if k > 1 else 3)
-    want, want_ent = opj.token_logprobs(
-        logits, tokens, temperature=0.7, top_k=k, return_entropy=True
-    )
-    got, ent = opj.token_logprobs(logits, tokens, temperature=0.7, support=ids, return_entropy=True)
+    # Jitted: one compile per call, not an eager dispatch per operation.
+    logprobs = functools.partial(opj.token_logprobs, temperature=0.7, return_entropy=True)
+    want, want_ent = jax.jit(functools.partial(logprobs, top_k=k))(logits, tokens)
+    got, ent = jax.jit(logprobs)(logits, tokens, support=ids)
     _close(got, np.asarray(want, np.float64), 1e-6)  # same set; the sums' order may differ
     np.testing.assert_allclose(ent, want_ent, rtol=1e-6, atol=1e-6)
-    got_h = opj.token_logprobs_from_hidden(
-        hidden, w, tokens, temperature=0.7, support=ids, chunk_size=5
-    )
+    from_hidden = functools.partial(opj.token_logprobs_from_hidden, temperature=0.7, chunk_size=5)
+    got_h = jax.jit(from_hidden)(hidden, w, tokens, support=ids)
     _close(got_h, np.asarray(want, np.float64), 1e-5)
 
 

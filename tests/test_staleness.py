@@ -202,7 +202,9 @@ def test_packed_rows_equal_one_sequence_per_row():
     )
     packed = opj.pack_sequences(seqs, 12, max_segments=3)
     a = packed.arrays
-    got = opj.compute_correction(
+    # Jitted (one compile per layout, not an eager dispatch per operation).
+    correct = jax.jit(opj.compute_correction, static_argnums=3, static_argnames=("num_segments",))
+    got = correct(
         a["old"],
         a["rollout"],
         a["mask"],
@@ -214,7 +216,7 @@ def test_packed_rows_equal_one_sequence_per_row():
     )
     rows = opj.unpack_sequences(a, packed.segment_ids, packed.num_segments, length=12)
     rows = {k: v.reshape(-1, 12) for k, v in rows.items()}
-    want = opj.compute_correction(
+    want = correct(
         rows["old"],
         rows["rollout"],
         rows["mask"],
