@@ -570,14 +570,19 @@ def compare(got: dict, want: dict, *, real_shape=(REAL_B, REAL_T)) -> list[str]:
 _REFERENCE_CACHE: dict[Any, dict] = {}
 
 
+def cpu_reference(evaluate, seed: int = 0) -> dict:
+    """``evaluate`` jitted on the unpadded batch on one CPU device, as NumPy arrays."""
+    cpu = jax.devices("cpu")[0]
+    data = {k: jax.device_put(v, cpu) for k, v in make_batch(seed).items()}
+    return to_numpy(jax.jit(evaluate)(data))
+
+
 def unsharded_reference(seed: int = 0) -> dict:
     """The plain, unsharded call on the unpadded batch, on one CPU device (cached)."""
     if seed not in _REFERENCE_CACHE:
-        cpu = jax.devices("cpu")[0]
-        data = {k: jax.device_put(v, cpu) for k, v in make_batch(seed).items()}
         corrections = {k: CORRECTIONS[k] for k in FULL_CORRECTIONS + CORE_CORRECTIONS}
         evaluate = functools.partial(evaluate_all, corrections=corrections)
-        _REFERENCE_CACHE[seed] = to_numpy(jax.jit(evaluate)(data))
+        _REFERENCE_CACHE[seed] = cpu_reference(evaluate, seed)
     return _REFERENCE_CACHE[seed]
 
 

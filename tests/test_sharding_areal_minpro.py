@@ -85,12 +85,9 @@ EVALUATE = functools.partial(mc.evaluate_all, losses=LOSSES, corrections=CORRECT
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    def compute():
-        cpu = jax.devices("cpu")[0]
-        data = {k: jax.device_put(v, cpu) for k, v in mc.make_batch().items()}
-        return mc.to_numpy(jax.jit(EVALUATE)(data))
-
-    return shared_value(tmp_path_factory, "sharding_areal_minpro_reference", compute)
+    return shared_value(
+        tmp_path_factory, "sharding_areal_minpro_reference", lambda: mc.cpu_reference(EVALUATE)
+    )
 
 
 def _mesh(shape, names):

@@ -66,7 +66,7 @@ def reference(tmp_path_factory):
     return shared_value(
         tmp_path_factory,
         "sharding_losses_reference",
-        lambda: mc.to_numpy(jax.jit(evaluate)(_on_cpu(mc.make_batch()))),
+        lambda: mc.cpu_reference(evaluate),
     )
 
 

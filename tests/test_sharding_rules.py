@@ -77,12 +77,9 @@ EVALUATE = functools.partial(mc.evaluate_all, losses=RULE_LOSSES, corrections=RU
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    def compute():
-        cpu = jax.devices("cpu")[0]
-        data = {k: jax.device_put(v, cpu) for k, v in mc.make_batch().items()}
-        return mc.to_numpy(jax.jit(EVALUATE)(data))
-
-    return shared_value(tmp_path_factory, "sharding_rules_reference", compute)
+    return shared_value(
+        tmp_path_factory, "sharding_rules_reference", lambda: mc.cpu_reference(EVALUATE)
+    )
 
 
 def _mesh(shape, names):
