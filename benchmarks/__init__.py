@@ -1,1 +1,11 @@
-"""Benchmarks of offpolicy-jax: ``python -m benchmarks.run`` (see docs/benchmarks.md)."""
+"""Benchmarks of offpolicy-jax: ``python -m benchmarks.run`` (see docs/benchmarks.md).
+
+Compile times here are cold compiles. A persistent XLA compilation cache (a
+``JAX_COMPILATION_CACHE_DIR`` of the user's, or the one the test suite shares across its
+processes) would hand programs back from disk and time the disk instead, so it is off
+for every benchmark.
+"""
+
+import jax
+
+jax.config.update("jax_enable_compilation_cache", False)
