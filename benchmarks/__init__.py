@@ -1,9 +1,8 @@
 """Benchmarks of offpolicy-jax: ``python -m benchmarks.run`` (see docs/benchmarks.md).
 
-Compile times here are cold compiles. A persistent XLA compilation cache (a
-``JAX_COMPILATION_CACHE_DIR`` of the user's, or the one the test suite shares across its
-processes) would hand programs back from disk and time the disk instead, so it is off
-for every benchmark.
+Compile times here are cold compiles. A persistent XLA compilation cache (a user's
+``JAX_COMPILATION_CACHE_DIR``) would hand programs back from disk and time the disk
+instead, so it is off for every benchmark.
 """
 
 import jax
