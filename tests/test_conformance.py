@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import builtins
+import functools
 
+import grouped_cases
 import jax
 import numpy as np
 import pytest
@@ -47,30 +49,47 @@ def _expect_config_error(case, build):
     assert any(key in str(info.value) for key in err["key_any_of"] or [""]), str(info.value)
 
 
-# Both reductions in one program: one compile a case (the two share their first pass).
-_correct = jax.jit(
-    lambda o, b, m, c: {
-        tag: opj.compute_correction(o, b, m, c, reduction=reduction)
-        for reduction, tag in (("sequence", "seq"), ("token", "tok"))
-    },
-    static_argnums=3,
-)
+# Both reductions in one program, the cases of one chunk and input shape in one program
+# (tests/grouped_cases.py): the two reductions share their first pass, and a program's
+# fixed cost is paid once for the group.
+@functools.partial(jax.jit, static_argnums=1)
+def _correct_group(args, configs):
+    return [
+        {
+            tag: opj.compute_correction(*arrays, config, reduction=reduction)
+            for reduction, tag in (("sequence", "seq"), ("token", "tok"))
+        }
+        for arrays, config in zip(args, configs, strict=True)
+    ]
+
+
+def _correction_prepared(case):
+    if case["expect_error"]["raised"]:
+        return None
+    inputs, _ = load_inputs(case)
+    return _correction_config(case), (inputs["old_logp"], inputs["rollout_logp"], inputs["mask"])
+
+
+def _run_correction_group(prepared):
+    configs, args = zip(*prepared, strict=True)
+    return _correct_group(list(args), tuple(configs))
 
 
 @_params("correction")
-def test_correction_case(case):
+def test_correction_case(case, request):
     err = case["expect_error"]
     if err["raised"] and err["stage"] == "config":
         _expect_config_error(case, _correction_config)
         return
     config = _correction_config(case)
     inputs, data = load_inputs(case)
-    args = (inputs["old_logp"], inputs["rollout_logp"], inputs["mask"], config)
     if err["raised"]:
+        args = (inputs["old_logp"], inputs["rollout_logp"], inputs["mask"])
         with pytest.raises((ValueError, TypeError)):
-            _correct(*args)
+            _run_correction_group([(config, args)])
         return
-    for tag, res in _correct(*args).items():
+    results = grouped_cases.result(request.node, _correction_prepared, _run_correction_group)
+    for tag, res in results.items():
         assert res.weights.dtype == np.float32 and res.mask.dtype == np.float32
         if case["compare"]["weights"]:
             assert res.weights.shape == data["weights"].shape
@@ -83,25 +102,45 @@ def test_correction_case(case):
             )
 
 
+_LOSS_INPUTS = ("logp", "old_logp", "rollout_logp", "advantages", "mask")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _loss_group(args, configs):
+    return [
+        jax.value_and_grad(
+            lambda lp, o, b, a, m, config=config: opj.policy_loss(lp, o, b, a, m, config),
+            has_aux=True,
+        )(*arrays)
+        for arrays, config in zip(args, configs, strict=True)
+    ]
+
+
+def _loss_prepared(case):
+    if case["expect_error"]["raised"]:
+        return None
+    inputs, _ = load_inputs(case)
+    return _loss_config(case), tuple(inputs[k] for k in _LOSS_INPUTS)
+
+
+def _run_loss_group(prepared):
+    configs, args = zip(*prepared, strict=True)
+    return _loss_group(list(args), tuple(configs))
+
+
 @_params("loss")
-def test_loss_case(case):
+def test_loss_case(case, request):
     err = case["expect_error"]
     if err["raised"] and err["stage"] == "config":
         _expect_config_error(case, _loss_config)
         return
     config = _loss_config(case)
     inputs, data = load_inputs(case)
-    value_and_grad = jax.jit(
-        jax.value_and_grad(
-            lambda lp, o, b, a, m: opj.policy_loss(lp, o, b, a, m, config), has_aux=True
-        )
-    )
-    args = tuple(inputs[k] for k in ("logp", "old_logp", "rollout_logp", "advantages", "mask"))
     if err["raised"]:
         with pytest.raises((ValueError, TypeError)):
-            value_and_grad(*args)
+            _run_loss_group([(config, tuple(inputs[k] for k in _LOSS_INPUTS))])
         return
-    (loss, metrics), grad = value_and_grad(*args)
+    (loss, metrics), grad = grouped_cases.result(request.node, _loss_prepared, _run_loss_group)
     assert loss.dtype == np.float32 and grad.dtype == np.float32
     assert_close(loss, data["loss"], case, "loss")
     assert_close(grad, data["grad_logp"], case, "grad_logp")

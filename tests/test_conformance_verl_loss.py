@@ -9,10 +9,12 @@ OFFPOLICY_JAX_CONFORMANCE_VERL to point at another copy.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
 
+import grouped_cases
 import jax
 import numpy as np
 import pytest
@@ -49,11 +51,33 @@ pytestmark = [
 ]
 
 
-def _loss_and_grad(config):
-    def loss(logp, old, rollout, advantages, mask):
-        return opj.policy_loss(logp, old, rollout, advantages, mask, config)
+@functools.partial(jax.jit, static_argnums=1)
+def _loss_and_grad_group(args, configs):
+    """The cases of one chunk and input shape in one program (tests/grouped_cases.py)."""
+    return [
+        jax.value_and_grad(
+            lambda lp, o, b, a, m, config=config: opj.policy_loss(lp, o, b, a, m, config),
+            has_aux=True,
+        )(*arrays)
+        for arrays, config in zip(args, configs, strict=True)
+    ]
 
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+def _prepared(case):
+    if _needs_rules(case) and not hasattr(opj.CorrectionConfig, "from_verl"):
+        return None
+    config = opj.LossConfig.from_verl(case["rollout_correction"], case["actor"])
+    with np.load(_pack_dir() / case["file"]) as data:
+        arrays = {key: data[key] for key in data.files}
+    # verl's bypass mode sets π_old := π_rollout.
+    old = arrays["rollout_logp"] if case["mode"] == "bypass" else arrays["old_logp"]
+    args = (arrays["logp"], old, arrays["rollout_logp"], arrays["advantages"], arrays["mask"])
+    return config, args
+
+
+def _run_group(prepared):
+    configs, args = zip(*prepared, strict=True)
+    return _loss_and_grad_group(list(args), tuple(configs))
 
 
 def _needs_rules(case) -> bool:
@@ -62,17 +86,12 @@ def _needs_rules(case) -> bool:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_verl_loss_case(case, clear_jax_caches):
+def test_verl_loss_case(case, request, clear_jax_caches):
     if _needs_rules(case) and not hasattr(opj.CorrectionConfig, "from_verl"):
         pytest.skip("needs CorrectionConfig.from_verl (the rollout_is / rollout_rs converter)")
-    config = opj.LossConfig.from_verl(case["rollout_correction"], case["actor"])
     with np.load(_pack_dir() / case["file"]) as data:
         arrays = {key: data[key] for key in data.files}
-    # verl's bypass mode sets π_old := π_rollout.
-    old = arrays["rollout_logp"] if case["mode"] == "bypass" else arrays["old_logp"]
-    (loss, metrics), grad = _loss_and_grad(config)(
-        arrays["logp"], old, arrays["rollout_logp"], arrays["advantages"], arrays["mask"]
-    )
+    (loss, metrics), grad = grouped_cases.result(request.node, _prepared, _run_group)
     tol = case["tolerance"]
     assert loss.dtype == np.float32 and grad.dtype == np.float32
     assert all(np.isfinite(float(v)) for v in metrics.values())
