@@ -100,10 +100,10 @@ def clear_jax_caches():
 #    end-to-end runs (demo presets, benchmark command, long hypothesis properties).
 # 2. Reference packs (tests marked `conformance` and parametrized over `case`): each case
 #    compiles its own program (~1.5 s of CPU each, ~1,500 cases; a run compiles 8
-#    consecutive selected cases of one shape together, tests/grouped_cases.py). The fast tier keeps the
-#    first case of each category (the case name's first word: grid, edge, new, err,
-#    misyaml, metrics, loss; for the verl packs the word after `verl_<kind>__`: is, rs,
-#    preset, bypass, decoupled, ...) of each test function, plus every
+#    consecutive selected cases of one shape together, tests/grouped_cases.py). The fast
+#    tier keeps the first case of each category (the case name's first word: grid, edge,
+#    new, err, misyaml, metrics, loss; for the verl packs the word after `verl_<kind>__`:
+#    is, rs, preset, bypass, decoupled, ...) of each test function, plus every
 #    CONFORMANCE_STRIDE-th case for a spread over the pack's grid (a prime, so that the
 #    sample does not lock onto one value of a grid factor the way a stride of 8 kept only
 #    `veto-none_bn-0` cases). Every case runs in the full suite.
