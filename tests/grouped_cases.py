@@ -1,7 +1,9 @@
 """Reference cases compiled in groups: one XLA program for several cases of one shape.
 
-Each case of the reference packs has its own static config, hence its own program, and
-compiling is most of a case's time. Eight cases of one input signature traced into one
+Each case of the reference packs (and of the surrogate oracles of
+``test_policy_losses.py`` / ``test_trl_losses.py``, parametrized over configs on one
+batch) has its own static config, hence its own program, and compiling is most of a
+case's time. Eight cases of one input signature traced into one
 jitted program give the same arrays bit for bit and compile about 20% faster than eight
 programs (per-program overhead; docs/development.md). The cases stay separate test items
 with their own ids, outcomes and ``-k`` selection:
@@ -28,7 +30,10 @@ GROUPED_FUNCTIONS = frozenset(
     {
         "test_conformance.py::test_correction_case",
         "test_conformance.py::test_loss_case",
+        "test_conformance_verl.py::test_verl_correction_case",
         "test_conformance_verl_loss.py::test_verl_loss_case",
+        "test_policy_losses.py::test_policy_loss_matches_the_oracles",
+        "test_trl_losses.py::test_policy_loss_matches_the_oracles",
     }
 )
 
@@ -90,19 +95,19 @@ def result(
     """This case's outputs, computed with the other cases of its chunk and signature.
 
     Args:
-      item: the running test item (``request.node``); its ``case`` parameter is passed on.
-      prepare: case -> ``(static config, args)``, or None for a case that does not run as
-        a group member (one expected to raise).
+      item: the running test item (``request.node``); its parameters are passed on.
+      prepare: the item's parameters (``{name: value}``) -> ``(static config, args)``, or
+        None for a case that does not run as a group member (one expected to raise).
       run_group: ``[(config, args), ...]`` of one input signature -> their outputs, from
         one jitted program.
     """
     if item.nodeid not in _RESULTS:
         members = [i for i in _chunk_items(item) if i.nodeid not in _DONE]
-        mine = prepare(item.callspec.params["case"])
+        mine = prepare(item.callspec.params)
         assert mine is not None, f"{item.nodeid} does not run as a group member"
         group = [(item, mine)]
         for other in members:
-            prepared = None if other is item else prepare(other.callspec.params["case"])
+            prepared = None if other is item else prepare(other.callspec.params)
             if prepared is not None and _signature(prepared) == _signature(mine):
                 group.append((other, prepared))
         try:

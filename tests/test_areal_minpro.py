@@ -7,6 +7,7 @@ pooled micro-batches == the full batch, and the loss MinPRO's paper writes."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 
@@ -434,11 +435,21 @@ def _packed_eval(batch, corrections, segments=None):
     return out
 
 
+@functools.cache
+def _jitted_eval(corrections, packed):
+    """``_packed_eval`` jitted once per (configs, layout), so that seeds of one shape share
+    the compiled programs; ``corrections`` is a ``(name, config)`` tuple."""
+    corrections = dict(corrections)
+    if packed:
+        return jax.jit(lambda b, s: _packed_eval(b, corrections, s))
+    return jax.jit(lambda b: _packed_eval(b, corrections))
+
+
 def _assert_packed_equals_one_per_row(batch, corrections):
     flat = pc.unpack(batch, K)
     flat = {k: v for k, v in flat.items() if k in ("old_logp", "rollout_logp", "mask")}
-    want = jax.jit(lambda b: _packed_eval(b, corrections))(flat)
-    got = jax.jit(lambda b, s: _packed_eval(b, corrections, s))(batch, batch["segment_ids"])
+    want = _jitted_eval(tuple(corrections.items()), packed=False)(flat)
+    got = _jitted_eval(tuple(corrections.items()), packed=True)(batch, batch["segment_ids"])
     ids = batch["segment_ids"]
     for name, w in want.items():
         g = got[name]
@@ -495,6 +506,13 @@ def test_packed_minpro_with_interleaved_segment_ids():
 # ------------------------------------------------------------------------------ scan
 
 
+# Module-level programs: the drawn examples of one shape share their compiled program.
+_rows_exclusive_min = jax.jit(lambda v, p: _reduce.Rows().exclusive_min(v, p))
+_packed_exclusive_min = jax.jit(
+    lambda v, p, i: _reduce.Packed(opj.MeshAxes(), i, 3).exclusive_min(v, p)
+)
+
+
 @pytest.mark.slow
 @settings(max_examples=examples(40))
 @given(
@@ -506,13 +524,9 @@ def test_exclusive_min_matches_loops(data, shape):
     ids = data.draw(hnp.arrays(np.int32, shape, elements=st.integers(0, 3)))
     population = data.draw(hnp.arrays(np.float32, shape, elements=st.sampled_from([0.0, 0.5, 1.0])))
     population = np.where(ids > 0, population, 0.0).astype(np.float32)
-    rows = jax.jit(lambda v, p: _reduce.Rows().exclusive_min(v, p))(values, population)
+    rows = _rows_exclusive_min(values, population)
     np.testing.assert_array_equal(np.asarray(rows), rules_ref.minpro_prefix_min(values, population))
-    got = np.asarray(
-        jax.jit(lambda v, p, i: _reduce.Packed(opj.MeshAxes(), i, 3).exclusive_min(v, p))(
-            values, population, ids
-        )
-    )
+    got = np.asarray(_packed_exclusive_min(values, population, ids))
     want = np.full(shape, np.inf)
     for r, t in np.ndindex(*shape):
         earlier = (ids[r, :t] == ids[r, t]) & (population[r, :t] > 0)

@@ -63,7 +63,8 @@ def _correct_group(args, configs):
     ]
 
 
-def _correction_prepared(case):
+def _correction_prepared(params):
+    case = params["case"]
     if case["expect_error"]["raised"]:
         return None
     inputs, _ = load_inputs(case)
@@ -116,7 +117,8 @@ def _loss_group(args, configs):
     ]
 
 
-def _loss_prepared(case):
+def _loss_prepared(params):
+    case = params["case"]
     if case["expect_error"]["raised"]:
         return None
     inputs, _ = load_inputs(case)

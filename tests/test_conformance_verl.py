@@ -7,6 +7,9 @@ effective weights (``rollout_is_weights · modified_response_mask``) and mask;
 
 from __future__ import annotations
 
+import functools
+
+import grouped_cases
 import jax
 import numpy as np
 import pytest
@@ -19,16 +22,29 @@ pytestmark = [
     pytest.mark.skipif(verl_dir() is None, reason=SKIP_REASON),
 ]
 
-_correct = jax.jit(
-    lambda o, b, m, config: opj.compute_correction(o, b, m, config), static_argnums=3
-)
+
+@functools.partial(jax.jit, static_argnums=1)
+def _correct_group(args, configs):
+    """The cases of one chunk and input shape in one program (tests/grouped_cases.py)."""
+    return [opj.compute_correction(*a, c) for a, c in zip(args, configs, strict=True)]
+
+
+def _prepared(params):
+    case = params["case"]
+    data = load_arrays(case)
+    config = opj.CorrectionConfig.from_verl(case["rollout_correction"])
+    return config, (data["old_logp"], data["rollout_logp"], data["mask"])
+
+
+def _run_group(prepared):
+    configs, args = zip(*prepared, strict=True)
+    return _correct_group(list(args), tuple(configs))
 
 
 @params("verl_correction")
-def test_verl_correction_case(case):
-    config = opj.CorrectionConfig.from_verl(case["rollout_correction"])
+def test_verl_correction_case(case, request):
     data = load_arrays(case)
-    res = _correct(data["old_logp"], data["rollout_logp"], data["mask"], config)
+    res = grouped_cases.result(request.node, _prepared, _run_group)
     assert res.weights.dtype == np.float32 and res.mask.dtype == np.float32
     if case["compare"]["weights"]:
         assert_close(res.weights, data["weights"], case, "weights")

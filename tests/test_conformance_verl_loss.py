@@ -63,7 +63,8 @@ def _loss_and_grad_group(args, configs):
     ]
 
 
-def _prepared(case):
+def _prepared(params):
+    case = params["case"]
     if _needs_rules(case) and not hasattr(opj.CorrectionConfig, "from_verl"):
         return None
     config = opj.LossConfig.from_verl(case["rollout_correction"], case["actor"])

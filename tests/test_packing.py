@@ -7,6 +7,8 @@ packed batch with ``unpack_sequences`` and runs the unpacked code there.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -374,9 +376,28 @@ def _evaluate(batch, corrections, losses, segments=None, axis_names=None):
     return out
 
 
+@functools.cache
+def _jitted_evaluate(corrections, losses, packed):
+    """``_evaluate`` jitted once per (configs, layout): the tests that share their configs
+    and shapes (seeds of one size, repeated Hypothesis draws) share its compiled programs.
+    ``corrections`` and ``losses`` are ``(name, config)`` tuples (configs are hashable)."""
+    corrections, losses = dict(corrections), dict(losses)
+    if packed:
+        return jax.jit(lambda b, s: _evaluate(b, corrections, losses, s))
+    return jax.jit(lambda b: _evaluate(b, corrections, losses))
+
+
+def _packed_equals(batch, corrections, losses):
+    """``_evaluate`` of the packed batch and of its sequences one per row (repacked)."""
+    key = (tuple(corrections.items()), tuple(losses.items()))
+    got = _jitted_evaluate(*key, packed=True)(batch, batch["segment_ids"])
+    return got, _one_per_row(batch, corrections, losses)
+
+
 def _one_per_row(batch, corrections, losses):
     flat = pc.unpack(batch, K)
-    got = jax.jit(lambda b: _evaluate(b, corrections, losses))(flat)
+    key = (tuple(corrections.items()), tuple(losses.items()))
+    got = _jitted_evaluate(*key, packed=False)(flat)
     return jax.tree.map(
         lambda x: pc.repack(x, batch["segment_ids"], K) if np.ndim(x) == 2 else np.asarray(x),
         got,
@@ -441,8 +462,7 @@ def _corrections():
 def test_every_correction_config_packed_equals_one_per_row(seed):
     batch = pc.packed_batch(seed, rows=6, length=24, num_segments=K)
     corrections = _corrections()
-    want = _one_per_row(batch, corrections, {})
-    got = jax.jit(lambda b, s: _evaluate(b, corrections, {}, s))(batch, batch["segment_ids"])
+    got, want = _packed_equals(batch, corrections, {})
     _assert_matches(got, want, batch["segment_ids"])
 
 
@@ -451,8 +471,7 @@ def test_every_correction_config_packed_equals_one_per_row(seed):
 def test_every_algorithm_packed_equals_one_per_row(seed):
     batch = pc.packed_batch(seed, rows=6, length=24, num_segments=K)
     losses = _loss_configs()
-    want = _one_per_row(batch, {}, losses)
-    got = jax.jit(lambda b, s: _evaluate(b, {}, losses, s))(batch, batch["segment_ids"])
+    got, want = _packed_equals(batch, {}, losses)
     _assert_matches(got, want, batch["segment_ids"])
 
 
@@ -464,8 +483,7 @@ def test_every_surrogate_packed_equals_one_per_row(seed):
     gradient of the packed batch == one sequence per row."""
     batch = pc.packed_batch(seed, rows=6, length=24, num_segments=K)
     losses = _surrogate_configs()
-    want = _one_per_row(batch, {}, losses)
-    got = jax.jit(lambda b, s: _evaluate(b, {}, losses, s))(batch, batch["segment_ids"])
+    got, want = _packed_equals(batch, {}, losses)
     _assert_matches(got, want, batch["segment_ids"])
 
 
@@ -486,8 +504,7 @@ CORE_SURROGATES = (
 def test_core_surrogates_packed_equal_one_per_row(seed):
     batch = pc.packed_batch(seed, rows=6, length=24, num_segments=K)
     losses = {name: _surrogate_configs()[name] for name in CORE_SURROGATES}
-    want = _one_per_row(batch, {}, losses)
-    got = jax.jit(lambda b, s: _evaluate(b, {}, losses, s))(batch, batch["segment_ids"])
+    got, want = _packed_equals(batch, {}, losses)
     _assert_matches(got, want, batch["segment_ids"])
 
 
@@ -501,8 +518,7 @@ def test_core_surrogates_packed_equal_one_per_row(seed):
 def test_random_packed_batches_equal_one_per_row(seed, config, loss):
     batch = pc.packed_batch(seed, rows=5, length=19, num_segments=K)
     corrections, losses = dict([config]), dict([loss])
-    want = _one_per_row(batch, corrections, losses)
-    got = jax.jit(lambda b, s: _evaluate(b, corrections, losses, s))(batch, batch["segment_ids"])
+    got, want = _packed_equals(batch, corrections, losses)
     _assert_matches(got, want, batch["segment_ids"])
 
 

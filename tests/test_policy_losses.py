@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import grouped_cases
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -627,14 +628,35 @@ def numpy_policy_loss(name, config, theta, old, rollout, adv, valid):
     return value, terms.vjp(agg_w * w)
 
 
+def _loss_and_grad(config):
+    def f(lp, old, rollout, adv, mask, **kw):
+        return opj.policy_loss(lp, old, rollout, adv, mask, config, **kw)
+
+    return jax.value_and_grad(f, has_aux=True)
+
+
 # Cached by config (frozen, hashable): the tests that share a config share its compiled
 # program instead of compiling it again.
 @functools.cache
 def _jit_loss(config):
-    def f(lp, old, rollout, adv, mask, **kw):
-        return opj.policy_loss(lp, old, rollout, adv, mask, config, **kw)
+    return jax.jit(_loss_and_grad(config))
 
-    return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+# The oracle cases of one chunk in one program (tests/grouped_cases.py): a program's
+# fixed cost is paid once for the group.
+@functools.partial(jax.jit, static_argnums=1)
+def _oracle_group(args, configs):
+    return [_loss_and_grad(c)(*a) for a, c in zip(args, configs, strict=True)]
+
+
+def _oracle_prepared(params):
+    config = loss_config(params["name"], params["aggregation"], params["algorithm"])
+    return config, policy_batch(21)
+
+
+def _run_oracle_group(prepared):
+    configs, args = zip(*prepared, strict=True)
+    return _oracle_group(list(args), tuple(configs))
 
 
 # Every surrogate in every mode; every aggregation with the per-sequence surrogates and
@@ -656,10 +678,9 @@ SLOW_ORACLE_CASES = [
 
 
 @pytest.mark.parametrize(("name", "aggregation", "algorithm"), ORACLE_CASES + SLOW_ORACLE_CASES)
-def test_policy_loss_matches_the_oracles(name, aggregation, algorithm):
-    theta, old, rollout, adv, valid = policy_batch(21)
-    config = loss_config(name, aggregation, algorithm)
-    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, valid)
+def test_policy_loss_matches_the_oracles(name, aggregation, algorithm, request):
+    config, (theta, old, rollout, adv, valid) = _oracle_prepared(request.node.callspec.params)
+    (loss, metrics), grad = grouped_cases.result(request.node, _oracle_prepared, _run_oracle_group)
     value, expected_grad = numpy_policy_loss(name, config, theta, old, rollout, adv, valid)
     np.testing.assert_allclose(float(loss), value, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(np.asarray(grad), expected_grad, rtol=2e-5, atol=2e-6)

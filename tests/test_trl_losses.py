@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import grouped_cases
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -282,12 +283,41 @@ def numpy_trl_loss(config, theta, old, rollout, adv, valid, rewards=None):
     return value, grad, metrics
 
 
-@functools.cache
-def _jit_loss(config):
+def _loss_and_grad(config):
     def f(lp, old, rollout, adv, mask, rewards=None):
         return opj.policy_loss(lp, old, rollout, adv, mask, config, rewards=rewards)
 
-    return jax.jit(jax.value_and_grad(f, has_aux=True))
+    return jax.value_and_grad(f, has_aux=True)
+
+
+@functools.cache
+def _jit_loss(config):
+    return jax.jit(_loss_and_grad(config))
+
+
+# The oracle cases of one chunk and input signature in one program
+# (tests/grouped_cases.py): a program's fixed cost is paid once for the group.
+@functools.partial(jax.jit, static_argnums=1)
+def _oracle_group(args, configs):
+    return [_loss_and_grad(c)(*a) for a, c in zip(args, configs, strict=True)]
+
+
+def _oracle_prepared(params):
+    name = params["name"]
+    theta, old, rollout, adv, valid = policy_batch(21)
+    if name == "vespo":  # some sequences on each side of W = 1, and a few at the clamps
+        theta = np.where(valid, theta + np.float32(0.2) * np.sign(adv), theta).astype(np.float32)
+    config = trl_config(name, params["aggregation"], params["algorithm"], **params["extra"])
+    rewards = None
+    if config.positive_example_nll_weight:
+        # row 3 is empty: its NaN reward is never read
+        rewards = np.array([1.0, -0.5, 0.0, np.nan, 0.25, 2.0], np.float32)
+    return config, (theta, old, rollout, adv, valid, rewards)
+
+
+def _run_oracle_group(prepared):
+    configs, args = zip(*prepared, strict=True)
+    return _oracle_group(list(args), tuple(configs))
 
 
 ORACLE_CASES = [
@@ -315,16 +345,10 @@ SLOW_ORACLE_CASES = [
 @pytest.mark.parametrize(
     ("name", "aggregation", "algorithm", "extra"), ORACLE_CASES + SLOW_ORACLE_CASES
 )
-def test_policy_loss_matches_the_oracles(name, aggregation, algorithm, extra):
-    theta, old, rollout, adv, valid = policy_batch(21)
-    if name == "vespo":  # some sequences on each side of W = 1, and a few at the clamps
-        theta = np.where(valid, theta + np.float32(0.2) * np.sign(adv), theta).astype(np.float32)
-    config = trl_config(name, aggregation, algorithm, **extra)
-    rewards = None
-    if config.positive_example_nll_weight:
-        # row 3 is empty: its NaN reward is never read
-        rewards = np.array([1.0, -0.5, 0.0, np.nan, 0.25, 2.0], np.float32)
-    (loss, metrics), grad = _jit_loss(config)(theta, old, rollout, adv, valid, rewards)
+def test_policy_loss_matches_the_oracles(name, aggregation, algorithm, extra, request):
+    config, args = _oracle_prepared(request.node.callspec.params)
+    theta, old, rollout, adv, valid, rewards = args
+    (loss, metrics), grad = grouped_cases.result(request.node, _oracle_prepared, _run_oracle_group)
     value, want_grad, want = numpy_trl_loss(config, theta, old, rollout, adv, valid, rewards)
     np.testing.assert_allclose(float(loss), value, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=RTOL, atol=ATOL)
