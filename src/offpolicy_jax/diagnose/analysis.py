@@ -336,11 +336,28 @@ def _worst(old, rollout, delta, use, n_valid, top_k):
 # --------------------------------------------------------------------------- accumulation
 
 
-def _bucket(n: int, minimum: int = 8) -> int:
+def _bucket(n: int, minimum: int) -> int:
     """Padded size: powers of two up to 512, then multiples of 512 (few compilations)."""
     if n <= 512:
         return max(minimum, 1 << max(0, (n - 1).bit_length()))
     return -(-n // 512) * 512
+
+
+MIN_COLS, MIN_ROWS = 64, 32
+"""A chunk pads to at least ``MIN_COLS`` tokens and, up to 4096 tokens, ``MIN_ROWS`` rows:
+small chunks (short dumps, a file's last rows, short sequences split off a long one)
+share one compiled kernel (each shape compiles the whole kernel again, seconds on a CPU)
+instead of one per power of two, for a few KB of padding."""
+
+
+def _padded_shape(b: int, t: int, rows: int) -> tuple[int, int]:
+    """``[B, T]`` a ``b x t`` chunk pads to, for chunks of ``rows`` rows."""
+    cols = _bucket(t, MIN_COLS)
+    # At least MIN_ROWS rows only for short sequences: MIN_ROWS rows of a 2M-token
+    # sequence would be 256 MB per [B, T] temporary.
+    minimum = MIN_ROWS if cols <= 4096 else 1
+    padded = _bucket(b, minimum) if b < rows else -(-b // rows) * rows
+    return max(padded, minimum), cols
 
 
 # Per-config sums of chunk_stats, added over chunks.
@@ -405,15 +422,8 @@ class Accumulator:
         b, t = chunk.old.shape
         if self.position_bin is None:
             self.position_bin = auto_position_bin(t)
-        cols = _bucket(t)
-        # Rows pad to a power of two (few compilations), but at least 8 only for short
-        # sequences: 8 rows of a 2M-token sequence are 64 MB per [B, T] temporary.
-        rows = (
-            _bucket(b, 8 if cols <= 4096 else 1)
-            if b < self.rows
-            else -(-b // self.rows) * self.rows
-        )
-        while -(-cols // self.position_bin) > MAX_POSITION_BUCKETS:
+        rows, cols = _padded_shape(b, t, self.rows)
+        while -(-t // self.position_bin) > MAX_POSITION_BUCKETS:
             self._coarsen_positions()
 
         def pad(a):
@@ -475,15 +485,16 @@ class Accumulator:
                 d = float(entry["mu_D"])
                 extra["mu_num"] = extra.get("mu_num", 0.0) + float(entry["mu_mean"]) * d
                 extra["mu_den"] = extra.get("mu_den", 0.0) + d
-        n_pos = stats["pos_hist"].shape[0]
+        # The buckets of the chunk's own width: those of its padding hold no token.
+        n_pos = -(-chunk.old.shape[1] // self.position_bin)
         if n_pos > self.pos_hist.shape[0]:
             grow = n_pos - self.pos_hist.shape[0]
             self.pos_hist = np.pad(self.pos_hist, ((0, grow), (0, 0)))
             self.pos_sum = np.pad(self.pos_sum, (0, grow))
             self.pos_abs = np.pad(self.pos_abs, (0, grow))
-        self.pos_hist[:n_pos] += stats["pos_hist"]
-        self.pos_sum[:n_pos] += stats["pos_sum"]
-        self.pos_abs[:n_pos] += stats["pos_abs"]
+        self.pos_hist[:n_pos] += stats["pos_hist"][:n_pos]
+        self.pos_sum[:n_pos] += stats["pos_sum"][:n_pos]
+        self.pos_abs[:n_pos] += stats["pos_abs"][:n_pos]
         self.prob_hist += stats["prob_hist"]
         self.prob_sum += stats["prob_sum"]
         self.prob_abs += stats["prob_abs"]
