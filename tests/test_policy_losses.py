@@ -629,8 +629,8 @@ def numpy_policy_loss(name, config, theta, old, rollout, adv, valid):
 
 
 def _loss_and_grad(config):
-    def f(lp, old, rollout, adv, mask, **kw):
-        return opj.policy_loss(lp, old, rollout, adv, mask, config, **kw)
+    def f(lp, old, rollout, adv, mask, rewards=None, **kw):
+        return opj.policy_loss(lp, old, rollout, adv, mask, config, rewards=rewards, **kw)
 
     return jax.value_and_grad(f, has_aux=True)
 
@@ -642,8 +642,9 @@ def _jit_loss(config):
     return jax.jit(_loss_and_grad(config))
 
 
-# The oracle cases of one chunk in one program (tests/grouped_cases.py): a program's
-# fixed cost is paid once for the group.
+# The oracle cases of one chunk and input signature in one program
+# (tests/grouped_cases.py): a program's fixed cost is paid once for the group. Also the
+# TRL oracles' (test_trl_losses.py), whose arguments end with the rewards.
 @functools.partial(jax.jit, static_argnums=1)
 def _oracle_group(args, configs):
     return [_loss_and_grad(c)(*a) for a, c in zip(args, configs, strict=True)]

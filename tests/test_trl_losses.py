@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import examples, ragged_batches
-from test_policy_losses import TIS_RS, batch, policy_batch
+from test_policy_losses import TIS_RS, _jit_loss, _run_oracle_group, batch, policy_batch
 
 import offpolicy_jax as opj
 from offpolicy_jax.losses import policy_losses as pl
@@ -283,25 +283,6 @@ def numpy_trl_loss(config, theta, old, rollout, adv, valid, rewards=None):
     return value, grad, metrics
 
 
-def _loss_and_grad(config):
-    def f(lp, old, rollout, adv, mask, rewards=None):
-        return opj.policy_loss(lp, old, rollout, adv, mask, config, rewards=rewards)
-
-    return jax.value_and_grad(f, has_aux=True)
-
-
-@functools.cache
-def _jit_loss(config):
-    return jax.jit(_loss_and_grad(config))
-
-
-# The oracle cases of one chunk and input signature in one program
-# (tests/grouped_cases.py): a program's fixed cost is paid once for the group.
-@functools.partial(jax.jit, static_argnums=1)
-def _oracle_group(args, configs):
-    return [_loss_and_grad(c)(*a) for a, c in zip(args, configs, strict=True)]
-
-
 def _oracle_prepared(params):
     name = params["name"]
     theta, old, rollout, adv, valid = policy_batch(21)
@@ -313,11 +294,6 @@ def _oracle_prepared(params):
         # row 3 is empty: its NaN reward is never read
         rewards = np.array([1.0, -0.5, 0.0, np.nan, 0.25, 2.0], np.float32)
     return config, (theta, old, rollout, adv, valid, rewards)
-
-
-def _run_oracle_group(prepared):
-    configs, args = zip(*prepared, strict=True)
-    return _oracle_group(list(args), tuple(configs))
 
 
 ORACLE_CASES = [
