@@ -537,3 +537,16 @@ def test_demo_dump_recommendation_mild_vs_severe(demo_dump):
     severe_cfg = opj.CorrectionConfig.from_dict(severe["recommendation"]["config"])
     assert mild_cfg.use_tis and not mild_cfg.use_rs  # token weights only
     assert severe_cfg.use_rs and severe_cfg.rs_veto_threshold is not None  # rejects too
+
+
+def test_position_profile_ends_at_the_longest_sequence(tmp_path):
+    """A chunk pads to at least 64 tokens (one compiled kernel for small chunks); the
+    padding adds no bucket to the position profile, whose token counts are exact."""
+    lengths = np.array([13, 5, 0, 9])
+    mask = np.arange(13)[None] < lengths[:, None]
+    old = np.full(mask.shape, -1.0, np.float32)
+    path = write_dump(tmp_path / "d.npz", old_logp=old, rollout_logp=old - 0.1, mask=mask)
+    report = diagnose([path])
+    assert list(report["by_position"]["start"]) == list(range(13))  # buckets of width 1
+    tokens = np.asarray(report["by_position"]["tokens"])
+    np.testing.assert_array_equal(tokens, [3] * 5 + [2] * 4 + [1] * 4)
