@@ -13,7 +13,13 @@ run and on whatever JAX backend is present:
 * the compiled temporary memory (``compiled.memory_analysis()``) as a ratio to
   the bytes of the inputs;
 * the time per token, and its ratio to the smallest size's (linear scaling
-  keeps it at 1).
+  keeps it at 1);
+* the memory bandwidth of the floor and the jitted library: ``--pipeline`` calls
+  dispatched back to back with one wait at the end (the device's time per call
+  once the host's dispatch overlaps it, as in a training loop), the bytes XLA's
+  cost analysis says the compiled program accesses, and both as a fraction of a
+  plain copy's bandwidth (``x + 1`` on a buffer far larger than any cache)
+  measured in the same run.
 
 Timings are noisy on a shared machine: compare ratios within one run, and see
 the load average and busy processes recorded in the report.
@@ -31,9 +37,11 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -78,6 +86,89 @@ def cold_compile_seconds(comp: workloads.Computation, repeats: int) -> float:
     return statistics.median(times)
 
 
+def pipelined_seconds(fn, calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back dispatches followed by one wait."""
+    jax.block_until_ready(fn())
+    start = time.perf_counter()
+    outputs = [fn() for _ in range(calls)]
+    jax.block_until_ready(outputs)
+    return (time.perf_counter() - start) / calls
+
+
+def device_events(fn, calls: int) -> list[tuple[str, int, int]]:
+    """``(name, start ns, duration ns)`` of every kernel and copy on the device's streams in
+    a profiler trace of ``calls`` calls of ``fn`` (empty on the CPU backend, which has none)."""
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            jax.block_until_ready([fn() for _ in range(calls)])
+        (path,) = pathlib.Path(log_dir).rglob("*.xplane.pb")
+        data = jax.profiler.ProfileData.from_file(str(path))
+    return [
+        (event.name, int(event.start_ns), int(event.duration_ns))
+        for plane in data.planes
+        if plane.name.startswith("/device:")
+        for line in plane.lines
+        if line.name.startswith("Stream")
+        for event in line.events
+    ]
+
+
+def device_time(fn, calls: int) -> dict | None:
+    """The device's own time per call, from :func:`device_events`.
+
+    ``busy``: the summed durations of the kernels and copies (no host dispatch, no launch
+    gaps); ``span``: first start to last end; ``kernels``: events per call. None where the
+    trace has no device streams (the CPU backend).
+    """
+    events = device_events(fn, calls)
+    if not events:
+        return None
+    start = min(s for _, s, _ in events)
+    end = max(s + d for _, s, d in events)
+    return {
+        "busy": sum(d for _, _, d in events) / 1e9 / calls,
+        "span": (end - start) / 1e9 / calls,
+        "kernels": len(events) / calls,
+    }
+
+
+def bytes_accessed(compiled: jax.stages.Compiled) -> int | None:
+    """XLA's estimate of the bytes the compiled program reads and writes."""
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 (some backends do not implement it)
+        return None
+    if isinstance(analysis, (list, tuple)):  # older jax: one dict per partition
+        analysis = analysis[0] if analysis else None
+    value = None if not analysis else analysis.get("bytes accessed")
+    return None if value is None else int(value)
+
+
+def copy_bandwidth(nbytes: int, calls: int, repeats: int) -> dict:
+    """Bytes per second of ``x + 1`` on a float32 buffer of ``nbytes`` (read once, written
+    once, in place: the buffer is donated, so no call pays for fresh pages): the ceiling the
+    bandwidth columns are measured against."""
+    add_one = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    x = add_one(jnp.zeros(nbytes // 4, jnp.float32))
+    times = []
+    for _ in range(repeats):
+        jax.block_until_ready(x)
+        start = time.perf_counter()
+        for _ in range(calls):
+            x = add_one(x)
+        jax.block_until_ready(x)
+        times.append((time.perf_counter() - start) / calls)
+    del x
+    seconds = statistics.median(times)
+    return {"bytes": 2 * nbytes, "seconds": seconds, "bytes_per_second": 2 * nbytes / seconds}
+
+
+def default_copy_bytes() -> int:
+    """1 GiB on accelerators (many times any L2), 256 MiB on CPU (beyond its caches too)."""
+    return 2**28 if jax.default_backend() == "cpu" else 2**30
+
+
 def temp_bytes(compiled: jax.stages.Compiled) -> int | None:
     try:
         analysis = compiled.memory_analysis()
@@ -113,6 +204,14 @@ def measure(comp: workloads.Computation, args: argparse.Namespace, progress: tqd
     median = {name: statistics.median(times) for name, times in samples.items()}
     tokens = int(np.prod(comp.host_inputs["mask"].shape))
     temp = temp_bytes(jitted)
+    pipelined = {name: [] for name in fast}
+    for _ in range(args.repeats):
+        for name, fn in fast.items():
+            pipelined[name].append(pipelined_seconds(fn, args.pipeline))
+    output_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(fast["jit"]()))
+    on_device = None
+    if jax.default_backend() != "cpu":
+        on_device = {name: device_time(fn, args.pipeline) for name, fn in fast.items()}
     return {
         "seconds": median,
         "samples": samples,
@@ -124,6 +223,10 @@ def measure(comp: workloads.Computation, args: argparse.Namespace, progress: tqd
         "ns_per_token": median["jit"] / tokens * 1e9,
         "floor_ns_per_token": median["floor"] / tokens * 1e9,
         "tokens": tokens,
+        "pipelined_seconds": {name: statistics.median(t) for name, t in pipelined.items()},
+        "output_bytes": output_bytes,
+        "device_seconds": on_device,
+        "bytes_accessed": {"floor": bytes_accessed(floor), "jit": bytes_accessed(jitted)},
     }
 
 
@@ -268,6 +371,7 @@ def markdown(report: dict) -> str:
                 f"| {r['ns_per_token']:.2f} | {r['ns_per_token'] / smallest:.2f} "
                 f"| {r['floor_ns_per_token']:.2f} |"
             )
+    lines += bandwidth_section(report)
     ragged = ragged_rows(report)
     if ragged:
         lines += [
@@ -286,6 +390,83 @@ def markdown(report: dict) -> str:
     lines += ["", "## Targets (on the largest size, `policy_loss` forward + backward)", ""]
     lines += [f"- {t}" for t in targets(report)]
     return "\n".join(lines) + "\n"
+
+
+def step_seconds(result: dict) -> tuple[float, str]:
+    """The jitted step's time per call that the bandwidth is taken over: the device's busy
+    time where a trace gave it, else the pipelined wall time."""
+    on_device = (result.get("device_seconds") or {}).get("jit")
+    if on_device is not None:
+        return on_device["busy"], "device busy"
+    return result["pipelined_seconds"]["jit"], "pipelined"
+
+
+def bandwidth(result: dict, peak: float) -> dict:
+    """The jitted step's bandwidth by XLA's bytes accessed and by its inputs and outputs
+    read or written once, each also as a fraction of the copy bandwidth ``peak``."""
+    seconds, _ = step_seconds(result)
+    accessed = result["bytes_accessed"]["jit"]
+    once = result["input_bytes"] + result["output_bytes"]
+    out = {"once": once / seconds, "once_fraction": once / seconds / peak}
+    if accessed is not None:
+        out |= {"accessed": accessed / seconds, "accessed_fraction": accessed / seconds / peak}
+    return out
+
+
+def _device_cells(result: dict) -> str:
+    on_device = result.get("device_seconds") or {}
+    floor, jit = on_device.get("floor"), on_device.get("jit")
+    return (
+        f"| {fmt(None if floor is None else floor['busy'] * 1e6, '.0f')} "
+        f"| {fmt(None if jit is None else jit['busy'] * 1e6, '.0f')} "
+        f"| {fmt(None if jit is None else jit['span'] * 1e6, '.0f')} "
+        f"| {fmt(None if jit is None else jit['kernels'], '.0f')} "
+    )
+
+
+def bandwidth_section(report: dict) -> list[str]:
+    copy = report.get("copy_bandwidth")
+    if copy is None:
+        return []
+    peak = copy["bytes_per_second"]
+    basis = {step_seconds(r)[1] for r in report["results"]}
+    lines = [
+        "",
+        f"## Memory bandwidth ({report['pipeline']} calls back to back, one wait)",
+        "",
+        (
+            f"Copy ceiling: `x + 1` on {copy['bytes'] // 2 / 2**20:.0f} MiB of float32 moves "
+            f"{peak / 1e9:.0f} GB/s (read + write). *pipelined* is wall time per call; "
+            "*device busy* sums the kernels' and copies' durations on the device's streams "
+            "in a profiler trace of the same calls (no host dispatch), *span* runs from a "
+            "call's first kernel to its last. *accessed* is what XLA's cost analysis says "
+            "the compiled step reads and writes; *once* counts its inputs read once and its "
+            f"outputs written once (the least any implementation moves). GB/s are taken "
+            f"over the {' / '.join(sorted(basis))} time."
+        ),
+        "",
+        (
+            "| computation | [B, T] | floor pipelined µs | jit pipelined µs | floor device "
+            "busy µs | jit device busy µs | jit span µs | kernels | accessed MB "
+            "| **accessed GB/s** | **% of copy** | once MB | once GB/s | % of copy |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        bw = bandwidth(r, peak)
+        accessed = r["bytes_accessed"]["jit"]
+        lines.append(
+            f"| {r['computation']} | {r['batch']} x {r['length']} "
+            f"| {r['pipelined_seconds']['floor'] * 1e6:.0f} "
+            f"| {r['pipelined_seconds']['jit'] * 1e6:.0f} "
+            + _device_cells(r)
+            + f"| {fmt(None if accessed is None else accessed / 1e6, '.1f')} "
+            f"| **{fmt(None if accessed is None else bw['accessed'] / 1e9, '.0f')}** "
+            f"| **{fmt(bw.get('accessed_fraction'), '.0%')}** "
+            f"| {(r['input_bytes'] + r['output_bytes']) / 1e6:.1f} "
+            f"| {bw['once'] / 1e9:.0f} | {bw['once_fraction']:.0%} |"
+        )
+    return lines
 
 
 def ragged_rows(report: dict) -> list[tuple[str, dict, dict]]:
@@ -340,6 +521,16 @@ def targets(report: dict) -> list[str]:
         + ", ".join(f"{p:.2f}" for p in per_token)
         + f" (target within ±25%): {mark(spread <= 0.25)}"
     )
+    copy = report.get("copy_bandwidth")
+    if copy is not None:
+        bw = bandwidth(big, copy["bytes_per_second"])
+        if "accessed_fraction" in bw:
+            out.append(
+                f"bandwidth ({step_seconds(big)[1]} time) = {bw['accessed_fraction']:.0%} of the "
+                f"copy's by the bytes XLA accesses, {bw['once_fraction']:.0%} by the bytes "
+                "read and written once "
+                f"(target >= 50% on an accelerator): {mark(bw['accessed_fraction'] >= 0.5)}"
+            )
     trm = [r for r in report["results"] if r["computation"] == "loss_trm_icepop"]
     if trm:
         ratio = trm[-1]["ns_per_token"] / big["ns_per_token"]
@@ -389,6 +580,18 @@ def main(argv: list[str] | None = None) -> int:
         help=f"sizes {workloads.RAGGED_SIZES}: odd and prime T beside the nearest multiple "
         "of 128 (time per token within 1.25x)",
     )
+    parser.add_argument(
+        "--pipeline",
+        type=int,
+        default=20,
+        help="calls dispatched back to back for the bandwidth columns (default 20)",
+    )
+    parser.add_argument(
+        "--copy-bytes",
+        type=int,
+        default=None,
+        help="buffer of the copy ceiling (default 1 GiB on accelerators, 256 MiB on CPU)",
+    )
     parser.add_argument("--no-op-by-op", action="store_true", help="skip the op-by-op JAX variant")
     parser.add_argument("--no-numpy", action="store_true", help="skip the NumPy oracle")
     parser.add_argument("--note", default="", help="free text added to results.md")
@@ -418,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes = workloads.RAGGED_SIZES
     if args.tiny:
         args.sizes, args.repeats, args.warmup, args.compile_repeats = TINY_SIZES, 2, 1, 1
+        args.pipeline, args.copy_bytes = 4, args.copy_bytes or 2**24
     sizes = parse_sizes(args.sizes)
 
     env = environment()
@@ -434,6 +638,10 @@ def main(argv: list[str] | None = None) -> int:
         "note": args.note,
         "load_before": os.getloadavg()[0],
         "busy_before": busy_processes(),
+        "pipeline": args.pipeline,
+        "copy_bandwidth": copy_bandwidth(
+            args.copy_bytes or default_copy_bytes(), args.pipeline, args.repeats
+        ),
         "results": [],
     }
     with tqdm(total=len(sizes) * 2 * 2 * args.repeats, desc="benchmark", unit="round") as progress:

@@ -37,8 +37,15 @@ def test_benchmark_command_writes_its_report(tmp_path):
     for row in report["results"]:
         assert set(row["seconds"]) == {"floor", "jit", "op_by_op", "numpy"}
         assert row["compile_seconds"] > 0 and row["input_bytes"] > 0
+        assert set(row["pipelined_seconds"]) == {"floor", "jit"}
+        assert min(row["pipelined_seconds"].values()) > 0
+        # the loss step's outputs: the gradient (B x T float32) and scalars
+        assert row["output_bytes"] >= (4 * row["tokens"] if "loss" in row["computation"] else 4)
+        assert row["device_seconds"] is None  # the CPU backend has no device streams
+    assert report["copy_bandwidth"]["bytes_per_second"] > 0
     text = (tmp_path / "results.md").read_text()
     assert "jit / floor" in text and "## Targets" in text
+    assert "## Memory bandwidth" in text and "over the pipelined time" in text
 
 
 def test_benchmark_command_rejects_a_bad_cpu_count():
@@ -88,6 +95,51 @@ def test_against_flags_a_slower_jit_to_floor_ratio():
     assert lines[0].endswith("**1.05** |")  # within 10%: not flagged
     assert lines[1].endswith("**1.20** (slower) |")
     assert "| new" not in text  # absent from the baseline
+
+
+def _bandwidth_row(device_seconds):
+    return {
+        "pipelined_seconds": {"floor": 1e-3, "jit": 4e-3},
+        "device_seconds": device_seconds,
+        "bytes_accessed": {"floor": 100, "jit": 1000},
+        "input_bytes": 300,
+        "output_bytes": 100,
+    }
+
+
+def test_bandwidth_is_taken_over_the_device_time_where_a_trace_gave_it():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.run import bandwidth, step_seconds
+
+    traced = _bandwidth_row({"floor": None, "jit": {"busy": 1e-3, "span": 2e-3, "kernels": 9}})
+    assert step_seconds(traced) == (1e-3, "device busy")
+    assert bandwidth(traced, peak=2e6) == {
+        "once": 4e5,
+        "once_fraction": 0.2,
+        "accessed": 1e6,
+        "accessed_fraction": 0.5,
+    }
+    untraced = _bandwidth_row(None)
+    assert step_seconds(untraced) == (4e-3, "pipelined")
+    assert bandwidth(untraced, peak=2e6)["accessed"] == 2.5e5
+
+
+def test_kernel_table_lists_the_slowest_kernels_per_call():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.kernels import kernel_table
+
+    events = [("fusion_a", 0, 3000), ("fusion_b", 10, 1000), ("fusion_a", 20, 5000)]
+    lines = kernel_table(events, calls=2, top=1)
+    assert lines[0] == "2 kernels per call, 4.5 µs busy per call"
+    assert lines[1:] == ["    4.00 µs  x1   fusion_a"]
+
+
+def test_kernel_command_says_when_the_trace_has_no_device(capsys):
+    sys.path.insert(0, str(REPO))
+    from benchmarks.kernels import main
+
+    assert main(["--size", "2x16", "--calls", "1"]) == 0
+    assert "no device streams" in capsys.readouterr().out
 
 
 def _run_module(module: str, *args: str, out: pathlib.Path) -> subprocess.CompletedProcess:
