@@ -14,12 +14,13 @@ run and on whatever JAX backend is present:
   the bytes of the inputs;
 * the time per token, and its ratio to the smallest size's (linear scaling
   keeps it at 1);
-* the memory bandwidth of the floor and the jitted library: ``--pipeline`` calls
-  dispatched back to back with one wait at the end (the device's time per call
-  once the host's dispatch overlaps it, as in a training loop), the bytes XLA's
-  cost analysis says the compiled program accesses, and both as a fraction of a
-  plain copy's bandwidth (``x + 1`` on a buffer far larger than any cache)
-  measured in the same run.
+* the memory bandwidth of the jitted library: the wall time per call of
+  ``--pipeline`` calls dispatched back to back with one wait at the end (as in a
+  training loop), the device's busy time in a profiler trace of such calls (on an
+  accelerator; the CPU backend's trace has no device streams), the bytes XLA's
+  cost analysis says the compiled program accesses, and the bandwidth as a
+  fraction of a plain copy's (``x + 1`` in place on ``--copy-bytes``, far larger
+  than any cache) measured in the same run.
 
 Timings are noisy on a shared machine: compare ratios within one run, and see
 the load average and busy processes recorded in the report.
@@ -49,6 +50,8 @@ from benchmarks import workloads
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_SIZES = "64x2048,256x4096,256x8192"
+# The copy ceiling's buffer: many times any GPU's L2 and any CPU's last-level cache.
+DEFAULT_COPY_BYTES = 2**30
 TINY_SIZES = "4x64,8x128"
 VARIANTS = ("floor", "jit", "op_by_op", "numpy")
 TITLES = {
@@ -164,11 +167,6 @@ def copy_bandwidth(nbytes: int, calls: int, repeats: int) -> dict:
     return {"bytes": 2 * nbytes, "seconds": seconds, "bytes_per_second": 2 * nbytes / seconds}
 
 
-def default_copy_bytes() -> int:
-    """1 GiB on accelerators (many times any L2), 256 MiB on CPU (beyond its caches too)."""
-    return 2**28 if jax.default_backend() == "cpu" else 2**30
-
-
 def temp_bytes(compiled: jax.stages.Compiled) -> int | None:
     try:
         analysis = compiled.memory_analysis()
@@ -209,9 +207,7 @@ def measure(comp: workloads.Computation, args: argparse.Namespace, progress: tqd
         for name, fn in fast.items():
             pipelined[name].append(pipelined_seconds(fn, args.pipeline))
     output_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(fast["jit"]()))
-    on_device = None
-    if jax.default_backend() != "cpu":
-        on_device = {name: device_time(fn, args.pipeline) for name, fn in fast.items()}
+    on_device = {name: device_time(fn, args.pipeline) for name, fn in fast.items()}
     return {
         "seconds": median,
         "samples": samples,
@@ -395,7 +391,7 @@ def markdown(report: dict) -> str:
 def step_seconds(result: dict) -> tuple[float, str]:
     """The jitted step's time per call that the bandwidth is taken over: the device's busy
     time where a trace gave it, else the pipelined wall time."""
-    on_device = (result.get("device_seconds") or {}).get("jit")
+    on_device = result["device_seconds"]["jit"]
     if on_device is not None:
         return on_device["busy"], "device busy"
     return result["pipelined_seconds"]["jit"], "pipelined"
@@ -414,7 +410,7 @@ def bandwidth(result: dict, peak: float) -> dict:
 
 
 def _device_cells(result: dict) -> str:
-    on_device = result.get("device_seconds") or {}
+    on_device = result["device_seconds"]
     floor, jit = on_device.get("floor"), on_device.get("jit")
     return (
         f"| {fmt(None if floor is None else floor['busy'] * 1e6, '.0f')} "
@@ -590,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         "--copy-bytes",
         type=int,
         default=None,
-        help="buffer of the copy ceiling (default 1 GiB on accelerators, 256 MiB on CPU)",
+        help="bytes of the copy ceiling's buffer (default 1 GiB)",
     )
     parser.add_argument("--no-op-by-op", action="store_true", help="skip the op-by-op JAX variant")
     parser.add_argument("--no-numpy", action="store_true", help="skip the NumPy oracle")
@@ -640,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         "busy_before": busy_processes(),
         "pipeline": args.pipeline,
         "copy_bandwidth": copy_bandwidth(
-            args.copy_bytes or default_copy_bytes(), args.pipeline, args.repeats
+            args.copy_bytes or DEFAULT_COPY_BYTES, args.pipeline, args.repeats
         ),
         "results": [],
     }
