@@ -125,6 +125,17 @@ def test_bandwidth_is_taken_over_the_device_time_where_a_trace_gave_it():
     assert bandwidth(untraced, peak=2e6)["accessed"] == 2.5e5
 
 
+def test_device_time_sums_the_kernels_of_a_trace(monkeypatch):
+    sys.path.insert(0, str(REPO))
+    from benchmarks import run
+
+    events = [("fusion_a", 1000, 3000), ("copy", 9000, 1000), ("fusion_a", 20000, 2000)]
+    monkeypatch.setattr(run, "device_events", lambda fn, calls: events)
+    assert run.device_time(None, calls=2) == {"busy": 3e-6, "span": 10.5e-6, "kernels": 1.5}
+    monkeypatch.setattr(run, "device_events", lambda fn, calls: [])
+    assert run.device_time(None, calls=2) is None
+
+
 def test_kernel_table_lists_the_slowest_kernels_per_call():
     sys.path.insert(0, str(REPO))
     from benchmarks.kernels import kernel_table
