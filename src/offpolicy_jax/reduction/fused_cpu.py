@@ -79,6 +79,19 @@ def _combine(op: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return _COMBINE[op](a, b)
 
 
+@functools.cache
+def _combiner(ops: tuple[str, ...]):
+    """The ``lax.reduce`` computation combining columns by ``ops``, one function per
+    ``ops``: ``lax.reduce`` keys its trace and its compiled program on the function
+    object, so a fresh lambda per call traced it again under ``jit`` and compiled the
+    loop again at every eager call."""
+
+    def combine(acc, x):
+        return tuple(_combine(op, a, b) for op, a, b in zip(ops, acc, x, strict=True))
+
+    return combine
+
+
 class _Split(NamedTuple):
     """How the devices may share the last (token) axis of an array."""
 
@@ -126,7 +139,7 @@ def _variadic_reduce(
         jax.lax.reduce(
             values,
             inits,
-            lambda acc, x: tuple(_combine(op, a, b) for op, a, b in zip(ops, acc, x, strict=True)),
+            _combiner(ops),
             (axis % values[0].ndim,),
         )
     )
@@ -255,7 +268,7 @@ def _sum_all(values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         jax.lax.reduce(
             values,
             tuple(jnp.zeros((), v.dtype) for v in values),
-            lambda acc, x: tuple(a + b for a, b in zip(acc, x, strict=True)),
+            _combiner(("sum",) * len(values)),
             dims,
         )
     )
