@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -123,6 +125,28 @@ def test_bandwidth_is_taken_over_the_device_time_where_a_trace_gave_it():
     untraced = _bandwidth_row({"floor": None, "jit": None})
     assert step_seconds(untraced) == (4e-3, "pipelined")
     assert bandwidth(untraced, peak=2e6)["accessed"] == 2.5e5
+
+
+def test_bandwidth_over_the_looped_wall_time():
+    sys.path.insert(0, str(REPO))
+    from benchmarks.run import bandwidth
+
+    row = _bandwidth_row({"floor": None, "jit": None}) | {"looped_seconds": 2e-3}
+    assert bandwidth(row, peak=2e6)["looped_fraction"] == 0.25
+
+
+def test_looped_step_runs_the_step_and_returns_its_outputs():
+    """The timing loop computes what one call does (the shift is zero), every output."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks import workloads
+    from benchmarks.run import looped_step
+
+    for comp in workloads.computations(4, 32, None)[:2]:
+        want = jax.jit(comp.step)(*comp.args)
+        got = jax.jit(looped_step(comp.step, 3))(*comp.args)
+        assert jax.tree.structure(got) == jax.tree.structure(want), comp.name
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(g, w, err_msg=comp.name)
 
 
 def test_device_time_sums_the_kernels_of_a_trace(monkeypatch):
