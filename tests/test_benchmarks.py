@@ -41,6 +41,7 @@ def test_benchmark_command_writes_its_report(tmp_path):
         assert row["compile_seconds"] > 0 and row["input_bytes"] > 0
         assert set(row["pipelined_seconds"]) == {"floor", "jit"}
         assert min(row["pipelined_seconds"].values()) > 0
+        assert row["dispatch_seconds"] > 0 and row["looped_seconds"] > 0
         # the loss step's outputs: the gradient (B x T float32) and scalars
         assert row["output_bytes"] >= (4 * row["tokens"] if "loss" in row["computation"] else 4)
         # the CPU backend's trace has no device streams
@@ -49,6 +50,7 @@ def test_benchmark_command_writes_its_report(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert "jit / floor" in text and "## Targets" in text
     assert "## Memory bandwidth" in text and "over the pipelined time" in text
+    assert "jit looped µs" in text and "steps in one program" in text
 
 
 def test_benchmark_command_rejects_a_bad_cpu_count():
