@@ -90,25 +90,16 @@ def cold_compile_seconds(comp: workloads.Computation, repeats: int) -> float:
     return statistics.median(times)
 
 
-def pipelined_seconds(fn, calls: int) -> float:
-    """Seconds per call of ``calls`` back-to-back dispatches followed by one wait."""
+def pipelined_seconds(fn, calls: int) -> tuple[float, float]:
+    """Seconds per call of ``calls`` back-to-back dispatches followed by one wait, and the
+    host's seconds per call to dispatch them (the wait not counted): where the two are
+    close, the host, not the device, sets the wall time."""
     jax.block_until_ready(fn())
     start = time.perf_counter()
     outputs = [fn() for _ in range(calls)]
+    dispatched = time.perf_counter()
     jax.block_until_ready(outputs)
-    return (time.perf_counter() - start) / calls
-
-
-def dispatch_seconds(fn, calls: int) -> float:
-    """Host seconds per call to dispatch ``calls`` calls back to back (the wait after them
-    not counted): where this is close to :func:`pipelined_seconds`, the host, not the
-    device, sets the wall time."""
-    jax.block_until_ready(fn())
-    start = time.perf_counter()
-    outputs = [fn() for _ in range(calls)]
-    seconds = (time.perf_counter() - start) / calls
-    jax.block_until_ready(outputs)
-    return seconds
+    return (time.perf_counter() - start) / calls, (dispatched - start) / calls
 
 
 def looped_step(step: Callable, steps: int) -> Callable:
@@ -239,11 +230,14 @@ def measure(comp: workloads.Computation, args: argparse.Namespace, progress: tqd
     tokens = int(np.prod(comp.host_inputs["mask"].shape))
     temp = temp_bytes(jitted)
     pipelined = {name: [] for name in fast}
+    dispatch = []
     for _ in range(args.repeats):
         for name, fn in fast.items():
-            pipelined[name].append(pipelined_seconds(fn, args.pipeline))
+            wall, host = pipelined_seconds(fn, args.pipeline)
+            pipelined[name].append(wall)
+            if name == "jit":
+                dispatch.append(host)
     output_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(fast["jit"]()))
-    dispatch = statistics.median(dispatch_seconds(fast["jit"], args.pipeline) for _ in range(3))
     looped = comp.compile(looped_step(comp.step, args.pipeline))
     looped_s = statistics.median(timed(lambda: looped(*comp.args)) for _ in range(3))
     on_device = {name: device_time(fn, args.pipeline) for name, fn in fast.items()}
@@ -259,7 +253,7 @@ def measure(comp: workloads.Computation, args: argparse.Namespace, progress: tqd
         "floor_ns_per_token": median["floor"] / tokens * 1e9,
         "tokens": tokens,
         "pipelined_seconds": {name: statistics.median(t) for name, t in pipelined.items()},
-        "dispatch_seconds": dispatch,
+        "dispatch_seconds": statistics.median(dispatch),
         "looped_seconds": looped_s / args.pipeline,
         "output_bytes": output_bytes,
         "device_seconds": on_device,
