@@ -1,3 +1,4 @@
+import gc
 import os
 import re
 
@@ -220,6 +221,22 @@ def pytest_configure(config):
     fast_profile = _fast_run(config) or _eight_device_run(config) or _plain_path_run(config)
     if fast_profile and os.environ.get("HYPOTHESIS_PROFILE", "ci") in ("ci", "default"):
         settings.load_profile("fast")
+
+
+# Python's full (generation-2) collections walk every live object: in a worker that is
+# pytest's items, Hypothesis, and JAX's traces and caches, and tracing allocates enough to
+# trigger one every few seconds (about 0.2 s each, 5% of a worker's time in
+# `tests/test_conformance.py`, `test_policy_losses.py` and `test_packing.py`). Objects
+# that outlive collection are frozen out of those walks, and a full collection waits for
+# 100 collections of the younger generation instead of 10: under a third of the full
+# collections' time, the same peak memory (docs/development.md).
+GC_THRESHOLDS = (700, 10, 100)
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _needs_eight_devices(item) -> bool:
