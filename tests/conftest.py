@@ -139,9 +139,10 @@ SLOW_MODULES = frozenset(
 #    (measured with `--durations=0` on the 2-core VM: 98 functions, two thirds of the fast
 #    tier's time: pooling, packed == padded, vmap == loop, jit == eager, finite-difference
 #    gradients, the demo's engines). They run in the whole suite, and CI's plain-path run
-#    (`-m "not slow or heavy_fast"`: the fast tier plus the cases of heavy functions that
-#    rules 2-4 would keep) runs them on the TPU/GPU reduction path too.
-PLAIN_PATH_SELECTION = "not slow or heavy_fast"
+#    (`-m "not slow or heavy_fast or conformance"`: the fast tier, the cases of heavy
+#    functions that rules 2-4 would keep, and every reference case) runs them on the
+#    TPU/GPU reduction path too.
+PLAIN_PATH_SELECTION = "not slow or heavy_fast or conformance"
 CONFORMANCE_STRIDE = 97
 COVER_MIN = 6
 
