@@ -41,15 +41,17 @@ def np_async(old, rollout, mask, versions, current, cfg, reduction="sequence"):
     finite = np.where(mask, np.isfinite(old) & np.isfinite(rollout), True).all(axis=-1)
     valid = mask & finite[:, None]
     age = (current - np.asarray(versions)).astype(np.float64)
+    # A negative version (AReaL's −1) is no generation version: no age, never compared.
+    aged = valid & (np.asarray(versions) >= 0)
     keep = valid.copy()
     seq_stale = np.zeros(len(mask), bool)
     if cfg.max_weight_staleness is not None:
-        stale = valid & (age > cfg.max_weight_staleness)
+        stale = aged & (age > cfg.max_weight_staleness)
         seq_stale = stale.any(axis=-1)
         keep &= ~(seq_stale[:, None] if cfg.staleness_level == "sequence" else stale)
-    newest = np.where(valid, versions, np.iinfo(np.int64).min).max(axis=-1)
-    oldest = np.where(valid, versions, np.iinfo(np.int64).max).min(axis=-1)
-    prefix = valid & (versions < newest[:, None])
+    newest = np.where(aged, versions, np.iinfo(np.int64).min).max(axis=-1)
+    oldest = np.where(aged, versions, np.iinfo(np.int64).max).min(axis=-1)
+    prefix = aged & (versions < newest[:, None])
     if cfg.mask_offpolicy_in_partial_rollout:
         keep &= ~prefix
     with np.errstate(invalid="ignore"):  # inf − inf in the garbage, never selected
@@ -59,11 +61,12 @@ def np_async(old, rollout, mask, versions, current, cfg, reduction="sequence"):
     n = valid.sum(axis=-1)
     some = n > 0
 
-    def mean(token_values):
-        values = np.where(valid, token_values, 0.0)
+    def mean(token_values, population=valid):
+        values = np.where(population, token_values, 0.0)
+        count = population.sum(axis=-1)
         if reduction == "token":
-            return values.sum() / max(n.sum(), 1)
-        per_seq = values.sum(axis=-1)[some] / n[some]
+            return values.sum() / max(count.sum(), 1)
+        per_seq = values.sum(axis=-1)[count > 0] / count[count > 0]
         return per_seq.mean() if per_seq.size else 0.0
 
     def seq_mean(per_seq_values):
@@ -72,11 +75,11 @@ def np_async(old, rollout, mask, versions, current, cfg, reduction="sequence"):
         return per_seq_values[some].mean() if some.any() else 0.0
 
     metrics = {
-        "mis_staleness_mean": mean(age),
-        "mis_staleness_max": np.where(valid, age, -np.inf).max() if valid.any() else 0.0,
+        "mis_staleness_mean": mean(age, aged),
+        "mis_staleness_max": np.where(aged, age, -np.inf).max() if aged.any() else 0.0,
     }
     if cfg.max_weight_staleness is not None:
-        metrics["mis_staleness_fraction_high"] = mean(age > cfg.max_weight_staleness)
+        metrics["mis_staleness_fraction_high"] = mean(stale)
         metrics["mis_staleness_seq_fraction"] = seq_mean(seq_stale.astype(float))
     if cfg.mask_offpolicy_in_partial_rollout:
         metrics["mis_offpolicy_prefix_fraction"] = mean(prefix)

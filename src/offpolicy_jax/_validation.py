@@ -265,3 +265,15 @@ def check_segment_ids_at_most(segment_ids, num_segments: int) -> None:
             "num_segments would be padding, silently leaving the loss. Pass num_segments >= "
             "the largest id (use 0 or a negative id for padding)."
         )
+
+
+def check_staleness_limit(owner: str, limit) -> None:
+    """Raises ``ValueError`` naming ``{owner}.max_weight_staleness`` if the limit is not
+    an int in ``[0, 2**31 − 1]``: ages are compared with it as int32 (or int64), and a
+    larger limit would fail inside every call with JAX's overflow error instead."""
+    whole = isinstance(limit, int | np.integer) and not isinstance(limit, bool)
+    if not whole or not 0 <= int(limit) <= INT32_MAX:
+        raise ValueError(
+            f"{owner}.max_weight_staleness must be an int in [0, {INT32_MAX}] (policy "
+            f"versions) or None, got {limit!r}"
+        )

@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 
 from offpolicy_jax._messages import close_match, shown
+from offpolicy_jax._validation import check_staleness_limit
 from offpolicy_jax.losses import registry
 from offpolicy_jax.losses.algorithms import ALGORITHMS as ALGORITHM_SPECS
 
@@ -633,6 +634,7 @@ class CorrectionConfig:
         )
         limit = self.max_weight_staleness
         if limit is not None:
+            check_staleness_limit(owner, limit)
             whole = isinstance(limit, int | np.integer) and not isinstance(limit, bool)
             if not whole or limit < 0:
                 raise ValueError(

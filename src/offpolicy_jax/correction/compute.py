@@ -105,7 +105,7 @@ def correction_parts(
 
     ``old`` is whatever plays π_old (``sg(logp)`` in REINFORCE-IS); ``w`` is the IS
     weight on kept tokens, 0 elsewhere, not yet multiplied by the mask value.
-    ``versions`` / ``current_version``: float32, checked by
+    ``versions`` / ``current_version``: integer arrays checked (and shaped) by
     :func:`~offpolicy_jax.correction.staleness.check_versions` (or None).
     ``over_final``: per-token values the caller sums over ``m'`` next (see
     :func:`~offpolicy_jax.correction.stages.run`).
@@ -242,11 +242,11 @@ def _compute_correction(
     rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
     weights_mask = as_float_mask("mask", mask)
     check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
-    versions, current = staleness.check_versions(
-        versions, current_version, old.shape, needed_by=_versions_key(config)
-    )
     layout = _reduce.layout(axes, segment_ids, num_segments, old.shape, contiguous)
     weights_mask = _reduce.only_segments(layout, weights_mask, raw=mask)
+    versions, current = staleness.check_versions(
+        versions, current_version, old.shape, needed_by=_versions_key(config), mask=weights_mask
+    )
     check_split_over(
         axes.batch + axes.token,
         old_logp=old_logp,

@@ -28,9 +28,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax._validation import as_array
+from offpolicy_jax._validation import as_array, is_concrete, read_now
 from offpolicy_jax.correction import rules
 from offpolicy_jax.correction.stages import Decision, Mean, Stage
 
@@ -39,38 +40,73 @@ def _indicator(x: jax.Array) -> jax.Array:
     return jnp.where(x, 1.0, 0.0)
 
 
+def sortable(versions: jax.Array) -> jax.Array:
+    """An order-preserving float key of integer versions: ``a < b`` iff ``key(a) < key(b)``.
+
+    The reduction engine takes minima and maxima of float columns; a plain float32 cast
+    makes versions above ``2**24`` collide (``2**24 + 1`` reads as ``2**24``). Instead
+    each integer ``v >= 0`` (negatives read as 0: they are never compared) becomes a
+    distinct normal float of the same width: ``w = v − 2**(n−2)`` and the float whose bit
+    pattern is ``|w| + 2**mantissa``, negated for ``w < 0``. Normal floats order like
+    their bit patterns, none is inf, NaN or subnormal (which CPUs may flush to 0), so
+    every ``max`` / ``min`` / ``pmax`` of keys is exact.
+    """
+    info = jnp.iinfo(versions.dtype)
+    bits = info.bits
+    real = {32: jnp.float32, 64: jnp.float64}[bits]
+    uint = {32: jnp.uint32, 64: jnp.uint64}[bits]
+    mantissa = jnp.finfo(real).nmant
+    w = jnp.maximum(versions, 0) - (1 << (bits - 2))
+    pattern = (jnp.abs(w) + (1 << mantissa)).astype(uint)
+    magnitude = jax.lax.bitcast_convert_type(pattern, real)
+    return jnp.where(w < 0, -magnitude, magnitude)
+
+
 @dataclasses.dataclass(frozen=True)
 class Staleness(Stage):
     """Age metrics and, with ``limit``, the staleness rule (module docstring).
 
     Attributes:
-      age: ``[..., T]`` float32 ``current_version − version``.
+      age: ``[..., T]`` integer ``current_version − version`` (exact; the metrics read
+        it as float32).
+      versioned: ``[..., T]`` bool, ``version >= 0``: a token without a generation
+        version (AReaL writes −1, e.g. a prompt or tool-output token) has no age: it is
+        never stale and stays out of the age metrics.
       limit: ``max_weight_staleness`` (None: metrics only).
       level: ``"token"`` or ``"sequence"``.
     """
 
     age: jax.Array
+    versioned: jax.Array
     limit: int | None = None
     level: str = "sequence"
 
+    @property
+    def stale(self) -> jax.Array:
+        assert self.limit is not None
+        return self.versioned & (self.age > self.limit)
+
     def columns(self, t):
+        aged = jnp.where(self.versioned, t.population, 0.0)
+        age = self.age.astype(jnp.float32)
         columns = {
-            "age": _reduce.total(self.age, t.population),
-            "oldest": _reduce.maximum(self.age, t.population),
+            "aged": _reduce.count(aged),
+            "age": _reduce.total(age, aged),
+            "oldest": _reduce.maximum(age, aged),
         }
         if self.limit is not None:
-            columns["stale"] = _reduce.count_where(self.age > self.limit, t.population)
+            columns["stale"] = _reduce.count_where(self.stale, t.population)
         return columns
 
     def decide(self, t, sums):
-        count, p = sums["count"], "mis_staleness"
+        aged, p = sums["aged"], "mis_staleness"
         metrics: dict = {
-            f"{p}_mean": _reduce.seq_mean(sums["age"], count, t.reduction),
-            f"{p}_max": rules.batch_extreme(t.layout, sums["oldest"], count, "max"),
+            f"{p}_mean": _reduce.seq_mean(sums["age"], aged, t.reduction),
+            f"{p}_max": rules.batch_extreme(t.layout, sums["oldest"], aged, "max"),
         }
         if self.limit is None:
             return Decision(metrics=metrics)
-        stale_token = self.age > self.limit
+        stale_token = self.stale
         stale_seq = sums["stale"] > 0
         metrics[f"{p}_fraction_high"] = Mean(_indicator(stale_token))
         metrics[f"{p}_seq_fraction"] = Mean(_indicator(stale_seq), per_seq=True)
@@ -83,6 +119,8 @@ class Staleness(Stage):
 class OffPolicyPrefix(Stage):
     """Keeps the tokens sampled by the newest version of their sequence.
 
+    Versions are compared as integers (through :func:`sortable`); a token without a
+    version (negative) is neither compared nor rejected.
     ``mis_offpolicy_prefix_fraction``: the share of valid tokens rejected;
     ``mis_offpolicy_prefix_seq_fraction``: the share of sequences that mix versions.
     """
@@ -90,15 +128,18 @@ class OffPolicyPrefix(Stage):
     versions: jax.Array
 
     def columns(self, t):
+        versioned = jnp.where(self.versions >= 0, t.population, 0.0)
+        key = sortable(self.versions)
         return {
-            "newest": _reduce.maximum(self.versions, t.population),
-            "first": _reduce.minimum(self.versions, t.population),
+            "newest": _reduce.maximum(key, versioned),
+            "first": _reduce.minimum(key, versioned),
         }
 
     def decide(self, t, sums):
         newest = t.layout.broadcast(sums["newest"])
-        prefix = self.versions < newest
-        mixed = (sums["first"] < sums["newest"]) & (sums["count"] > 0)
+        prefix = (self.versions >= 0) & (sortable(self.versions) < newest)
+        # An empty (or unversioned) sequence has newest −inf and first +inf.
+        mixed = sums["first"] < sums["newest"]
         return Decision(
             keep=~prefix,
             metrics={
@@ -128,16 +169,30 @@ def neutral_rollout(old: jax.Array, rollout: jax.Array, mask: jax.Array):
     return jnp.where(filled, old, rollout), filled
 
 
-def check_versions(versions, current_version, shape, *, needed_by: str | None):
-    """Validated ``(versions, current_version)`` as float32 (exact below 2**24), or
-    ``(None, None)``.
+def version_dtype():
+    """The integer dtype versions are compared in: int32, or int64 when
+    ``jax_enable_x64`` is on (JAX has no int64 arrays otherwise)."""
+    return jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+
+
+def check_versions(versions, current_version, shape, *, needed_by: str | None, mask=None):
+    """Validated ``(versions, current_version)`` as integer arrays of
+    :func:`version_dtype`, or ``(None, None)``.
 
     Args:
-      versions: int ``[..., T]`` or None.
-      current_version: an int or an int array broadcastable to ``[..., T]``; required
-        with ``versions``.
+      versions: int ``[..., T]`` or None; negative: no generation version.
+      current_version: an int ``>= 0``, or an int array of shape ``[...]`` (one value
+        per sequence, or per row with ``segment_ids``), ``[..., 1]`` or ``[..., T]``
+        (per token); required with ``versions``. It comes back as ``()``,
+        ``[..., 1]`` or ``[..., T]``, ready to broadcast against ``versions``.
       shape: the log-probs' ``[..., T]``.
       needed_by: the config key that reads the versions, if any (for the message).
+      mask: the ``[..., T]`` mask (padding already applied), or None: the concrete
+        checks read the valid tokens only, as the rules do.
+
+    Concrete values (not traced) are checked: each must fit the dtype (an int64
+    ``2**40`` would wrap), ``current_version`` must be ``>= 0`` and no valid token's
+    version may be newer than it. Under ``jax.jit`` traced values are not read.
     """
     if versions is None:
         if needed_by is not None:
@@ -148,7 +203,7 @@ def check_versions(versions, current_version, shape, *, needed_by: str | None):
         if current_version is not None:
             raise ValueError("current_version was given without versions (int [..., T])")
         return None, None
-    versions = jnp.asarray(as_array("versions", versions))
+    versions = as_array("versions", versions)
     if not jnp.issubdtype(versions.dtype, jnp.integer):
         raise TypeError(f"versions must be an integer array [..., T], got dtype {versions.dtype}")
     if versions.shape != tuple(shape):
@@ -162,17 +217,93 @@ def check_versions(versions, current_version, shape, *, needed_by: str | None):
         )
     if isinstance(current_version, bool):
         raise TypeError("current_version must be an int, got a bool")
-    current = jnp.asarray(as_array("current_version", current_version))
+    current = as_array("current_version", current_version)
     if not jnp.issubdtype(current.dtype, jnp.integer):
         raise TypeError(f"current_version must be an int, got dtype {current.dtype}")
-    try:
-        jnp.broadcast_shapes(current.shape, tuple(shape))
-    except ValueError:
+    current = _per_sequence(current, tuple(shape))
+    valid = None if mask is None else (lambda: np.asarray(mask) > 0)
+    dtype = version_dtype()
+    check_version_range("versions", versions, dtype, valid if is_concrete(mask) else None)
+    check_version_range("current_version", current, dtype, None)
+    if is_concrete(mask) or mask is None:
+        check_not_newer(versions, current, valid)
+    return _as_int(versions, dtype), _as_int(current, dtype)
+
+
+def _per_sequence(current, shape: tuple[int, ...]):
+    """``current_version`` shaped to broadcast against ``[..., T]``: a ``[...]`` array is
+    one value per sequence (as ``advantages`` and ``rewards``), even when ``[...]``
+    happens to equal ``[T]``."""
+    batch = shape[:-1]
+    if current.ndim == 0:
+        return current
+    if current.shape == batch:
+        return current[..., None]
+    same_rank = current.ndim == len(shape)
+    if same_rank and all(c in (1, s) for c, s in zip(current.shape, shape, strict=True)):
+        return current
+    raise ValueError(
+        f"current_version has shape {current.shape}; expected an int, {batch} (one per "
+        f"sequence), {(*batch, 1)} or {shape} (one per token) for log-probs of shape {shape}"
+    )
+
+
+def _as_int(x, dtype) -> jax.Array:
+    """``x`` in ``dtype``; a traced unsigned value too large for it saturates (a concrete
+    one was refused by :func:`check_version_range`)."""
+    x = jnp.asarray(x)
+    info = jnp.iinfo(dtype)
+    if jnp.issubdtype(x.dtype, jnp.unsignedinteger) and jnp.iinfo(x.dtype).max > info.max:
+        x = jnp.minimum(x, info.max)
+    return x.astype(dtype)
+
+
+@read_now
+def check_version_range(name: str, x, dtype, valid) -> None:
+    """Raises ``ValueError`` naming ``name`` if a concrete ``x`` holds a value outside
+    ``dtype`` (at a valid token, where ``valid()`` gives them)."""
+    source = np.dtype(x.dtype)
+    info = np.iinfo(dtype)
+    if not is_concrete(x) or (
+        np.iinfo(source).min >= info.min and np.iinfo(source).max <= info.max
+    ):
+        return
+    values = np.asarray(x)
+    outside = (values > info.max) | (values < info.min) if source.kind == "i" else values > info.max
+    if valid is not None:
+        outside = outside & valid()
+    if outside.any():
+        example = values[outside].flat[0]
         raise ValueError(
-            f"current_version of shape {current.shape} does not broadcast to [..., T] = "
-            f"{tuple(shape)}"
-        ) from None
-    return versions.astype(jnp.float32), current.astype(jnp.float32)
+            f"{name} holds {example} (dtype {source}), outside {np.dtype(dtype)} "
+            f"[{info.min}, {info.max}]: policy versions are compared as {np.dtype(dtype)} "
+            "(int64 with jax_enable_x64), where it would wrap to another version"
+        )
+
+
+@read_now
+def check_not_newer(versions, current, valid) -> None:
+    """Raises ``ValueError`` if concrete versions are newer than a concrete
+    ``current_version`` at a valid token (a negative age), or ``current_version < 0``."""
+    if not (is_concrete(versions) and is_concrete(current)):
+        return
+    c = np.asarray(current).astype(np.int64)
+    if (c < 0).any():
+        raise ValueError(
+            f"current_version must be >= 0 (the trainer's policy version), got {c.min()}"
+        )
+    v = np.asarray(versions).astype(np.int64)
+    newer = (v >= 0) & (v > c)
+    if valid is not None:
+        newer = newer & valid()
+    if newer.any():
+        at = tuple(int(i) for i in np.argwhere(newer)[0])
+        raise ValueError(
+            f"versions holds {v[at]} at {at}, newer than current_version "
+            f"{np.broadcast_to(c, v.shape)[at]}: a token cannot come from a policy version "
+            "the trainer has not reached (its age would be negative). Pass the trainer's "
+            "current version, or mask the token out."
+        )
 
 
 def async_stages(config, versions, current) -> list[Stage]:
@@ -180,8 +311,8 @@ def async_stages(config, versions, current) -> list[Stage]:
     chain: list[Stage] = []
     if versions is None:
         return chain
-    age = current - versions
-    chain.append(Staleness(age, config.max_weight_staleness, config.staleness_level))
+    age = current - versions  # integers: exact at any version
+    chain.append(Staleness(age, versions >= 0, config.max_weight_staleness, config.staleness_level))
     if config.mask_offpolicy_in_partial_rollout:
         chain.append(OffPolicyPrefix(versions))
     return chain

@@ -286,7 +286,8 @@ class _Batch:
     not finite; ``bad_model`` marks the valid tokens whose ``θ``, advantage (or a
     reference log-prob or entropy the loss uses) is not finite. ``old`` is the
     proximal approximation under ``prox_logp_method`` ``"loglinear"`` / ``"linear"``;
-    ``versions`` / ``current`` are float32 (or None), ``proximal`` the ``prox_*`` metric
+    ``versions`` / ``current`` are integer arrays from
+    :func:`~offpolicy_jax.correction.staleness.check_versions` (or None), ``proximal`` the ``prox_*`` metric
     parts (batch totals).
     """
 
@@ -358,7 +359,11 @@ def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
         bad_model = bad_model | ~jnp.isfinite(ent)
     adv = jnp.where(valid & jnp.isfinite(adv), adv, 0.0)
     versions, current = staleness.check_versions(
-        inputs.versions, inputs.current_version, theta.shape, needed_by=_versions_key(config)
+        inputs.versions,
+        inputs.current_version,
+        theta.shape,
+        needed_by=_versions_key(config),
+        mask=mask,
     )
     check_split_over(axes.batch + axes.token, versions=inputs.versions)
     b = _Batch(

@@ -35,10 +35,17 @@ _REL_EPS = 1e-8  # AReaL's _EPSILON in the relative error
 
 
 def interpolation_weight(versions: jax.Array, current_version: jax.Array) -> jax.Array:
-    """``α`` per token (module docstring); float32 inputs, exact for versions < 2**24."""
+    """``α`` per token (module docstring), float32.
+
+    Integer inputs (what the losses pass) are subtracted as integers, so
+    ``c − v`` is exact at any version; ``α = (c − v − 1) / (c − v)`` is then rounded
+    once to float32. A token without a version (``v < 0``, AReaL's −1) and one at or
+    above ``c`` get ``α = 0``, as in AReaL.
+    """
     span = current_version - versions
     usable = (span > 0) & (versions >= 0)
-    alpha = (current_version - 1.0 - versions) / jnp.where(usable, span, 1.0)
+    gap = jnp.where(usable, span - 1, 0).astype(jnp.float32)
+    alpha = gap / jnp.where(usable, span, 1).astype(jnp.float32)
     return jnp.where(usable, jnp.clip(alpha, 0.0, 1.0), 0.0)
 
 
