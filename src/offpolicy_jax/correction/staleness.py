@@ -41,24 +41,19 @@ def _indicator(x: jax.Array) -> jax.Array:
 
 
 def sortable(versions: jax.Array) -> jax.Array:
-    """An order-preserving float key of integer versions: ``a < b`` iff ``key(a) < key(b)``.
+    """An order-preserving float32 key of int32 values: ``a < b`` iff ``key(a) < key(b)``.
 
-    The reduction engine takes minima and maxima of float columns; a plain float32 cast
-    makes versions above ``2**24`` collide (``2**24 + 1`` reads as ``2**24``). Instead
-    each integer ``v >= 0`` (negatives read as 0: they are never compared) becomes a
-    distinct normal float of the same width: ``w = v − 2**(n−2)`` and the float whose bit
-    pattern is ``|w| + 2**mantissa``, negated for ``w < 0``. Normal floats order like
+    The reduction engine takes minima and maxima of float32 columns; a plain cast makes
+    versions above ``2**24`` collide (``2**24 + 1`` reads as ``2**24``). Instead each
+    ``v >= 0`` (negatives read as 0: they are never compared) becomes a distinct normal
+    float32: with ``w = v − 2**30``, the float whose bit pattern is ``|w| + 2**23``,
+    negated for ``w < 0``. Normal floats order like
     their bit patterns, none is inf, NaN or subnormal (which CPUs may flush to 0), so
     every ``max`` / ``min`` / ``pmax`` of keys is exact.
     """
-    info = jnp.iinfo(versions.dtype)
-    bits = info.bits
-    real = {32: jnp.float32, 64: jnp.float64}[bits]
-    uint = {32: jnp.uint32, 64: jnp.uint64}[bits]
-    mantissa = jnp.finfo(real).nmant
-    w = jnp.maximum(versions, 0) - (1 << (bits - 2))
-    pattern = (jnp.abs(w) + (1 << mantissa)).astype(uint)
-    magnitude = jax.lax.bitcast_convert_type(pattern, real)
+    w = jnp.maximum(versions.astype(jnp.int32), 0) - (1 << 30)
+    pattern = (jnp.abs(w) + (1 << 23)).astype(jnp.uint32)
+    magnitude = jax.lax.bitcast_convert_type(pattern, jnp.float32)
     return jnp.where(w < 0, -magnitude, magnitude)
 
 
@@ -126,10 +121,11 @@ class OffPolicyPrefix(Stage):
     """
 
     versions: jax.Array
+    order: jax.Array  # int32 >= 0, ordered as the versions within a sequence (prefix_order)
 
     def columns(self, t):
         versioned = jnp.where(self.versions >= 0, t.population, 0.0)
-        key = sortable(self.versions)
+        key = sortable(self.order)
         return {
             "newest": _reduce.maximum(key, versioned),
             "first": _reduce.minimum(key, versioned),
@@ -137,7 +133,7 @@ class OffPolicyPrefix(Stage):
 
     def decide(self, t, sums):
         newest = t.layout.broadcast(sums["newest"])
-        prefix = (self.versions >= 0) & (sortable(self.versions) < newest)
+        prefix = (self.versions >= 0) & (sortable(self.order) < newest)
         # An empty (or unversioned) sequence has newest −inf and first +inf.
         mixed = sums["first"] < sums["newest"]
         return Decision(
@@ -314,5 +310,16 @@ def async_stages(config, versions, current) -> list[Stage]:
     age = current - versions  # integers: exact at any version
     chain.append(Staleness(age, versions >= 0, config.max_weight_staleness, config.staleness_level))
     if config.mask_offpolicy_in_partial_rollout:
-        chain.append(OffPolicyPrefix(versions))
+        chain.append(OffPolicyPrefix(versions, prefix_order(versions, age)))
     return chain
+
+
+def prefix_order(versions: jax.Array, age: jax.Array) -> jax.Array:
+    """int32 values ``>= 0`` ordered as the versions are within a sequence, for the
+    float32 reduction engine (:func:`sortable`): the int32 versions themselves, and for
+    int64 versions (``jax_enable_x64``) ``2**30 − age``, exact while ``|age| < 2**30``
+    and the current version is one per sequence."""
+    if versions.dtype == jnp.int32:
+        return jnp.maximum(versions, 0)
+    lag = jnp.clip(age, 1 - 2**30, 2**30)
+    return (2**30 - lag).astype(jnp.int32)
