@@ -187,8 +187,13 @@ def compute_correction(
         ``mis_staleness_max`` (age ``current_version − version`` over the valid
         tokens) and feeds ``config.max_weight_staleness`` and
         ``config.mask_offpolicy_in_partial_rollout``, which require it.
-      current_version: the trainer's policy version, an int (or an int array
-        broadcastable to ``[..., T]``); required with ``versions``.
+      current_version: the trainer's policy version, required with ``versions``: an
+        int, or an int array of shape ``[...]`` (one per sequence, like ``advantages``;
+        per row with ``segment_ids``), ``[..., 1]`` or ``[..., T]`` (per token).
+        Versions and ages are integers (int32; int64 with ``jax_enable_x64``); a
+        negative version (AReaL's −1) has no age. Concrete values are checked at the
+        valid tokens (out of range, ``current_version < 0`` or a version newer than it
+        raise ``ValueError``); docs/guide/async.md.
 
     Returns:
       A :class:`CorrectionResult` with float32 ``weights`` and ``mask`` of the

@@ -3,7 +3,11 @@
 In asynchronous RL a rollout comes from a policy one or more updates old, and a partial
 rollout resumed under new weights mixes versions within one sequence. With the
 per-token ``versions`` (the policy version that sampled each token) and the trainer's
-``current_version``, a token's *age* is ``current_version − version``:
+``current_version``, a token's *age* is ``current_version − version``, computed in
+integers (int32; int64 with ``jax_enable_x64``) so that versions compare exactly at any
+size. A negative version (AReaL writes −1: no policy version generated the token) has
+no age: it is never stale, never in an off-policy prefix, and outside the age metrics,
+as in AReaL's staleness statistics (``valid_generated_mask``):
 
 * :class:`Staleness` reports the age (``mis_staleness_mean``, and
   ``mis_staleness_max`` as an :class:`~offpolicy_jax.correction.stages.Extreme` that pools with
@@ -168,7 +172,7 @@ def neutral_rollout(old: jax.Array, rollout: jax.Array, mask: jax.Array):
 def version_dtype():
     """The integer dtype versions are compared in: int32, or int64 when
     ``jax_enable_x64`` is on (JAX has no int64 arrays otherwise)."""
-    return jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+    return jax.dtypes.canonicalize_dtype(jnp.int64)  # int32 unless x64 is on
 
 
 def check_versions(versions, current_version, shape, *, needed_by: str | None, mask=None):

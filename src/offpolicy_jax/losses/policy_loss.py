@@ -929,7 +929,9 @@ def policy_loss(
         version that sampled each token, for a ``CorrectionConfig`` correction's
         staleness metrics and rules (as in :func:`compute_correction`) and for
         ``config.prox_logp_method``'s proximal approximation, which requires it.
-      current_version: the trainer's policy version (an int); required with ``versions``.
+      current_version: the trainer's policy version, required with ``versions``: an
+        int, or an int array ``[...]`` (one per sequence), ``[..., 1]`` or ``[..., T]``;
+        checked as in :func:`compute_correction` (a negative version has no age).
       key: a PRNG key (``jax.random.key(seed)``) for surrogates that choose tokens at
         random (``clip_cov``), handed to them as ``SurrogateInput.key``; the library
         draws no randomness of its own (the same key gives the same loss).
