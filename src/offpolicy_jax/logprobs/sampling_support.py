@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from offpolicy_jax import _validation
 from offpolicy_jax.logprobs._rowchunks import chunks, loop, match_cotangent_axes, vary, vma
 
 __all__ = ["support_from_csr"]
@@ -71,16 +72,18 @@ def support_from_csr(
       max_size: ``K``, the most ids a token may keep (static). None: the largest
         count in ``offsets`` (needs concrete offsets, not tracers); vLLM bounds it
         by ``top_k``. Under ``jit`` a token keeping more than ``K`` ids (or with
-        inconsistent offsets) gets the invalid id ``2**31 − 1``, so its log-prob is
-        NaN; outside ``jit`` it raises.
-      pad: the padding id, not in ``[0, V)`` (default ``−1``).
+        inconsistent offsets: decreasing, negative or past ``token_ids``) gets the
+        invalid id ``2**31 − 1``, so its log-prob is NaN; outside ``jit`` it raises.
+      pad: the padding id, not in ``[0, V)`` (default ``−1``); an int32 other than
+        the invalid id.
 
     Returns:
       int32 ``[..., T, K]``.
 
     Raises:
-      ValueError: concrete offsets that decrease, point past ``token_ids``, or count
-        more than ``max_size`` ids for a token.
+      ValueError: concrete offsets that decrease, are negative, point past
+        ``token_ids``, or count more than ``max_size`` ids for a token; ids or offsets
+        of a wider integer dtype beyond int32 (they would wrap to other values).
 
     Examples:
       >>> import offpolicy_jax as opj
@@ -127,7 +130,9 @@ def support_from_csr(
     picked = jnp.take_along_axis(ids, jnp.clip(flat, 0, max(length - 1, 0)), axis=-1)
     picked = picked.reshape(pos.shape) if length else jnp.zeros(pos.shape, ids.dtype)
     out = jnp.where(inside, picked, pad).astype(jnp.int32)
-    broken = (counts > max_size) | (counts < 0) | (offsets[..., 1:] > length)
+    # A negative start would be clipped to 0 and read ids of another token.
+    broken = (counts > max_size) | (counts < 0) | (offsets[..., :-1] < 0)
+    broken = broken | (offsets[..., 1:] > length)
     return jnp.where(broken[..., None], INVALID_ID, out)
 
 
@@ -140,24 +145,43 @@ def _concrete(x: jax.Array) -> np.ndarray | None:
 
 
 def _integer_array(name: str, x) -> jax.Array:
-    if isinstance(x, list | tuple):
-        x = np.asarray(x)
+    x = _validation.as_array(name, x)  # a list: named errors, int64 checked below
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array of token ids, got dtype {dtype}")
+    # int64 ids beyond int32 would wrap (x64 off) to other, valid ids: refused.
+    _validation.check_int32_ids(name, x)
     return jnp.asarray(x)
 
 
-def _check_pad(pad, name: str) -> int:
+def _check_pad(pad, name: str, vocab: int | None = None) -> int:
+    """The padding id: an int32 that is neither the invalid id nor (when ``vocab`` is
+    known) a token id, so that padding and kept ids cannot be confused."""
     if not isinstance(pad, numbers.Integral) or isinstance(pad, bool):
         raise TypeError(f"{name} must be an int, got {pad!r}")
-    return int(pad)
+    pad = int(pad)
+    if not _INT32_MIN <= pad < INVALID_ID:
+        raise ValueError(
+            f"{name} must be an int32 other than {INVALID_ID} (the invalid id), got {pad}"
+        )
+    if vocab is not None and 0 <= pad < vocab:
+        raise ValueError(
+            f"{name} = {pad} is a token id of the vocabulary [0, {vocab}): its entries would "
+            "remove that token from every kept set; use a padding id outside it (default -1)"
+        )
+    return pad
 
 
-def check_support(support, support_pad, batch_shape: tuple[int, ...]) -> tuple[jax.Array, int]:
-    """Validates ``support`` (int ``[..., T, K]``, ``K >= 1``) against ``[..., T]``."""
+_INT32_MIN = int(np.iinfo(np.int32).min)
+
+
+def check_support(
+    support, support_pad, batch_shape: tuple[int, ...], vocab: int
+) -> tuple[jax.Array, int]:
+    """Validates ``support`` (int ``[..., T, K]``, ``K >= 1``) against ``[..., T]`` and
+    ``support_pad`` against the vocabulary ``[0, vocab)``."""
     support = _integer_array("support", support)
-    pad = _check_pad(support_pad, "support_pad")
+    pad = _check_pad(support_pad, "support_pad", vocab)
     if support.ndim != len(batch_shape) + 1 or support.shape[:-1] != tuple(batch_shape):
         raise ValueError(
             f"support must have shape [..., T, K] with [..., T] = {tuple(batch_shape)}, got "
@@ -181,14 +205,20 @@ def prepare(support: jax.Array, pad: int, vocab: int) -> tuple[jax.Array, jax.Ar
     return ids, real & in_range, jnp.any(real & ~in_range, axis=-1)
 
 
-def _logsumexp(z: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(log Σ_keep e^z, ``[...]`` bool non-empty), −inf for an empty set, without the
-    NaN gradient ``jax.nn.logsumexp`` gives a row of −inf."""
+def _log_normaliser(z: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(m, log s)`` with ``log Σ_keep e^z = m + log s``, ``m`` the kept maximum (0 for
+    an empty set, where ``log s`` is 0 too), without the NaN gradient
+    ``jax.nn.logsumexp`` gives a row of −inf.
+
+    The two are kept apart: callers subtract ``m`` first, ``(z − m) − log s``. The kept
+    set's maximum may sit far below the row's (or be large itself, from hidden
+    states), and ``m + log s`` rounds to an ulp of ``m`` (0.016 at 1.6e5).
+    """
     m = jnp.max(jnp.where(keep, z, -jnp.inf), axis=-1)
     nonempty = jnp.isfinite(m)
     m = jax.lax.stop_gradient(jnp.where(nonempty, m, 0.0))
     s = jnp.sum(jnp.where(keep, jnp.exp(jnp.where(keep, z, 0.0) - m[..., None]), 0.0), axis=-1)
-    return jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, s, 1.0)), -jnp.inf), nonempty
+    return m, jnp.log(jnp.where(nonempty, s, 1.0))
 
 
 def finish(raw, tokens, ids, valid, broken, vocab):
@@ -205,13 +235,12 @@ def logprobs_over_support(z, tokens, support, pad, return_entropy):
     vocab = z.shape[-1]
     ids, valid, broken = prepare(support, pad, vocab)
     zk = jnp.take_along_axis(z, jnp.where(valid, ids, 0), axis=-1)
-    lse, nonempty = _logsumexp(zk, valid)
+    m, log_s = _log_normaliser(zk, valid)
     target = jnp.sum(jnp.where(valid & (ids == tokens[..., None]), zk, 0.0), axis=-1)
-    safe_lse = jnp.where(nonempty, lse, 0.0)
-    logp = finish(target - safe_lse, tokens, ids, valid, broken, vocab)
+    logp = finish((target - m) - log_s, tokens, ids, valid, broken, vocab)
     if not return_entropy:
         return logp
-    shifted = jnp.where(valid, zk - safe_lse[..., None], 0.0)
+    shifted = jnp.where(valid, (zk - m[..., None]) - log_s[..., None], 0.0)
     entropy = -jnp.sum(jnp.where(valid, jnp.exp(shifted) * shifted, 0.0), axis=-1)
     return logp, entropy
 
@@ -235,27 +264,33 @@ def _offset(w, axis_name):
 
 
 def _chunk_stats(h, w, tok, ids, valid, inv_t, axis_name):
-    """``[4, c]``: ``z_y − lse``, entropy, lse and ``E[z]`` over the kept set (the
-    vocabulary shards combined by one ``pmax`` and one ``psum`` of ``[c]`` vectors)."""
+    """``[5, c]``: ``z_y − lse``, entropy, and the residuals ``m``, ``log s`` and
+    ``E[z − m]`` over the kept set (``lse = m + log s``, ``m`` the kept maximum; the
+    vocabulary shards combined by one ``pmax`` and one ``psum`` of ``[c]`` vectors).
+
+    Everything is relative to ``m``: ``(z_y − m) − log s`` is exact to float32
+    rounding of the log-prob, where ``z_y − (m + log s)`` would round ``lse`` to an
+    ulp of the logits (0.016 at 1.6e5); likewise the entropy ``log s − E[z − m]``."""
     z, mine, _, _ = _kept_logits(h, w, ids, valid, inv_t, _offset(w, axis_name))
     m = jnp.max(jnp.where(mine, z, -jnp.inf), axis=-1)
     if axis_name is not None:
         m = jax.lax.pmax(m, axis_name)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.where(mine, jnp.exp(z - m[:, None]), 0.0)
+    shifted = jnp.where(mine, z - m[:, None], 0.0)
+    e = jnp.where(mine, jnp.exp(shifted), 0.0)
     sums = (
         jnp.sum(e, axis=-1),
-        jnp.sum(e * z, axis=-1),
-        jnp.sum(jnp.where(mine & (ids == tok[:, None]), z, 0.0), axis=-1),
+        jnp.sum(e * shifted, axis=-1),
+        jnp.sum(jnp.where(mine & (ids == tok[:, None]), shifted, 0.0), axis=-1),
     )
     if axis_name is not None:
         sums = jax.lax.psum(sums, axis_name)
     s, t, zt = sums
     some = s > 0
     s1 = jnp.where(some, s, 1.0)
-    lse = jnp.where(some, m + jnp.log(s1), 0.0)
+    log_s = jnp.log(s1)
     expected = t / s1
-    return jnp.stack([zt - lse, jnp.where(some, lse - expected, 0.0), lse, expected])
+    return jnp.stack([zt - log_s, jnp.where(some, log_s - expected, 0.0), m, log_s, expected])
 
 
 def _forward(h, w, tok, ids, valid, inv_t, chunk, axis_name):
@@ -273,7 +308,7 @@ def _forward(h, w, tok, ids, valid, inv_t, chunk, axis_name):
         stats = _chunk_stats(rows(h), w, rows(tok), rows(ids), rows(valid), inv_t, axis_name)
         return jax.lax.dynamic_update_slice_in_dim(out, vary(stats, out_axes), start, axis=1)
 
-    return loop(num, c, n, body, vary(jnp.zeros((4, n), jnp.float32), out_axes))
+    return loop(num, c, n, body, vary(jnp.zeros((5, n), jnp.float32), out_axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -284,19 +319,22 @@ def _kept(h, w, tok, ids, valid, inv_t, chunk, axis_name, with_entropy):
 
 def _kept_fwd(h, w, tok, ids, valid, inv_t, chunk, axis_name, with_entropy):
     out = _forward(h, w, tok, ids, valid, inv_t, chunk, axis_name)
-    # Residuals: the inputs and two [N] vectors; the [N, K] logits are recomputed.
-    return (out[0], out[1]), (h, w, tok, ids, valid, inv_t, out[2], out[3])
+    # Residuals: the inputs and three [N] vectors; the [N, K] logits are recomputed.
+    return (out[0], out[1]), (h, w, tok, ids, valid, inv_t, out[2], out[3], out[4])
 
 
-def _chunk_grads(h, w, tok, ids, valid, inv_t, lse, expected, g_logp, g_ent, axis_name):
-    """(dh ``[c, D]``, the ``[D, c, K]`` dW terms of the kept columns, their indices)."""
+def _chunk_grads(h, w, tok, ids, valid, inv_t, stats, g_logp, g_ent, axis_name):
+    """(dh ``[c, D]``, the ``[D, c, K]`` dW terms of the kept columns, their indices);
+    ``stats``: the rows' ``(m, log s, E[z − m])`` of the forward pass."""
+    m, log_s, expected = stats
     z, mine, cols, index = _kept_logits(h, w, ids, valid, inv_t, _offset(w, axis_name))
-    prob = jnp.where(mine, jnp.exp(jnp.where(mine, z - lse[:, None], 0.0)), 0.0)
+    shifted = jnp.where(mine, z - m[:, None], 0.0)
+    prob = jnp.where(mine, jnp.exp(shifted - log_s[:, None]), 0.0)
     onehot = jnp.where(mine & (ids == tok[:, None]), 1.0, 0.0)
     # d logp / dz = onehot − p;  dH / dz = −p (z − E[z]), on the kept set only.
     dz = g_logp[:, None] * (onehot - prob)
     if g_ent is not None:
-        dz = dz - g_ent[:, None] * prob * (z - expected[:, None])
+        dz = dz - g_ent[:, None] * prob * (shifted - expected[:, None])
     dz = jnp.where(mine, dz * inv_t, 0.0)
     dh = jnp.einsum("ck,dck->cd", dz, cols, preferred_element_type=jnp.float32)
     dw_terms = jnp.einsum("cd,ck->dck", h.astype(jnp.float32), dz)
@@ -304,7 +342,7 @@ def _chunk_grads(h, w, tok, ids, valid, inv_t, lse, expected, g_logp, g_ent, axi
 
 
 def _kept_bwd(chunk, axis_name, with_entropy, residuals, cotangents):
-    h, w, tok, ids, valid, inv_t, lse, expected = residuals
+    h, w, tok, ids, valid, inv_t, m, log_s, expected = residuals
     g_logp, g_ent = cotangents
     n = h.shape[0]
     num, c = chunks(n, chunk)
@@ -326,8 +364,7 @@ def _kept_bwd(chunk, axis_name, with_entropy, residuals, cotangents):
             rows(ids),
             rows(valid),
             inv_t,
-            rows(lse),
-            rows(expected),
+            (rows(m), rows(log_s), rows(expected)),
             jnp.where(own, rows(g_logp), 0.0),
             jnp.where(own, rows(g_ent), 0.0) if with_entropy else None,
             axis_name,

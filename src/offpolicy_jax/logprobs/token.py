@@ -302,7 +302,9 @@ def token_logprobs(
         builds it from vLLM's CSR sampling mask). ``S_t`` is then exactly these ids
         (a repeated id counts once; an empty set gives ``−inf``); excludes ``top_k``
         and ``top_p``.
-      support_pad: the padding id of ``support`` (default ``−1``).
+      support_pad: the padding id of ``support`` (default ``−1``), an int32 outside
+        the vocabulary ``[0, V)``: a token id there raises ``ValueError`` (its
+        entries could not be told from the kept token).
 
     Returns:
       ``logp`` ``[..., T]`` float32, or ``(logp, entropy)`` if ``return_entropy``.
@@ -311,7 +313,8 @@ def token_logprobs(
       TypeError: float ``tokens``, integer ``logits``, a non-integer ``top_k``.
       ValueError: rank/shape mismatch, ``top_p`` outside ``(0, 1]``, a scalar
         ``top_k < 1``, ``temperature <= 0`` (arrays: where their values are concrete),
-        ``tokens`` of a wider integer dtype holding ids beyond int32.
+        ``tokens`` or ``support`` of a wider integer dtype holding ids beyond int32,
+        a ``support_pad`` in ``[0, V)``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -331,7 +334,9 @@ def token_logprobs(
     top_k = _check_top_k(top_k, batch_shape)
     top_p = _check_top_p(top_p, batch_shape)
     if support is not None:
-        support, support_pad = _check_given_support(support, support_pad, batch_shape, top_k, top_p)
+        support, support_pad = _check_given_support(
+            support, support_pad, logits.shape, top_k, top_p
+        )
     if isinstance(top_p, float) and top_p >= 1.0:
         top_p = None
 
@@ -356,8 +361,10 @@ def token_logprobs(
         return logp
     shifted = z - lse[..., None]
     prob = jnp.exp(shifted)
-    # 0 * (-inf) would be NaN for tokens outside the support.
-    entropy = -jnp.sum(jnp.where(prob > 0, prob * shifted, 0.0), axis=-1)
+    # 0 * (-inf) would be NaN for tokens outside the support: in the value, and in the
+    # gradient of the branch jnp.where discards unless -inf is replaced inside it too.
+    kept = prob > 0
+    entropy = -jnp.sum(jnp.where(kept, prob * jnp.where(kept, shifted, 0.0), 0.0), axis=-1)
     return logp, jnp.where(invalid, jnp.nan, entropy)
 
 
@@ -372,13 +379,15 @@ def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     return (logits - peak) / temperature[..., None]
 
 
-def _check_given_support(support, support_pad, batch_shape, top_k, top_p):
+def _check_given_support(support, support_pad, logits_shape, top_k, top_p):
     if top_k is not None or top_p is not None:
         raise ValueError(
             "support is the sampler's kept set itself (the result of its top-k / top-p): "
             "pass support or top_k / top_p, not both"
         )
-    return sampling_support.check_support(support, support_pad, tuple(batch_shape))
+    return sampling_support.check_support(
+        support, support_pad, tuple(logits_shape[:-1]), logits_shape[-1]
+    )
 
 
 # ------------------------------------------------------------ from the hidden states
@@ -394,8 +403,14 @@ def _block(h, w, v_start, v_size, v_lo, inv_t):
 
 
 def _row_stats(h, w, tok, inv_t, v_chunk, axis_name, with_entropy, axes):
-    """(lse, target logit, E[z], token id in range) of the rows ``h [c, D]``, by an
-    online log-sum-exp over the vocabulary blocks."""
+    """(m, log s, target logit, E[z − m], token id in range) of the rows ``h [c, D]``,
+    by an online log-sum-exp ``lse = m + log s`` over the vocabulary blocks.
+
+    ``m`` (the row maximum) and ``log s`` stay apart, and the sum behind ``E[z − m]``
+    is kept relative to the running maximum: the log-prob ``(z_y − m) − log s`` and
+    the entropy ``log s − E[z − m]`` are then exact to their own float32 rounding,
+    where ``z_y − (m + log s)`` rounds ``lse`` to an ulp of the logits (0.016 at
+    1.6e5) as the logits path, which shifts first, does not."""
     vocab_local = w.shape[1]
     num_v, v_size = _chunks(vocab_local, v_chunk or vocab_local)
     offset, vocab = 0, vocab_local
@@ -410,10 +425,13 @@ def _row_stats(h, w, tok, inv_t, v_chunk, axis_name, with_entropy, axes):
         z = jnp.where(own, z, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(z, axis=-1))
         scale = jnp.exp(m - m_new)
-        e = jnp.exp(z - m_new[:, None])
-        s = s * scale + jnp.sum(e, axis=-1)
+        shifted = z - m_new[:, None]
+        e = jnp.exp(shifted)
         if with_entropy:
-            t = t * scale + jnp.sum(jnp.where(own, e * z, 0.0), axis=-1)
+            # Σ e^(z − m)(z − m) moved to the new maximum (s is 0 while m is −inf).
+            moved = s * jnp.where(jnp.isfinite(m), m - m_new, 0.0)
+            t = (t + moved) * scale + jnp.sum(jnp.where(own, e * shifted, 0.0), axis=-1)
+        s = s * scale + jnp.sum(e, axis=-1)
         zt = zt + jnp.sum(jnp.where(own & (cols == local_tok[:, None]), z, 0.0), axis=-1)
         return _vary((m_new, s, t, zt), axes)
 
@@ -424,14 +442,16 @@ def _row_stats(h, w, tok, inv_t, v_chunk, axis_name, with_entropy, axes):
         # Only [c]-sized values cross devices: the max, then the rescaled sums.
         m_all = jax.lax.pmax(m, axis_name)
         scale = jnp.exp(m - m_all)
-        s, t, zt = jax.lax.psum((s * scale, t * scale, zt), axis_name)
+        t = (t + s * jnp.where(jnp.isfinite(m), m - m_all, 0.0)) * scale
+        s, t, zt = jax.lax.psum((s * scale, t, zt), axis_name)
         m = m_all
-    lse = m + jnp.log(s)
-    return lse, zt, t / s, (tok >= 0) & (tok < vocab)
+    return m, jnp.log(s), zt, t / s, (tok >= 0) & (tok < vocab)
 
 
-def _row_grads(h, w, tok, inv_t, lse, expected, g_logp, g_ent, v_chunk, axis_name, axes):
-    """(dh ``[c, D]``, dW ``[D, V_local]``), float32 partial sums, of the rows ``h``."""
+def _row_grads(h, w, tok, inv_t, stats, g_logp, g_ent, v_chunk, axis_name, axes):
+    """(dh ``[c, D]``, dW ``[D, V_local]``), float32 partial sums, of the rows ``h``;
+    ``stats``: their ``(m, log s, E[z − m])`` of the forward pass."""
+    m, log_s, expected = stats
     vocab_local = w.shape[1]
     num_v, v_size = _chunks(vocab_local, v_chunk or vocab_local)
     offset = 0 if axis_name is None else jax.lax.axis_index(axis_name) * vocab_local
@@ -441,12 +461,13 @@ def _row_grads(h, w, tok, inv_t, lse, expected, g_logp, g_ent, v_chunk, axis_nam
     def body(carry, v_start, v_lo):
         dh, dw = carry
         z, cols, own = _block(h, w, v_start, v_size, v_lo, inv_t)
-        prob = jnp.where(own, jnp.exp(z - lse[:, None]), 0.0)
+        shifted = z - m[:, None]
+        prob = jnp.where(own, jnp.exp(shifted - log_s[:, None]), 0.0)
         onehot = (own & (cols == local_tok[:, None])).astype(jnp.float32)
         # d logp / dz = onehot - p;  d H / dz = -p (z - E[z]).  Overlap columns: 0.
         dz = g_logp[:, None] * (onehot - prob)
         if g_ent is not None:
-            dz = dz - g_ent[:, None] * jnp.where(own, prob * (z - expected[:, None]), 0.0)
+            dz = dz - g_ent[:, None] * jnp.where(own, prob * (shifted - expected[:, None]), 0.0)
         dz = dz * inv_t
         w_block = jax.lax.dynamic_slice_in_dim(w, v_start, v_size, axis=1)
         dh = dh + jnp.matmul(dz, w_block.astype(jnp.float32).T)
@@ -464,7 +485,7 @@ def _row_grads(h, w, tok, inv_t, lse, expected, g_logp, g_ent, v_chunk, axis_nam
 
 
 def _forward_rows(h, w, tok, inv_t, chunk, v_chunk, axis_name, with_entropy):
-    """``[4, N]``: logp, entropy, lse and E[z] of the rows of ``h [N, D]``."""
+    """``[5, N]``: logp, entropy, m, log s and E[z − m] of the rows of ``h [N, D]``."""
     n = h.shape[0]
     num_c, c = _chunks(n, chunk)
     axes = _vma(h) | _vma(w) | _vma(tok)
@@ -474,14 +495,14 @@ def _forward_rows(h, w, tok, inv_t, chunk, v_chunk, axis_name, with_entropy):
         del lo  # rows of the overlap get the same values again: rewriting is harmless
         hc = jax.lax.dynamic_slice_in_dim(h, start, c, axis=0)
         tc = jax.lax.dynamic_slice_in_dim(tok, start, c, axis=0)
-        lse, zt, expected, in_range = _row_stats(
+        m, log_s, zt, expected, in_range = _row_stats(
             hc, w, tc, inv_t, v_chunk, axis_name, with_entropy, axes
         )
-        logp = jnp.where(in_range, zt - lse, jnp.nan)
-        rows = _vary(jnp.stack([logp, lse - expected, lse, expected]), out_axes)
+        logp = jnp.where(in_range, (zt - m) - log_s, jnp.nan)
+        rows = _vary(jnp.stack([logp, log_s - expected, m, log_s, expected]), out_axes)
         return jax.lax.dynamic_update_slice_in_dim(out, rows, start, axis=1)
 
-    return _loop(num_c, c, n, body, _vary(jnp.zeros((4, n), jnp.float32), out_axes))
+    return _loop(num_c, c, n, body, _vary(jnp.zeros((5, n), jnp.float32), out_axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
@@ -494,12 +515,12 @@ def _fused(
 
 def _fused_fwd(h, w, tok, inv_t, chunk, v_chunk, axis_name, with_entropy):
     out = _forward_rows(h, w, tok, inv_t, chunk, v_chunk, axis_name, with_entropy)
-    # Residuals: the inputs and two [N] vectors, nothing of size V.
-    return (out[0], out[1]), (h, w, tok, inv_t, out[2], out[3])
+    # Residuals: the inputs and three [N] vectors, nothing of size V.
+    return (out[0], out[1]), (h, w, tok, inv_t, out[2], out[3], out[4])
 
 
 def _fused_bwd(chunk, v_chunk, axis_name, with_entropy, residuals, cotangents):
-    h, w, tok, inv_t, lse, expected = residuals
+    h, w, tok, inv_t, m, log_s, expected = residuals
     g_logp, g_ent = cotangents
     n = h.shape[0]
     num_c, c = _chunks(n, chunk)
@@ -519,8 +540,7 @@ def _fused_bwd(chunk, v_chunk, axis_name, with_entropy, residuals, cotangents):
             w,
             rows(tok),
             inv_t,
-            rows(lse),
-            rows(expected),
+            (rows(m), rows(log_s), rows(expected)),
             jnp.where(own, rows(g_logp), 0.0),
             jnp.where(own, rows(g_ent), 0.0) if with_entropy else None,
             v_chunk,
@@ -617,7 +637,7 @@ def token_logprobs_from_hidden(
     ``jax.nn.log_softmax(hidden @ unembedding / temperature)[..., tokens]`` to float32
     rounding. The ``N = prod(...) · T`` rows are processed ``chunk_size`` at a time
     (and the vocabulary ``vocab_chunk_size`` columns at a time with an online
-    log-sum-exp); a ``jax.custom_vjp`` stores only the inputs and two ``[N]`` vectors
+    log-sum-exp); a ``jax.custom_vjp`` stores only the inputs and three ``[N]`` vectors
     and recomputes each chunk's logits in the backward pass, where
     ``∂ log π / ∂z = onehot(y) − π`` and ``∂H / ∂z = −π (z − E_π[z])``. This is the
     chunked linear-cross-entropy of Liger Kernel and Cut Cross-Entropy (Wijmans et
@@ -653,7 +673,9 @@ def token_logprobs_from_hidden(
       top_k, top_p: must be ``None`` (see above).
       support: the sampler's kept ids, int ``[..., T, K]`` (as in
         :func:`token_logprobs`); ``vocab_chunk_size`` is then unused.
-      support_pad: the padding id of ``support`` (default ``−1``).
+      support_pad: the padding id of ``support`` (default ``−1``), an int32 outside
+        the vocabulary ``[0, V)``: a token id there raises ``ValueError`` (its
+        entries could not be told from the kept token).
 
     Returns:
       ``logp`` ``[..., T]`` float32, or ``(logp, entropy)`` if ``return_entropy``.
@@ -682,7 +704,11 @@ def token_logprobs_from_hidden(
     if vocab_chunk_size is not None and vocab_chunk_size >= unembedding.shape[1]:
         vocab_chunk_size = None
     if support is not None:
-        support, support_pad = sampling_support.check_support(support, support_pad, batch_shape)
+        # The global vocabulary: inside shard_map each device holds V / n columns.
+        vocab = unembedding.shape[1] * (1 if axis_name is None else jax.lax.axis_size(axis_name))
+        support, support_pad = sampling_support.check_support(
+            support, support_pad, batch_shape, vocab
+        )
     explicit = _explicit_specs(hidden, unembedding, tokens) if axis_name is None else None
     if explicit is not None:
         kwargs: dict[str, typing.Any] = dict(
