@@ -562,7 +562,8 @@ def _npz_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Chun
     segments = None if segments is None else segments.reshape(-1, t)
     for lo in range(0, old.shape[0], rows):
         hi = min(lo + rows, old.shape[0])
-        parts = [a[lo:hi].astype(np.float32) for a in (old, rollout, mask)]
+        with np.errstate(over="ignore"):  # beyond float32 is inf: _check_values names it
+            parts = [a[lo:hi].astype(np.float32) for a in (old, rollout, mask)]
         row = np.arange(lo, hi, dtype=np.int64)
         if segments is None:
             yield Chunk(*parts, file=np.zeros(hi - lo, np.int32), row=row, start=np.zeros_like(row))
