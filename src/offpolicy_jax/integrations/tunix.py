@@ -596,7 +596,6 @@ def _aux(metrics: Mapping[str, jax.Array], example: Any, num_segments: int | Non
     return aux
 
 
-@function_registry.register_policy_loss_fn(POLICY_LOSS_NAME)
 def offpolicy_policy_loss(
     model: Any, train_example: Any, algo_config: Any, pad_id: int, eos_id: int, **kwargs: Any
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -624,10 +623,11 @@ def offpolicy_policy_loss(
       tunix's GRPO learner logs; ``kl`` is ``opj/kl_loss``, or 0 without a KL term).
 
     Raises:
-      TypeError / ValueError at trace time for bad wiring: a config without a
-      ``LossConfig``, missing or misshapen rollout/old log-probs, ``segment_ids``
-      without ``max_segments_per_row``, or tunix's ``sampler_is_weights`` (a second,
-      precomputed correction).
+      TypeError: at trace time, a config without a ``LossConfig`` or log-probs that
+        are not floats.
+      ValueError: at trace time, other bad wiring: missing or misshapen rollout/old
+        log-probs, ``segment_ids`` without ``max_segments_per_row``, or tunix's
+        ``sampler_is_weights`` (a second, precomputed correction).
     """
     del kwargs
     loss_config = _resolve(algo_config)
@@ -671,6 +671,11 @@ def offpolicy_policy_loss(
         entropy=entropy,
     )
     return loss, _aux(metrics, train_example, num_segments)
+
+
+# Registered by a call, not as a decorator: the module keeps the function itself (what
+# tunix's registry returns is tunix's business).
+function_registry.register_policy_loss_fn(POLICY_LOSS_NAME)(offpolicy_policy_loss)
 
 
 def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[str, ...]:
