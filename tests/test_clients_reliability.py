@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -160,3 +161,170 @@ def test_demo_summary_json_is_strict_json(tmp_path, monkeypatch):
     assert row["peak_grad_norm"] is None
     assert row["final_reward_mean"] == pytest.approx(0.5)
     assert all(not isinstance(v, float) or math.isfinite(v) for v in row.values())
+
+
+# --------------------------------------------------------------------------- tunix
+
+
+def test_tunix_example_patches_no_private_tunix_method():
+    import ast
+
+    tree = ast.parse((ROOT / "examples" / "tunix_grpo.py").read_text())
+    private = [
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not (node.attr.startswith("__") and node.attr.endswith("__"))
+    ]
+    assert private == []  # was trainer._post_process_train_step, replaced in place
+
+
+@pytest.mark.slow  # a tunix GRPO run (about 40 s on CPU)
+def test_tunix_example_runs_a_verl_preset_without_a_veto():
+    pytest.importorskip("tunix")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    argv = [sys.executable, "-W", "ignore", str(ROOT / "examples" / "tunix_grpo.py")]
+    result = subprocess.run(
+        [*argv, "--steps", "1", "--correction", "decoupled_token_is"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    # Was KeyError: 'opj/mis_rs_catastrophic_seq_fraction', and "with the mis correction".
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step 1: " in result.stdout and "mis_k3_kl=" in result.stdout
+    assert "mis_rs_catastrophic" not in result.stdout
+    assert "done: trained 1 steps with the 'decoupled_token_is' correction" in result.stdout
+
+
+def test_tunix_step_metrics_hook_reports_the_keys_that_were_logged():
+    pytest.importorskip("tunix")
+    from tunix.sft import metrics_logger
+
+    from offpolicy_jax.integrations import tunix as otx
+
+    logger = metrics_logger.MetricsLogger()
+    mode = metrics_logger.Mode.TRAIN
+    for step, value in ((1, 0.25), (2, 0.5)):
+        logger.log("actor", "opj/mis_k3_kl", np.float32(value), mode, step)
+
+    class Trainer:  # what tunix's PeftTrainer hands its hooks
+        metrics_logger = logger
+        metrics_prefix = "actor"
+
+    seen = []
+    hook = otx.StepMetricsHook(
+        ["opj/mis_k3_kl", "opj/mis_rs_catastrophic_seq_fraction"],
+        lambda step, metrics: seen.append((step, metrics)),
+    )
+    hook.on_train_step_end(Trainer(), 2, np.float32(1.5))
+    assert seen == [(2, {"loss": 1.5, "opj/mis_k3_kl": 0.5})]  # the veto key: absent, no error
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def _public_names(path: pathlib.Path) -> list[str]:
+    import ast
+
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__":
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"no __all__ in {path}")
+
+
+def test_api_index_documents_the_tunix_integration_and_no_cli_internals():
+    index = (ROOT / "docs" / "api" / "index.md").read_text()
+    assert ".. currentmodule:: offpolicy_jax.integrations.tunix" in index
+    section = index.split(".. currentmodule:: offpolicy_jax.integrations.tunix", 1)[1]
+    listed = section.split("```", 1)[0]
+    names = _public_names(ROOT / "src" / "offpolicy_jax" / "integrations" / "tunix.py")
+    constants = {"METRIC_PREFIX", "POLICY_LOSS_NAME"}  # named in the section's text
+    for name in names:
+        assert (name in listed) if name not in constants else (name in index), name
+    # Was ".. automodule:: offpolicy_jax.cli" with main, missing_extra, EXTRAS.
+    assert "offpolicy_jax.cli" not in index and "missing_extra" not in index
+
+
+def _conf():
+    source = (ROOT / "docs" / "conf.py").read_text()
+    namespace = {"__file__": str(ROOT / "docs" / "conf.py"), "__name__": "conf"}
+    exec(compile(source, "docs/conf.py", "exec"), namespace)
+    return namespace
+
+
+def test_semantics_citations_are_links_on_the_site():
+    import re
+
+    conf = _conf()
+    # Docstrings: rewritten to :ref: roles to labels of semantics.md's sections.
+    lines = ["rejected (docs/semantics.md §3, §5.2) and docs/semantics.md §3.6."]
+    conf["_link_semantics"](None, "function", "f", None, {}, lines)
+    assert lines == [
+        "rejected (:ref:`docs/semantics.md §3 <semantics-3>`, :ref:`§5.2 <semantics-5.2>`)"
+        " and :ref:`docs/semantics.md §3.6 <semantics-3>`."
+    ]
+    headings = re.findall(
+        r"^#+ §(\d+(?:\.\d+)?) ", (ROOT / "docs" / "semantics.md").read_text(), re.M
+    )
+    assert set(headings) == conf["_SECTIONS"] and {"0", "5.1", "10"} <= set(headings)
+    # Markdown pages: every citation is the text of a link, not plain text.
+    for page in (ROOT / "docs").rglob("*.md"):
+        for match in re.finditer(r"docs/semantics\.md §", page.read_text()):
+            before = page.read_text()[max(0, match.start() - 1) : match.start()]
+            # A link's text, or the code span that shows the citation's form.
+            assert before in "[`", f"{page}: plain-text citation at {match.start()}"
+
+
+def test_source_paths_named_in_the_docs_exist():
+    import re
+
+    pattern = re.compile(r"`(?:src/)?(offpolicy_jax/[A-Za-z0-9_/]+\.(?:py|yaml))`")
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    missing = [
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in pages
+        for path in pattern.findall(page.read_text())
+        if not (ROOT / "src" / path).exists()
+    ]
+    assert missing == []  # were _objective.py, logprobs.py, policy_losses.py, verl.py
+
+
+# --------------------------------------------------------------------------- install
+
+
+def test_install_instructions_do_not_promise_pypi(capsys):
+    from offpolicy_jax import cli
+
+    promise = re.compile(r"pip install \"?offpolicy-jax\b")
+    for page in ("README.md", "docs/guide/tunix.md", "examples/tunix_grpo.py"):
+        text = (ROOT / page).read_text()
+        assert not [
+            m.group(0)
+            for m in promise.finditer(text)
+            if "does not" not in text[m.start() - 80 : m.start()]
+        ], page
+    for module in ("integrations/__init__.py", "integrations/optax.py", "cli.py"):
+        assert not promise.search((ROOT / "src" / "offpolicy_jax" / module).read_text()), module
+    with pytest.raises(SystemExit):
+        cli._needs_extra("demo", ["flax"])
+    message = capsys.readouterr().err.strip()
+    assert len(message.splitlines()) == 1
+    assert 'pip install -e ".[demo]"' in message and "not on PyPI" in message
+    assert 'pip install "offpolicy-jax[demo]"' not in message  # was the first advice
+
+
+def test_ci_builds_the_sdist_and_wheel_and_runs_the_readme_example_with_each():
+    script = (ROOT / ".ci" / "run").read_text()
+    block = script.split("== packaging:", 1)[1].split("== docs:", 1)[0]
+    assert "python -m build" in block and "readme-test" in block
+    assert "*.whl" in block and "*.tar.gz" in block and "python3 -m venv" in block
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    dev = next(line for line in pyproject.splitlines() if line.startswith("dev = "))
+    assert '"build' in dev
