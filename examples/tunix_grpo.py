@@ -6,12 +6,14 @@ rollout engine and its GRPO learner. The sampler runs the policy in **bfloat16**
 (``RolloutConfig(data_type=jnp.bfloat16)``, on a CPU device of its own) while the trainer
 keeps float32: a real training-inference mismatch. offpolicy-jax adds the learner
 that carries the sampler's log-probs into the train examples and the loss that
-corrects for them (the reference ``mis`` preset: token TIS truncated at 2, the
-catastrophic-token veto) and reports the mismatch. The reward is a toy: the share of
-lowercase letters in the completion.
+corrects for them (by default the reference ``mis`` preset: token TIS truncated at 2,
+the catastrophic-token veto; ``--correction`` picks any preset, verl's included) and
+reports the mismatch. The reward is a toy: the share of lowercase letters in the
+completion.
 
-    pip install "offpolicy-jax[tunix]"
+    python -m pip install -e ".[tunix]"     # from a clone of offpolicy-jax
     python examples/tunix_grpo.py --steps 4
+    python examples/tunix_grpo.py --steps 4 --correction decoupled_token_is
 """
 
 import argparse
@@ -36,7 +38,10 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 import offpolicy_jax as opj  # noqa: E402
 from offpolicy_jax.integrations import tunix as otx  # noqa: E402
 
+# Shown when the correction produces them (a preset without a veto has no
+# catastrophic fraction; metrics only, no truncation).
 SHOWN = (
+    "opj/pg_loss",
     "opj/mis_k3_kl",
     "opj/mis_log_ppl_abs_diff",
     "opj/mis_tis_truncate_fraction",
@@ -68,7 +73,9 @@ def share_of_lowercase(prompts, completions, **kwargs):
     return [sum("a" <= c <= "z" for c in text) / max(len(text), 1) for text in completions]
 
 
-def build_learner(steps: int, log_dir: str, from_hidden: bool = False) -> otx.OffPolicyGRPOLearner:
+def build_learner(
+    steps: int, log_dir: str, from_hidden: bool = False, correction: str = "mis"
+) -> otx.OffPolicyGRPOLearner:
     config = qwen3.ModelConfig(
         num_layers=2,
         vocab_size=259,
@@ -118,7 +125,7 @@ def build_learner(steps: int, log_dir: str, from_hidden: bool = False) -> otx.Of
     algo_config = otx.OffPolicyGRPOConfig(
         num_generations=4,
         num_iterations=1,
-        correction=opj.CorrectionConfig.preset("mis"),
+        correction=opj.CorrectionConfig.preset(correction),
         logps_from_hidden=from_hidden,
     )
     return otx.OffPolicyGRPOLearner(cluster, algo_config, share_of_lowercase)
@@ -130,19 +137,25 @@ def opj_metrics_options(log_dir: str):
     return metrics_logger.MetricsLoggerOptions(log_dir=log_dir, flush_every_n_steps=1)
 
 
-def print_each_step(learner: otx.OffPolicyGRPOLearner) -> None:
-    """Prints the loss and the mismatch metrics of every train step."""
-    trainer = learner.rl_cluster.actor_trainer
-    post_process = trainer._post_process_train_step
-    step = [0]
+def print_each_step(learner: otx.OffPolicyGRPOLearner) -> tuple[str, ...]:
+    """Prints the loss and the mismatch metrics of every train step, through tunix's
+    public training hooks; returns the metric names shown (those the config has)."""
+    produced = set(otx.metric_keys(learner.algo_config.offpolicy_loss_config))
+    shown = tuple(key for key in SHOWN if key in produced)
 
-    def show(aux):
-        step[0] += 1
-        values = "  ".join(f"{key[4:]}={float(aux[key]):.4f}" for key in SHOWN)
-        print(f"step {step[0]}: loss={float(aux['opj/pg_loss']):.4f}  {values}", flush=True)
-        post_process(aux)
+    def show(step: int, metrics: dict[str, float]) -> None:
+        values = "  ".join(f"{key[4:]}={metrics[key]:.4f}" for key in shown if key in metrics)
+        print(f"step {step}: {values}", flush=True)
 
-    trainer._post_process_train_step = show
+    learner.rl_cluster.actor_trainer.with_training_hooks(otx.StepMetricsHook(shown, show))
+    return shown
+
+
+def describe(correction: opj.CorrectionConfig, name: str) -> str:
+    """What the run corrected with, in words."""
+    if not correction.use_tis:
+        return f"no correction (preset {name!r}: the mismatch metrics only)"
+    return f"the {name!r} correction"
 
 
 def main() -> None:
@@ -154,9 +167,15 @@ def main() -> None:
         action="store_true",
         help="score θ from the last hidden states (no [B, T, V] logits)",
     )
+    parser.add_argument(
+        "--correction",
+        default="mis",
+        help="a CorrectionConfig.preset name: mis (default) or one of verl's presets, "
+        "e.g. decoupled_token_is, decoupled_geo_rs, disabled",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as log_dir:
-        learner = build_learner(args.steps, log_dir, args.logps_from_hidden)
+        learner = build_learner(args.steps, log_dir, args.logps_from_hidden, args.correction)
         print_each_step(learner)
         prompts = ["say a", "aaa", "banana", "abc", "a a a", "cat"]
         batches = [  # tunix repeats each batch's arrays num_generations times
@@ -168,7 +187,8 @@ def main() -> None:
             for i in range(args.steps)
         ]
         learner.train(batches)
-    print("done: trained", args.steps, "steps with the mis correction")
+    correction = opj.CorrectionConfig.preset(args.correction)
+    print(f"done: trained {args.steps} steps with {describe(correction, args.correction)}")
 
 
 if __name__ == "__main__":

@@ -421,7 +421,9 @@ def test_parquet_streaming_memory_stays_flat(tmp_path):
     offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * length)
     with pq.ParquetWriter(path, schema) as writer:
         for _ in range(groups):
-            values = [rng.normal(size=rows * length).astype(np.float32) for _ in range(3)]
+            # Log-probs are <= 0 (the readers refuse positive ones at valid tokens).
+            values = [-np.abs(rng.normal(size=rows * length)).astype(np.float32) for _ in range(2)]
+            values.append(np.ones(rows * length, np.float32))
             lists = [pa.ListArray.from_arrays(offsets, pa.array(v)) for v in values]
             writer.write_table(pa.Table.from_arrays(lists, schema=schema))
     group_bytes = 3 * rows * length * 4  # 1.2 MB; the file holds 36 MB

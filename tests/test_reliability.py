@@ -280,7 +280,7 @@ def _mismatched_jsonl(path, null_mask: bool):
     rng = np.random.default_rng(0)
     rows = []
     for i in range(8):
-        old = rng.normal(-1.0, 0.1, 6)
+        old = rng.normal(-4.0, 0.1, 6)  # log-probs stay <= 0 (diagnose refuses others)
         rollout = old + (3.0 if i in (3, 6) else 0.01)  # two badly mismatched sequences
         mask = [1, 1, 1, 1, 1, None if (null_mask and i in (3, 6)) else 1]
         rows.append({"old_log_probs": old.tolist(), "rollout_log_probs": rollout.tolist()})
@@ -414,7 +414,8 @@ def test_diagnose_split_paths_pool_exactly(tmp_path, monkeypatch):
     lengths = np.array([300, 5, 7, 64, 2, 9, 0, 11])
     mask = np.arange(300)[None] < lengths[:, None]
     old = (-rng.exponential(1.0, mask.shape)).astype(np.float32)
-    rollout = (old + rng.normal(0, 0.4, mask.shape)).astype(np.float32)
+    # Log-probs are <= 0: diagnose refuses positive ones at valid tokens.
+    rollout = np.minimum(old + rng.normal(0, 0.4, mask.shape), -1e-6).astype(np.float32)
     path = write_dump(tmp_path / "d.parquet", old_logp=old, rollout_logp=rollout, mask=mask)
     plain = diagnose([path], chunk_rows=8)
     monkeypatch.setattr(readers, "LONG_SEQUENCE", 32)  # split the batch by length
@@ -483,7 +484,7 @@ def test_diagnose_skewed_dump_peak_memory_stays_under_1_gb(tmp_path):
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     n = int(lengths.sum())
     old = (-rng.exponential(1.0, n)).astype(np.float32)
-    rollout = (old + rng.normal(0, 0.05, n)).astype(np.float32)
+    rollout = np.minimum(old + rng.normal(0, 0.05, n), -1e-6).astype(np.float32)  # <= 0
     columns = {
         "old_log_probs": old,
         "rollout_log_probs": rollout,

@@ -3,7 +3,7 @@
 The library itself needs only jax, numpy and pyyaml; each subcommand needs an extra
 (``demo``: Flax, optax, matplotlib, tqdm; ``diagnose``: pyarrow, matplotlib, tqdm). So
 this module imports a subcommand's code only when that subcommand runs: ``--help`` and
-``--version`` work on a bare ``pip install offpolicy-jax`` (so does ``diagnose --help``),
+``--version`` work with the library alone, no extra installed (so does ``diagnose --help``),
 and a subcommand whose extra is missing stops with one line naming it (exit status 2),
 not a traceback.
 
@@ -91,7 +91,8 @@ def missing_extra(command: str) -> list[str]:
 def _needs_extra(command: str, missing: list[str]) -> NoReturn:
     fail(
         f"'{PROG} {command}' needs the [{command}] extra (missing: {', '.join(missing)}): "
-        f'pip install "offpolicy-jax[{command}]" (in a clone: pip install -e ".[{command}]")'
+        f'in a clone of offpolicy-jax, pip install -e ".[{command}]" (offpolicy-jax is not '
+        f'on PyPI; from a built wheel: pip install "WHEEL[{command}]")'
     )
 
 

@@ -86,7 +86,7 @@ def summarize(history: History) -> list[dict]:
                 "peak_is_weight": float(np.nanmax(m["is_weight_max"])),
                 "peak_grad_norm": float(np.nanmax(m["grad_norm"])),
                 "rejected_fraction": float(np.nanmean(m["rejected_fraction"])),
-                # NaN for a dense policy (no routes): json writes it as NaN, kept honest.
+                # NaN for a dense policy (no routes): null in summary.json, not a made-up 0.
                 "route_flip_fraction": _nanmean(m["route_flip_fraction"]),
                 "log_ratio_above_1": float(np.nanmean(m["log_ratio_above_1"])),
             }
@@ -361,5 +361,17 @@ def write_outputs(history: History, out: Path, command: str) -> dict[str, Path]:
         "config": dataclasses.asdict(history.config),
         "results": rows,
     }
-    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
+    # allow_nan=False: a bare NaN is not JSON (JSON.parse and strict parsers reject it).
+    paths["summary"].write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
     return paths
+
+
+def _finite(x):
+    """``x`` with every NaN/inf float replaced by None (JSON null), recursively."""
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(float(x)) else None
+    return x

@@ -102,7 +102,8 @@ def diagnose(
     _check_something_to_diagnose(acc.totals)
     result = report.build(acc, [str(p) for p in paths])
     locators = {str(p): readers.row_locator(p) for p in paths}
-    for item in result["worst_sequences"] + result["worst_tokens"]:
+    located = result["worst_sequences"] + result["worst_tokens"] + result["k3_drivers"]["tokens"]
+    for item in located:
         item.update(locators[item["file"]](item["row"]))  # step and row, not a flat row
     if out is not None:
         report.write(result, Path(out))

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import offpolicy_jax as opj
-from offpolicy_jax.correction import criteria
+from offpolicy_jax.correction import criteria, ratios
 from offpolicy_jax.correction.normalize import normalizer, normalizer_reduction
 from offpolicy_jax.correction.stages import Extreme
 
@@ -60,6 +60,13 @@ N_DELTA_BINS = 2 * _MAG + 1
 # Rollout probability p = exp(logp): 4 bins per decade from 1 down to 1e-8, the last open.
 _PROB_PER_DECADE = 4
 N_PROB_BINS = 8 * _PROB_PER_DECADE + 1
+# A sequence's mean k3: 10 bins per decade from 1e-10 to 1e22 (k3 per token is at most
+# e^50), the first bin holding everything below 1e-10, the last everything above.
+_K3_PER_DECADE = 10
+_K3_LOG_MIN, _K3_LOG_MAX = -10, 22
+N_K3_BINS = (_K3_LOG_MAX - _K3_LOG_MIN) * _K3_PER_DECADE + 2
+K3_TOP = 100
+"""How many tokens with the largest k3 the report keeps (what drives ``mis_k3_kl``)."""
 
 
 def delta_bin_edges() -> np.ndarray:
@@ -80,6 +87,17 @@ def delta_bin_centres() -> np.ndarray:
 def prob_bin_edges() -> np.ndarray:
     """Upper edges of the probability bins, from 1 down; the last bin is ``[0, 1e-8)``."""
     return 10.0 ** (-np.arange(N_PROB_BINS + 1) / _PROB_PER_DECADE)
+
+
+def k3_bin_centres() -> np.ndarray:
+    """A representative value per sequence-k3 bin (geometric centre; 0 for the first)."""
+    lower = _K3_LOG_MIN + np.arange(N_K3_BINS - 1) / _K3_PER_DECADE
+    return np.concatenate([[0.0], 10.0 ** (lower + 0.5 / _K3_PER_DECADE)])
+
+
+def _k3_bin(x: jax.Array) -> jax.Array:
+    j = jnp.floor((jnp.log10(jnp.maximum(x, 1e-30)) - _K3_LOG_MIN) * _K3_PER_DECADE) + 1
+    return jnp.where(x < 10.0**_K3_LOG_MIN, 0, jnp.clip(j, 1, N_K3_BINS - 1)).astype(jnp.int32)
 
 
 def _delta_bin(x: jax.Array) -> jax.Array:
@@ -248,7 +266,25 @@ def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
     }
     out |= _histograms(delta, rollout, use, n_valid, position_bin)
     out |= _worst(old, rollout, delta, use, n_valid, top_k)
+    out |= _k3_stats(delta, mask, use, n_valid)
     return out
+
+
+def _k3_stats(delta, mask, use, n_valid):
+    """What drives ``mis_k3_kl``: the Σ k3 of the chunk, its :data:`K3_TOP` largest
+    token terms and a histogram of each sequence's mean k3 (a robust statistic beside
+    the mean, which a few tokens at e^20 can carry alone)."""
+    b, t = delta.shape
+    k3 = jnp.where(use, ratios.k3(delta) * jnp.where(use, mask, 0.0), 0.0)
+    seq_mean = jnp.where(n_valid > 0, jnp.sum(k3, -1) / jnp.where(n_valid > 0, n_valid, 1.0), 0.0)
+    seq_hist = (
+        jnp.zeros(N_K3_BINS, jnp.float32)
+        .at[_k3_bin(seq_mean)]
+        .add(jnp.where(n_valid > 0, 1.0, 0.0))
+    )
+    score, index = jax.lax.top_k(jnp.where(use, k3, -1.0).ravel(), min(K3_TOP, b * t))
+    top = {"score": score, "row": index // t, "pos": index % t, "delta": delta.ravel()[index]}
+    return {"k3_sum": jnp.sum(k3), "k3_top": top, "seq_k3_hist": seq_hist}
 
 
 def _config_stats(old, rollout, mask, config, reduction, n_valid):
@@ -416,6 +452,9 @@ class Accumulator:
         self.seq_hist = np.zeros(N_DELTA_BINS)
         self.worst_tokens: list[tuple] = []
         self.worst_seqs: list[tuple] = []
+        self.k3_sum = 0.0
+        self.k3_top: list[tuple] = []
+        self.seq_k3_hist = np.zeros(N_K3_BINS)
         self._counter = 0  # heap tie-breaker
 
     def add(self, chunk) -> None:
@@ -532,11 +571,29 @@ class Accumulator:
                 "start": int(chunk.start[row]),
             }
             self._push(self.worst_seqs, float(score), item)
+        self._pool_k3(stats, chunk, b)
 
-    def _push(self, heap, score, item) -> None:
+    def _pool_k3(self, stats, chunk, b) -> None:
+        self.k3_sum += float(stats["k3_sum"])
+        self.seq_k3_hist += stats["seq_k3_hist"]
+        w = stats["k3_top"]
+        for score, row, pos, delta in zip(w["score"], w["row"], w["pos"], w["delta"], strict=True):
+            if score < 0 or row >= b:
+                continue
+            item = {
+                "k3": float(score),
+                "log_ratio": float(delta),
+                "file": int(chunk.file[row]),
+                "row": int(chunk.row[row]),
+                "start": int(chunk.start[row]),
+                "position": int(chunk.start[row] + pos),
+            }
+            self._push(self.k3_top, float(score), item, K3_TOP)
+
+    def _push(self, heap, score, item, limit=None) -> None:
         self._counter += 1
         entry = (score, -self._counter, item)  # earlier items win ties
-        if len(heap) < self.top_k:
+        if len(heap) < (limit or self.top_k):
             heapq.heappush(heap, entry)
         elif entry > heap[0]:
             heapq.heapreplace(heap, entry)

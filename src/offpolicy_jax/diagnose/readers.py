@@ -29,6 +29,12 @@ INDEX_NAME = "index.json"
 _INDEX_MAX_BYTES = 16 << 20
 DEFAULT_COLUMNS = {"old": "old_log_probs", "rollout": "rollout_log_probs", "mask": "response_mask"}
 NPZ_KEYS = {"old": "old_logp", "rollout": "rollout_logp", "mask": "mask"}
+LOGPROB_TOLERANCE = 1e-3
+"""The largest log-prob accepted at a valid token. A log-prob is ``<= 0``; a float32
+log-softmax of a near-certain token can round a little above 0 (by about one ulp of the
+largest logit, 1e-5 at logits of 100), far below this. A value above it is not a
+log-prob: a negative log-likelihood (``-log p``) passed as one is positive at nearly
+every token, and its "perplexity" and mismatch would be nonsense."""
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
@@ -250,12 +256,55 @@ def iter_chunks(
         fmt = file_format(path)
         reader = {"npz": _npz_chunks, "parquet": _parquet_chunks, "jsonl": _jsonl_chunks}[fmt]
         n = 0
+        names = NPZ_KEYS if fmt == "npz" else columns
         for chunk in _reading(path, reader(path, rows, columns)):
+            _check_values(path, names, chunk)
             chunk.file = np.full(chunk.old.shape[0], index, np.int32)
             n += chunk.old.shape[0]
             yield chunk
         if n == 0:
             raise DiagnoseError(f"{str(path)!r}: empty file (no sequences)")
+
+
+def _check_values(path: Path, names: dict[str, str], chunk: Chunk) -> None:
+    """DiagnoseError for values no dump may hold, naming the field and the token.
+
+    A mask entry of +inf (or one too large for float32) would make every sum of its
+    sequence inf; a log-prob above :data:`LOGPROB_TOLERANCE` at a valid token is not a
+    log-prob. NaN/inf log-probs are counted by the analysis, not refused here; a mask
+    entry that is not ``> 0`` (NaN, negative) is padding.
+    """
+    checks = [
+        (
+            "mask",
+            chunk.mask == np.inf,
+            "is +inf (or too large for float32); a mask entry is 0/1 or a finite weight",
+        ),
+    ]
+    valid = chunk.mask > 0
+    for key in ("old", "rollout"):
+        values = getattr(chunk, key)
+        with np.errstate(invalid="ignore"):
+            bad = valid & np.isfinite(values) & (values > LOGPROB_TOLERANCE)
+        checks.append(
+            (
+                key,
+                bad,
+                f"is above 0 (more than {LOGPROB_TOLERANCE:g}), so it is not a "
+                "log-prob (log p <= 0); negative log-likelihoods must be negated",
+            )
+        )
+    for key, bad, what in checks:
+        if not bad.any():
+            continue
+        i, pos = (int(v) for v in np.argwhere(bad)[0])
+        value = float(getattr(chunk, key)[i, pos])
+        count = int(bad.sum())
+        more = f" ({count:,} such entries in this chunk)" if count > 1 else ""
+        raise DiagnoseError(
+            f"{str(path)!r} row {int(chunk.row[i])} position {int(chunk.start[i]) + pos}: "
+            f"{names[key]!r} = {value:g} {what}{more}"
+        )
 
 
 def _reading(path: Path, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
@@ -513,7 +562,8 @@ def _npz_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Chun
     segments = None if segments is None else segments.reshape(-1, t)
     for lo in range(0, old.shape[0], rows):
         hi = min(lo + rows, old.shape[0])
-        parts = [a[lo:hi].astype(np.float32) for a in (old, rollout, mask)]
+        with np.errstate(over="ignore"):  # beyond float32 is inf: _check_values names it
+            parts = [a[lo:hi].astype(np.float32) for a in (old, rollout, mask)]
         row = np.arange(lo, hi, dtype=np.int64)
         if segments is None:
             yield Chunk(*parts, file=np.zeros(hi - lo, np.int32), row=row, start=np.zeros_like(row))

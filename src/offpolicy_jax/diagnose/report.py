@@ -18,10 +18,17 @@ from offpolicy_jax.diagnose import analysis
 NEGLIGIBLE_K3 = 1e-4
 SEVERE_K3 = 1e-2
 MAX_REJECTED_SEQ_SHARE = 0.5
+#: ``mis_k3_kl`` is *concentrated* when the tokens that carry half of its sum are at most
+#: this share of the valid tokens (and among the :data:`analysis.K3_TOP` largest): k3
+#: grows as e^δ, so a few tokens at δ = 15 can make the mean of a million exact tokens.
+CONCENTRATED_K3_SHARE = 0.01
 
 
 def recommend(
-    metrics: dict[str, float], what_if: dict[str, dict], tail: dict | None = None
+    metrics: dict[str, float],
+    what_if: dict[str, dict],
+    tail: dict | None = None,
+    drivers: dict | None = None,
 ) -> dict:
     """The recommended config, from the pooled metrics and the what-if table.
 
@@ -31,7 +38,11 @@ def recommend(
     * otherwise severe: token TIS 2 + geometric RS in [0.98, 1.02] + veto at 1e-4
       (``geo_rs_veto``), unless that rejects more than half of the sequences, then the
       shipped ``mis.yaml`` (token RS + veto: drops tokens, keeps sequences);
-    * but a severe mismatch that is *discrete* (``tail``, :func:`heavy_tail`: a few tokens
+    * but a severe headline that a few tokens carry (``drivers``, :func:`k3_drivers`:
+      ``concentrated``) over a mild bulk (the median sequence's mean k3 below 1e-2) gets
+      token TIS at 2 (with the veto where catastrophic tokens exist): the cap bounds
+      exactly those tokens, and the rest of the dump needs no sequence-level rejection;
+    * and a severe mismatch that is *discrete* (``tail``, :func:`heavy_tail`: a few tokens
       carry most of it over an exact bulk, as flipped MoE routes give) gets token TIS at
       2: the cap bounds exactly those tokens, where sequence-level rejection drops every
       sequence holding one (in the demo's router regime geometric RS + veto left a seed
@@ -58,6 +69,19 @@ def recommend(
             "at 2 corrects the bias at little variance cost"
         )
         severity = "mild"
+    elif drivers is not None and drivers["concentrated"] and drivers["median_seq_k3"] < SEVERE_K3:
+        name, severity = ("veto" if catastrophic else "token_tis"), "severe"
+        veto_text = (
+            f", and the veto drops the sequences holding a token with ratio < {analysis.VETO:g}"
+            if catastrophic
+            else ""
+        )
+        reason = (
+            f"severe headline carried by a few tokens ({facts}; {_drivers_text(drivers)}; "
+            f"the median sequence's mean k3 is {drivers['median_seq_k3']:.3g} < "
+            f"{SEVERE_K3:g}, so the bulk is mild): a per-token cap at 2 bounds exactly those "
+            f"tokens{veto_text}; check them (report.md, 'What drives mis_k3_kl')"
+        )
     elif tail is not None and tail.get("discrete"):
         name, severity = "token_tis", "severe"
         reason = (
@@ -196,6 +220,50 @@ def heavy_tail(counts: np.ndarray, worst_tokens: list[dict]) -> dict:
     }
 
 
+def k3_drivers(acc: analysis.Accumulator, valid_tokens: float) -> dict:
+    """Which tokens carry ``mis_k3_kl``, and a robust statistic beside it.
+
+    From the :data:`analysis.K3_TOP` tokens with the largest k3 term ``(e^δ − δ − 1)·m``
+    (exact, with where they are): ``top_tokens`` of them carry ``top_k3_share`` of the
+    dump's Σ k3; ``half_tokens`` is the fewest that carry half of it (None when the
+    kept tokens carry less), ``half_token_share`` their share of the valid tokens and
+    ``half_sequences`` how many sequences hold them. ``median_seq_k3`` is the median
+    over valid sequences of their mean k3 (read off 10-per-decade log bins: ±12%),
+    which no handful of tokens moves. ``concentrated``: half of Σ k3 sits in at most
+    :data:`CONCENTRATED_K3_SHARE` of the tokens.
+    """
+    top = [item for *_, item in sorted(acc.k3_top, key=lambda e: (e[0], e[1]), reverse=True)]
+    total = acc.k3_sum
+    cum = np.cumsum([item["k3"] for item in top]) if top else np.zeros(0)
+    reached = np.flatnonzero(cum >= 0.5 * total) if total > 0 else np.zeros(0, int)
+    half = int(reached[0]) + 1 if reached.size else None
+    seqs = {(t["file"], t["row"], t["start"]) for t in top[: half or 0]}
+    counts = acc.seq_k3_hist
+    median = 0.0
+    if counts.sum() > 0:
+        idx = int(np.argmax(np.cumsum(counts) >= 0.5 * counts.sum()))
+        median = float(analysis.k3_bin_centres()[idx])
+    share = half / valid_tokens if half is not None and valid_tokens else None
+    return {
+        "k3_sum": total,
+        "top_tokens": len(top),
+        "top_k3_share": float(cum[-1] / total) if top and total > 0 else 0.0,
+        "half_tokens": half,
+        "half_token_share": share,
+        "half_sequences": len(seqs) if half is not None else None,
+        "median_seq_k3": median,
+        "concentrated": bool(share is not None and share <= CONCENTRATED_K3_SHARE),
+        "tokens": top,
+    }
+
+
+def _drivers_text(drivers: dict) -> str:
+    return (
+        f"{drivers['half_tokens']:,} token(s), {drivers['half_token_share']:.3%} of the "
+        f"tokens in {drivers['half_sequences']:,} sequence(s), carry half of the k3 sum"
+    )
+
+
 def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
     """The report as a JSON-able dict (``report.json``)."""
     metrics = acc.metrics("metrics")
@@ -215,7 +283,8 @@ def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
     prob["p_low"][-1] = 0.0
     worst_tokens = [item for *_, item in sorted(acc.worst_tokens, reverse=True)]
     worst_seqs = [item for *_, item in sorted(acc.worst_seqs, reverse=True)]
-    for item in worst_tokens + worst_seqs:
+    drivers = k3_drivers(acc, acc.extra["metrics"].get("valid_tokens", 0.0))
+    for item in worst_tokens + worst_seqs + drivers["tokens"]:
         item["file"] = inputs[item["file"]]
     report = {
         "inputs": inputs,
@@ -238,7 +307,8 @@ def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
     }
     tail = heavy_tail(report["token_log_ratio_hist"]["counts"], worst_tokens)
     report["heavy_tail"] = tail
-    report["recommendation"] = recommend(metrics, what_if, tail)
+    report["k3_drivers"] = drivers
+    report["recommendation"] = recommend(metrics, what_if, tail, drivers)
     return _jsonable(report)
 
 
@@ -276,7 +346,9 @@ def markdown(report: dict) -> str:
     ]
     lines += ["", "```yaml", yaml.safe_dump(rec["config"], sort_keys=False).rstrip(), "```"]
     if "heavy_tail" in report:
-        lines += _heavy_tail_lines(report["heavy_tail"])
+        lines += _heavy_tail_lines(report["heavy_tail"], report.get("k3_drivers"))
+    if "k3_drivers" in report:
+        lines += _k3_driver_lines(report["metrics"].get("mis_k3_kl", 0.0), report["k3_drivers"])
     lines += _metric_lines(report)
     lines += _what_if_lines(report["what_if"])
     lines += _by_probability_lines(report["by_rollout_prob"])
@@ -370,7 +442,36 @@ def _worst_lines(report: dict) -> list[str]:
     return lines
 
 
-def _heavy_tail_lines(tail: dict) -> list[str]:
+def _k3_driver_lines(k3: float, drivers: dict) -> list[str]:
+    """The 'What drives mis_k3_kl' section of report.md (:func:`k3_drivers`)."""
+    lines = ["", "## What drives `mis_k3_kl`", ""]
+    lines.append(
+        f"`mis_k3_kl` = {_g(k3, 3)}; the median sequence's mean k3 is "
+        f"{_g(drivers['median_seq_k3'], 3)} (robust: a few tokens cannot move it). The "
+        f"{drivers['top_tokens']} tokens with the largest k3 term carry "
+        f"{_pct(drivers['top_k3_share'])} of Σ k3"
+        + (f"; {_drivers_text(drivers)}." if drivers["half_tokens"] is not None else ".")
+    )
+    if drivers["concentrated"]:
+        lines.append(
+            "\n**Concentrated:** the headline is carried by these few tokens, not by the "
+            "dump as a whole; look at them (a broken token, a stale or re-routed one) "
+            "before reading the mean as the state of every sequence."
+        )
+    lines += [
+        "",
+        "| file | step | row | position | δ | k3 term |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for s in drivers["tokens"][:10]:
+        lines.append(
+            f"| {Path(s['file']).name} | {_where(s)} | {s['position']} | "
+            f"{_g(s['log_ratio'])} | {_g(s['k3'], 3)} |"
+        )
+    return lines
+
+
+def _heavy_tail_lines(tail: dict, drivers: dict | None = None) -> list[str]:
     """The heavy-tail section of report.md (:func:`heavy_tail`)."""
     q = tail["weight_quantiles"]
     lines = ["", "## Heavy tail of the per-token weights ρ = π_old / π_rollout", ""]
@@ -407,9 +508,15 @@ def _heavy_tail_lines(tail: dict) -> list[str]:
         )
     else:
         lines.append(
-            "Not heavy-tailed: the mismatch is spread over the tokens (or there is none) "
-            f"rather than concentrated in the {_pct(tail['tail_token_share'])} with "
-            f"abs log ρ > {TAIL_LOG_RATIO:g}."
+            "Not heavy-tailed: by Σ abs log ρ, the mismatch is spread over the tokens (or "
+            f"there is none) rather than concentrated in the {_pct(tail['tail_token_share'])} "
+            f"with abs log ρ > {TAIL_LOG_RATIO:g}."
+            + (
+                " `mis_k3_kl` is another matter: its k3 terms grow as e^δ, and a few tokens "
+                "carry it (next section)."
+                if drivers is not None and drivers["concentrated"]
+                else ""
+            )
         )
     lines.append(
         "Quantiles are read off 20-per-decade log bins (±6%); the share of Σ abs log ρ "

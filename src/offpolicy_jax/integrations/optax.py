@@ -1,6 +1,6 @@
 """VCPO's ESS-guided step scaling as an optax gradient transformation.
 
-Needs optax (``pip install "offpolicy-jax[optax]"``; the ``demo`` and ``test`` extras
+Needs optax (the ``optax`` extra, ``pip install -e ".[optax]"`` in a clone; the ``demo`` and ``test`` extras
 include it); ``import offpolicy_jax`` does not import this module.
 
     >>> import jax.numpy as jnp, optax

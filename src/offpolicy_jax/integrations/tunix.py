@@ -27,6 +27,13 @@ What tunix 0.1.7 lacks, as small pieces:
 * ``logps_from_hidden=True``: θ's log-probs from the last hidden states and the
   unembedding with :func:`~offpolicy_jax.token_logprobs_from_hidden`, so the
   ``[B, T, V]`` logits of tunix's log-prob pass are never built.
+* :class:`StepMetricsHook`: a tunix training hook (``with_training_hooks``, tunix's
+  public extension point) that hands each train step's logged ``opj/`` metrics to a
+  callback, keyed by what the config produces (:func:`metric_keys`).
+
+tunix 0.1.7 has no public hook for adding a field to its train examples: the learners
+override one private method of tunix's (``_generate_and_compute_advantage``; see
+:class:`OffPolicyGRPOLearner`), and nothing else of tunix's is patched.
 
 See docs/guide/tunix.md.
 """
@@ -51,6 +58,8 @@ from tunix.rl import function_registry
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.ppo import ppo_learner
+from tunix.sft import hooks as tunix_hooks
+from tunix.sft import metrics_logger as tunix_metrics_logger
 
 import offpolicy_jax as opj
 
@@ -63,6 +72,7 @@ __all__ = [
     "OffPolicyPPOLearner",
     "OffPolicyPPOTrainExample",
     "OffPolicyTrainExample",
+    "StepMetricsHook",
     "hidden_states_and_unembedding",
     "loss_config_from_tunix",
     "metric_keys",
@@ -586,7 +596,6 @@ def _aux(metrics: Mapping[str, jax.Array], example: Any, num_segments: int | Non
     return aux
 
 
-@function_registry.register_policy_loss_fn(POLICY_LOSS_NAME)
 def offpolicy_policy_loss(
     model: Any, train_example: Any, algo_config: Any, pad_id: int, eos_id: int, **kwargs: Any
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -614,10 +623,11 @@ def offpolicy_policy_loss(
       tunix's GRPO learner logs; ``kl`` is ``opj/kl_loss``, or 0 without a KL term).
 
     Raises:
-      TypeError / ValueError at trace time for bad wiring: a config without a
-      ``LossConfig``, missing or misshapen rollout/old log-probs, ``segment_ids``
-      without ``max_segments_per_row``, or tunix's ``sampler_is_weights`` (a second,
-      precomputed correction).
+      TypeError: at trace time, a config without a ``LossConfig`` or log-probs that
+        are not floats.
+      ValueError: at trace time, other bad wiring: missing or misshapen rollout/old
+        log-probs, ``segment_ids`` without ``max_segments_per_row``, or tunix's
+        ``sampler_is_weights`` (a second, precomputed correction).
     """
     del kwargs
     loss_config = _resolve(algo_config)
@@ -663,6 +673,11 @@ def offpolicy_policy_loss(
     return loss, _aux(metrics, train_example, num_segments)
 
 
+# Registered by a call, not as a decorator: the module keeps the function itself (what
+# tunix's registry returns is tunix's business).
+function_registry.register_policy_loss_fn(POLICY_LOSS_NAME)(offpolicy_policy_loss)
+
+
 def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[str, ...]:
     """The ``aux`` keys :func:`offpolicy_policy_loss` returns for ``loss_config``.
 
@@ -704,6 +719,54 @@ def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[s
         return _aux(metrics, example, 1 if packed else None)
 
     return tuple(sorted(jax.eval_shape(run, zeros, ints, mask)))
+
+
+class StepMetricsHook(tunix_hooks.TrainingHooks):
+    """Hands each train step's metrics to ``callback(step, metrics)``.
+
+    A tunix ``TrainingHooks`` for the public ``PeftTrainer.with_training_hooks`` (of
+    ``learner.rl_cluster.actor_trainer``; it replaces any hooks set before): after a
+    train step's metrics are logged, ``metrics`` holds ``"loss"`` and the latest value
+    of each of ``keys`` the trainer logged, e.g. ``metric_keys(loss_config)``. A key
+    the config does not produce is left out, never a ``KeyError``: the same hook
+    serves every correction. tunix writes a step's metrics when the next step ends
+    (the last one when the trainer closes), so the callback runs one step behind.
+
+    Args:
+      keys: the metric names to report (``opj/<key>``, ``pg_clipfrac``, ``kl``, ...).
+      callback: called as ``callback(step, {name: float})``.
+    """
+
+    def __init__(self, keys: Any, callback: Callable[[int, dict[str, float]], None]):
+        self.keys = tuple(keys)
+        self.callback = callback
+
+    def on_train_step_end(self, train_ctx: Any, train_step: int, train_loss: Any) -> None:
+        logger = train_ctx.metrics_logger
+        prefix = train_ctx.metrics_prefix
+        mode = tunix_metrics_logger.Mode.TRAIN
+        values: dict[str, float] = {}
+        if train_loss is not None:
+            values["loss"] = float(np.asarray(train_loss))
+        for key in self.keys:
+            if logger.metric_exists(prefix, key, mode):
+                values[key] = float(logger.get_metric_history(prefix, key, mode)[-1])
+        self.callback(int(train_step), values)
+
+    def on_train_start(self, train_ctx: Any) -> None:
+        del train_ctx
+
+    def on_train_end(self, train_ctx: Any) -> None:
+        del train_ctx
+
+    def on_train_step_start(self, train_ctx: Any) -> None:
+        del train_ctx
+
+    def on_eval_step_start(self, train_ctx: Any) -> None:
+        del train_ctx
+
+    def on_eval_step_end(self, train_ctx: Any, eval_loss: Any) -> None:
+        del train_ctx, eval_loss
 
 
 # --------------------------------------------------------------------------- the learner
@@ -750,6 +813,9 @@ class _CarriesRolloutLogps:
             {key: np.mean for key in metric_keys(loss_config)}
         )
 
+    # tunix 0.1.7 builds its TrainExample inside this private method and offers no
+    # public hook to add a field: the one override of a private tunix method here (the
+    # tests run the learner end to end against tunix, so a rename there fails loudly).
     def _generate_and_compute_advantage(
         self, training_input: Any, mode: Any = rl_cluster_lib.Mode.TRAIN
     ) -> Any:
@@ -776,7 +842,10 @@ class OffPolicyGRPOLearner(_CarriesRolloutLogps, grpo_learner.GRPOLearner):
     """tunix's ``GRPOLearner`` whose train examples carry the sampler's log-probs.
 
     Each batch's ``RolloutOutput`` (kept per thread by a thin wrapper around
-    ``rl_cluster.generate``) goes through :func:`with_rollout_logps` into an
+    ``rl_cluster.generate``, set on this learner's cluster object) goes through
+    :func:`with_rollout_logps`, called from an override of tunix's private
+    ``_generate_and_compute_advantage`` (tunix 0.1.7 has no public hook to extend its
+    train examples), into an
     :class:`OffPolicyTrainExample`; the registered loss then applies the correction of
     ``algo_config`` (an :class:`OffPolicyGRPOConfig`), and the learner logs every
     ``opj/`` metric. Checked when built: the rollout configs return log-probs when the
