@@ -97,17 +97,21 @@ def _assert_same_result(got, want, rtol=0.0):
         np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=rtol, err_msg=key)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_correct_equals_compute_correction(name):
     config, build = CASES[name]
     _, old, rollout, _, mask = _batch()
-    want = opj.compute_correction(old, rollout, mask, config)
     correction = build()
     assert correction == rules.from_config(config)  # the config builds exactly these values
-    _assert_same_result(opj.correct(old, rollout, mask, *correction.rules), want)
-    _assert_same_result(correction(old, rollout, mask), want)
-    token = opj.compute_correction(old, rollout, mask, config, reduction="token")
-    _assert_same_result(correction(old, rollout, mask, reduction="token"), token)
+    for reduction in ("sequence", "token"):
+        want = jax.jit(
+            lambda o, b, m, how=reduction: opj.compute_correction(o, b, m, config, reduction=how)
+        )(old, rollout, mask)
+        got = jax.jit(
+            lambda o, b, m, how=reduction: opj.correct(o, b, m, *correction.rules, reduction=how)
+        )(old, rollout, mask)
+        _assert_same_result(got, want)
 
 
 def _loss_and_grad(fn, logp):
@@ -115,7 +119,7 @@ def _loss_and_grad(fn, logp):
         parts, metric_parts = fn(lp)
         return parts.value(), opj.finalize_metrics(metric_parts)
 
-    (value, metrics), grad = jax.value_and_grad(scalar, has_aux=True)(jnp.asarray(logp))
+    (value, metrics), grad = jax.jit(jax.value_and_grad(scalar, has_aux=True))(jnp.asarray(logp))
     return value, grad, metrics
 
 
@@ -154,6 +158,7 @@ def test_decoupled_ppo_equals_policy_loss(name, aggregation):
     _assert_same_loss(_loss_and_grad(composed, logp), _loss_and_grad(configured, logp))
 
 
+@pytest.mark.heavy
 def test_decoupled_ppo_with_a_precomputed_correction():
     config, build = CASES["mis"]
     logp, old, rollout, adv, mask = _batch(2)
@@ -236,41 +241,45 @@ def test_metrics_only_chain_leaves_weights_and_mask():
     np.testing.assert_array_equal(got.weights, mask.astype(np.float32))
 
 
+@pytest.mark.heavy
 def test_jit_vmap_and_grad():
     correction = CASES["mis"][1]()
     logp, old, rollout, adv, mask = _batch(7, shape=(3, 4, 9))
-    eager = correction(old, rollout, mask)
-    jitted = jax.jit(lambda o, b, m: opj.correct(o, b, m, *correction.rules))(old, rollout, mask)
-    _assert_same_result(jitted, eager, rtol=RTOL)
-    per_slice = jax.vmap(correction)(old, rollout, mask)
+    one = jax.jit(correction)
+    eager = correction(old[0], rollout[0], mask[0])
+    _assert_same_result(one(old[0], rollout[0], mask[0]), eager, rtol=RTOL)
+    per_slice = jax.jit(jax.vmap(correction))(old, rollout, mask)
     for i in range(old.shape[0]):
-        one = correction(old[i], rollout[i], mask[i])
-        np.testing.assert_allclose(per_slice.weights[i], one.weights, rtol=RTOL)
-        np.testing.assert_allclose(per_slice.metrics["mis_kl"][i], one.metrics["mis_kl"], rtol=RTOL)
+        want = one(old[i], rollout[i], mask[i])
+        np.testing.assert_allclose(per_slice.weights[i], want.weights, rtol=RTOL)
+        for key in ("mis_kl", "mis_ess", "mis_batch_norm_factor"):
+            np.testing.assert_allclose(per_slice.metrics[key][i], want.metrics[key], rtol=RTOL)
 
     def loss(lp):
         parts, _ = objectives.decoupled_ppo(lp, old, rollout, adv, mask, correction=correction)
         return parts.value()
 
-    grad = jax.jit(jax.grad(loss))(jnp.asarray(logp))
-    assert np.isfinite(np.asarray(grad)).all() and np.abs(np.asarray(grad)).sum() > 0
-    np.testing.assert_array_equal(np.asarray(grad)[~mask], 0.0)
-    assert (
-        np.asarray(jax.grad(lambda o: correction(o, rollout, mask).weights.sum())(old)).sum() == 0
-    )
+    grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(logp)))
+    assert np.isfinite(grad).all() and np.abs(grad).sum() > 0
+    np.testing.assert_array_equal(grad[~mask], 0.0)
+    weights_grad = jax.jit(jax.grad(lambda o: correction(o, rollout, mask).weights.sum()))(old)
+    assert not np.asarray(weights_grad).any()  # the weights are stop-gradient
 
 
 def test_an_empty_batch_gives_zero_loss_and_gradients():
     logp, old, rollout, adv, _ = _batch(8)
     mask = np.zeros(logp.shape, bool)
-    value, grad = jax.value_and_grad(
-        lambda lp: objectives.decoupled_ppo(
-            lp, old, rollout, adv, mask, correction=CASES["mis"][1]()
-        )[0].value()
+    value, grad = jax.jit(
+        jax.value_and_grad(
+            lambda lp: objectives.decoupled_ppo(
+                lp, old, rollout, adv, mask, correction=CASES["mis"][1]()
+            )[0].value()
+        )
     )(jnp.asarray(logp))
     assert float(value) == 0.0 and not np.asarray(grad).any()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["mis", "decoupled_seq_is_rs"])
 def test_packed_equals_padded(name):
     correction = CASES[name][1]()
@@ -289,10 +298,11 @@ def test_packed_equals_padded(name):
     ]
     packed = opj.pack_sequences(sequences, 24, max_segments=3, pad_value=0)
     a, ids, k = packed.arrays, packed.segment_ids, packed.num_segments
-    got = opj.correct(a["old"], a["rollout"], a["mask"], *correction.rules,
-                      segment_ids=ids, num_segments=k)  # fmt: skip
+    got = jax.jit(
+        lambda o, b, m, s: opj.correct(o, b, m, *correction.rules, segment_ids=s, num_segments=k)
+    )(a["old"], a["rollout"], a["mask"], ids)
     keep = lengths > 0
-    want = opj.correct(old[keep], rollout[keep], mask[keep], *correction.rules)
+    want = jax.jit(correction)(old[keep], rollout[keep], mask[keep])
     for i, (row, start) in enumerate(zip(packed.rows, packed.starts, strict=True)):
         n = lengths[keep][i]
         np.testing.assert_allclose(
@@ -389,3 +399,33 @@ def test_from_config_refuses_what_needs_versions():
     config = opj.CorrectionConfig(use_tis=True, max_weight_staleness=2)
     with pytest.raises(ValueError, match="max_weight_staleness"):
         rules.from_config(config)
+
+
+@pytest.mark.multi_device
+def test_shard_map_equals_the_unsharded_call():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    auto = (AxisType.Auto, AxisType.Auto)
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=auto, devices=jax.devices("cpu")[:8])
+    axes = opj.MeshAxes(batch="data", token="seq")
+    correction = CASES["geometric_clip_rs"][1]()
+    logp, old, rollout, adv, mask = _batch(10, shape=(4, 16))
+    adv = np.broadcast_to(adv[:, None], mask.shape).astype(np.float32)
+
+    def step(lp, o, b, a, m):
+        res = opj.correct(o, b, m, *correction.rules, axis_names=axes)
+        parts, _ = objectives.decoupled_ppo(lp, o, b, a, m, correction=correction, axis_names=axes)
+        return res.weights, res.metrics, parts.value()
+
+    spec = P("data", "seq")
+    sharded = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, P(), P()))
+    )
+    weights, metrics, loss = sharded(logp, old, rollout, adv, mask)
+    want = opj.compute_correction(old, rollout, mask, CASES["geometric_clip_rs"][0])
+    np.testing.assert_allclose(weights, want.weights, rtol=1e-5, atol=1e-7)
+    for key in want.metrics:
+        np.testing.assert_allclose(metrics[key], want.metrics[key], rtol=1e-5, atol=1e-7)
+    unsharded = objectives.decoupled_ppo(logp, old, rollout, adv, mask, correction=correction)
+    np.testing.assert_allclose(loss, unsharded[0].value(), rtol=1e-5, atol=1e-7)

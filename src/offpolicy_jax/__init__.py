@@ -10,7 +10,7 @@ and sharding safe.
 from offpolicy_jax import objectives as objectives
 from offpolicy_jax import rules as rules
 from offpolicy_jax.config import CorrectionConfig, LossConfig, RejectionSamplingConfig, VanillaTIS
-from offpolicy_jax.correction.chain import correct
+from offpolicy_jax.correction.composed import correct
 from offpolicy_jax.correction.compute import CorrectionResult, compute_correction
 from offpolicy_jax.correction.metrics import finalize as finalize_metrics
 from offpolicy_jax.correction.ratios import METRIC_LOG_CAP

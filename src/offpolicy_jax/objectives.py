@@ -14,22 +14,18 @@ that names the same pieces::
         aggregation="sequence_mean",
     )
 
-A surrogate of your own is registered with :func:`register_surrogate`
-(docs/guide/adding_a_loss.md).
+A surrogate of your own is registered with :func:`offpolicy_jax.register_surrogate`
+(docs/guide/adding_a_loss.md) and is then a value like the built-ins.
 """
 
 from offpolicy_jax.losses.entries import bypass_ppo, decoupled_ppo, ppo
-from offpolicy_jax.losses.registry import SurrogateInput, SurrogateTerms, register_surrogate
 from offpolicy_jax.losses.surrogate_values import SurrogateSpec, ppo_clip, surrogate
 
 __all__ = [
-    "SurrogateInput",
     "SurrogateSpec",
-    "SurrogateTerms",
     "bypass_ppo",
     "decoupled_ppo",
     "ppo",
     "ppo_clip",
-    "register_surrogate",
     "surrogate",
 ]

@@ -46,8 +46,6 @@ from offpolicy_jax.reduction import (
     count_where,
     maximum,
     minimum,
-    safe_divide,
-    seq_mean,
     total,
 )
 
@@ -80,9 +78,7 @@ __all__ = [
     "probability_metrics",
     "register_rule",
     "rejection_sampling",
-    "safe_divide",
     "seq_logprob_error",
-    "seq_mean",
     "total",
     "veto",
 ]

@@ -158,8 +158,9 @@ def ppo(
       old_logp: ``[..., T]`` log π_old, the ratio denominator.
       advantages: ``[..., T]`` or ``[...]``.
       mask: ``[..., T]``; > 0 = trained on.
-      surrogate, aggregation, metric_reduction, loss_scale_factor, axis_names,
-        segment_ids, num_segments: as :func:`decoupled_ppo`.
+      surrogate: as :func:`decoupled_ppo`.
+      aggregation, metric_reduction, loss_scale_factor: as :func:`decoupled_ppo`.
+      axis_names, segment_ids, num_segments: as :func:`decoupled_ppo`.
 
     Returns:
       ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
@@ -208,8 +209,9 @@ def bypass_ppo(
       rollout_logp: ``[..., T]`` log π_rollout, the ratio denominator.
       advantages: ``[..., T]`` or ``[...]``.
       mask: ``[..., T]``; > 0 = trained on.
-      surrogate, aggregation, metric_reduction, loss_scale_factor, axis_names,
-        segment_ids, num_segments: as :func:`decoupled_ppo`.
+      surrogate: as :func:`decoupled_ppo`.
+      aggregation, metric_reduction, loss_scale_factor: as :func:`decoupled_ppo`.
+      axis_names, segment_ids, num_segments: as :func:`decoupled_ppo`.
 
     Returns:
       ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
