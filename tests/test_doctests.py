@@ -11,6 +11,8 @@ MODULES = [
     "offpolicy_jax.reduction.means",
     "offpolicy_jax.config",
     "offpolicy_jax.correction.compute",
+    "offpolicy_jax.correction.composed",
+    "offpolicy_jax.losses.surrogate_values",
     "offpolicy_jax.losses.policy_loss",
     "offpolicy_jax.logprobs.sampling_support",
     "offpolicy_jax.losses.surrogates",

@@ -7,7 +7,10 @@ rollout and the training engine, composed into PPO-family losses. Pure functions
 and sharding safe.
 """
 
+from offpolicy_jax import objectives as objectives
+from offpolicy_jax import rules as rules
 from offpolicy_jax.config import CorrectionConfig, LossConfig, RejectionSamplingConfig, VanillaTIS
+from offpolicy_jax.correction.composed import correct
 from offpolicy_jax.correction.compute import CorrectionResult, compute_correction
 from offpolicy_jax.correction.metrics import finalize as finalize_metrics
 from offpolicy_jax.correction.ratios import METRIC_LOG_CAP
@@ -51,6 +54,7 @@ __all__ = [
     "VanillaTIS",
     "aggregate",
     "compute_correction",
+    "correct",
     "ess_learning_rate_scale",
     "finalize_metrics",
     "opob_advantages",

@@ -30,12 +30,11 @@ from offpolicy_jax._validation import (
     check_split_over,
 )
 from offpolicy_jax.config import CorrectionConfig
+from offpolicy_jax.correction import constructors as make
 from offpolicy_jax.correction import (
-    bounds,
     metrics,
     normalize,
     ratios,
-    rejection,
     rules,
     stages,
     staleness,
@@ -66,27 +65,46 @@ def _check_reduction(reduction: str) -> None:
 
 
 def correction_stages(config: CorrectionConfig) -> list[stages.Stage]:
-    """The stages ``config`` names, in the order of docs/semantics.md §3."""
-    chain: list[stages.Stage] = [metrics.MismatchMetrics()]
+    """The stages ``config`` names, in the order of docs/semantics.md §3, built by the
+    public rule constructors (:mod:`offpolicy_jax.rules`)."""
+    chain: list[stages.Stage] = [make.mismatch_metrics()]
     if config.probability_metrics:
-        chain.append(rules.ProbabilityMetrics())
+        chain.append(make.probability_metrics())
     if config.use_tis:
         if config.rejection_sampling is not None:  # §8: AReaL's grid is the weight
             chain.append(rules.AReaLRejection(config.rejection_sampling))
         else:
-            lower, upper = config.lower_bound, config.upper_bound
-            chain.append(bounds.TISWeights(config.tis_level, config.tis_mode, lower, upper))
+            chain.append(
+                make.importance_weights(
+                    level=config.tis_level,
+                    mode=config.tis_mode,
+                    lower=config.lower_bound,
+                    upper=config.upper_bound,
+                )
+            )
         weight_level = config.tis_level if config.rejection_sampling is None else None
         if "minpro" in (weight_level, config.rs_level if config.use_rs else None):
-            chain.append(rules.MinPROMetrics())
+            chain.append(make.minpro_metrics())
         if config.use_rs:
             chain.append(
-                rejection.rejection_sampling(config.rs_level, config.rs_lower, config.rs_upper)
+                make.rejection_sampling(
+                    level=config.rs_level, lower=config.rs_lower, upper=config.rs_upper
+                )
             )
         if config.rs_veto_threshold is not None:
-            chain.append(rejection.Veto(config.rs_veto_threshold))
-        chain.extend(rules.rule_stages(config))  # §8: the field's rejection rules
+            chain.append(make.veto(threshold=config.rs_veto_threshold))
+        chain.extend(_rule_stages(config))  # §8: the field's rejection rules
     return chain
+
+
+def _rule_stages(config: CorrectionConfig) -> list[stages.Stage]:
+    """The §8 rules a config names (after §3's), by the public constructors."""
+    out = [make.criterion(c.name, threshold=c.spec.split(":", 1)[1]) for c in config.criteria]
+    if config.seq_logprob_error_threshold is not None:
+        out.append(make.seq_logprob_error(threshold=config.seq_logprob_error_threshold))
+    if config.m2po_tau is not None:
+        out.append(make.m2po(tau=config.m2po_tau))
+    return out
 
 
 def correction_parts(
@@ -115,21 +133,53 @@ def correction_parts(
         rollout, filled = staleness.neutral_rollout(old, rollout, mask)
         chain.append(staleness.NeutralRollout(filled))
     chain.extend(staleness.async_stages(config, versions, current_version))
-    tokens = stages.Tokens(
-        old, rollout, ratios.log_ratio(old, rollout, mask > 0), mask, layout, reduction
-    )
     level = (
         config.tis_level if config.rejection_sampling is None else config.rejection_sampling.level
     )
     norm = normalize.normalizer_reduction(level) if config.tis_batch_normalize else None
+    return run_stages(
+        chain,
+        old,
+        rollout,
+        mask,
+        reweights=config.use_tis,
+        batch_normalize=norm,
+        reduction=reduction,
+        layout=layout,
+        over_final=over_final,
+    )
+
+
+def run_stages(
+    chain,
+    old,
+    rollout,
+    mask,
+    *,
+    reweights: bool,
+    batch_normalize: str | None,
+    reduction,
+    layout,
+    over_final=(),
+):
+    """The stage pipeline on validated float32 inputs: ``(w, m', metric parts)``.
+
+    ``reweights``: the chain weights or rejects (else it only reports metrics: every
+    weight is 1 and the mask is left as it is); ``batch_normalize``: None or how ``μ``
+    averages. The one runner of :func:`compute_correction` and
+    :func:`offpolicy_jax.correct`.
+    """
+    tokens = stages.Tokens(
+        old, rollout, ratios.log_ratio(old, rollout, mask > 0), mask, layout, reduction
+    )
     weights, final, parts = stages.run(
         chain,
         tokens,
-        weight_stats=config.use_tis,
-        batch_normalize=norm,
-        over_final=over_final if config.use_tis else (),
+        weight_stats=reweights,
+        batch_normalize=batch_normalize,
+        over_final=over_final if reweights else (),
     )
-    if not config.use_tis:  # metrics only: nothing is reweighted or rejected
+    if not reweights:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts
     return jax.lax.stop_gradient(weights), final, parts
 
@@ -243,23 +293,13 @@ def _compute_correction(
     versions=None,
     current_version=None,
 ) -> CorrectionResult:
-    old = jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))
-    rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
-    weights_mask = as_float_mask("mask", mask)
-    check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
-    layout = _reduce.layout(axes, segment_ids, num_segments, old.shape, contiguous)
-    weights_mask = _reduce.only_segments(layout, weights_mask, raw=mask)
+    old, rollout, weights_mask, layout = checked_inputs(
+        old_logp, rollout_logp, mask, axes, segment_ids, num_segments, contiguous
+    )
     versions, current = staleness.check_versions(
         versions, current_version, old.shape, needed_by=_versions_key(config), mask=weights_mask
     )
-    check_split_over(
-        axes.batch + axes.token,
-        old_logp=old_logp,
-        rollout_logp=rollout_logp,
-        mask=mask,
-        segment_ids=segment_ids,
-        versions=versions,
-    )
+    check_split_over(axes.batch + axes.token, versions=versions)
     weights, final_mask, parts = correction_parts(
         old,
         rollout,
@@ -270,9 +310,33 @@ def _compute_correction(
         versions=versions,
         current_version=current,
     )
+    return as_result(weights, final_mask, parts, old.shape)
+
+
+def checked_inputs(old_logp, rollout_logp, mask, axes, segment_ids, num_segments, contiguous=False):
+    """The checked float32 ``(old, rollout, mask, layout)`` of a correction call (errors
+    name the argument); ``old`` and ``rollout`` are stop-gradient."""
+    old = jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))
+    rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
+    weights_mask = as_float_mask("mask", mask)
+    check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
+    layout = _reduce.layout(axes, segment_ids, num_segments, old.shape, contiguous)
+    weights_mask = _reduce.only_segments(layout, weights_mask, raw=mask)
+    check_split_over(
+        axes.batch + axes.token,
+        old_logp=old_logp,
+        rollout_logp=rollout_logp,
+        mask=mask,
+        segment_ids=segment_ids,
+    )
+    return old, rollout, weights_mask, layout
+
+
+def as_result(weights, final_mask, parts, shape) -> CorrectionResult:
+    """``(w, m', parts)`` of :func:`run_stages` as a :class:`CorrectionResult`."""
     return CorrectionResult(
-        weights=jnp.broadcast_to(weights * final_mask, old.shape).astype(jnp.float32),
-        mask=jnp.broadcast_to(final_mask, old.shape).astype(jnp.float32),
+        weights=jnp.broadcast_to(weights * final_mask, shape).astype(jnp.float32),
+        mask=jnp.broadcast_to(final_mask, shape).astype(jnp.float32),
         metrics=metrics.finalize(parts),
     )
 

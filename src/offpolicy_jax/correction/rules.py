@@ -428,19 +428,6 @@ def register_rule(name: str) -> Callable[[RuleFactory], RuleFactory]:
     return register
 
 
-def rule_stages(config) -> list[Stage]:
-    """The §8 stages a :class:`~offpolicy_jax.CorrectionConfig` names (after §3's)."""
-    out: list[Stage] = [
-        criteria.RULES[c.name](c.hi) if c.aggregate == "rule" else KLCriterion(c)  # type: ignore[misc]
-        for c in config.criteria
-    ]
-    if config.seq_logprob_error_threshold is not None:
-        out.append(SeqLogprobError(config.seq_logprob_error_threshold))
-    if config.m2po_tau is not None:
-        out.append(M2PO(config.m2po_tau))
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class OffPolicySequenceMask(Stage):
     """DeepSeek-V3.2 off-policy sequence masking (OPSM), a stage of ``policy_loss``.

@@ -37,6 +37,7 @@ from offpolicy_jax._validation import (
 )
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax.correction import metrics, ratios, rules, stages, staleness
+from offpolicy_jax.correction.chain import Correction
 from offpolicy_jax.correction.compute import CorrectionResult, correction_parts
 from offpolicy_jax.correction.ratios import metric_exp
 from offpolicy_jax.losses import builtins as _objective
@@ -567,6 +568,11 @@ def _correct(config: LossConfig, old, b: _Batch, precomputed, over_final=()) -> 
             over_final=over_final,
         )
         return _Corrected(weights, final, dict(parts), counts_nonfinite=True)
+    if isinstance(correction, Correction):  # a chain of rules: the same pipeline, as parts
+        weights, final, parts = correction.parts(
+            old, rollout, mask, reduction=b.reduction, layout=layout, over_final=over_final
+        )
+        return _Corrected(weights, final, dict(parts), counts_nonfinite=correction.reweights)
     if isinstance(correction, VanillaTIS):
         clip_low, clip = correction.clip_low, correction.clip
         weights, parts = vanilla_tis(

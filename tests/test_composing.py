@@ -1,0 +1,431 @@
+"""The composable core (opj.rules, opj.correct, opj.objectives) equals the config path.
+
+Every rule value, chain and loss entry is compared with the CorrectionConfig /
+LossConfig that names the same pieces (bit for bit for the correction, which runs the
+same stages; rtol 1e-6 for losses, metrics and gradients), and with an independent
+NumPy float64 reference where the formula is short.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import offpolicy_jax as opj
+from offpolicy_jax import objectives, rules
+
+RTOL = 1e-6
+
+
+def _batch(seed: int = 0, shape=(6, 11)):
+    rng = np.random.default_rng(seed)
+    old = rng.normal(-2.0, 0.6, shape).astype(np.float32)
+    rollout = (old + rng.normal(0.0, 0.5, shape)).astype(np.float32)
+    rollout[0, 2] = old[0, 2] + 12.0  # a catastrophic token (ratio e^-12) for the veto
+    logp = (old + rng.normal(0.0, 0.1, shape)).astype(np.float32)
+    lengths = rng.integers(1, shape[-1] + 1, shape[:-1])
+    lengths[-1] = 0  # an empty sequence
+    mask = np.arange(shape[-1]) < lengths[..., None]
+    adv = rng.normal(size=shape[:-1]).astype(np.float32)
+    return logp, old, rollout, adv, mask
+
+
+# (config, the chain of public rules that config names, written out by hand)
+CASES = {
+    "mis": (
+        opj.CorrectionConfig.preset("mis"),
+        lambda: rules.chain(
+            rules.mismatch_metrics(),
+            rules.importance_weights(level="token", mode="truncate", upper=2.0),
+            rules.rejection_sampling(level="token", lower=0.5, upper=2.0),
+            rules.veto(threshold=1e-4),
+            rules.batch_normalize(),
+        ),
+    ),
+    "decoupled_geo_rs": (  # verl's geometric rejection: seq_mean_k1 in [0.999, 1.001]
+        opj.CorrectionConfig.preset("decoupled_geo_rs"),
+        lambda: rules.chain(
+            rules.mismatch_metrics(),
+            rules.importance_weights(level="token", mode="none", upper=2.0),
+            rules.criterion("seq_mean_k1", threshold="0.999_1.001"),
+        ),
+    ),
+    "decoupled_seq_is_rs": (  # sequence-level TIS with a sequence-sum k1 rejection
+        opj.CorrectionConfig.preset("decoupled_seq_is_rs"),
+        lambda: rules.chain(
+            rules.mismatch_metrics(),
+            rules.importance_weights(level="sequence", mode="truncate", upper=2.0),
+            rules.criterion("seq_sum_k1", threshold="0.5_2.0"),
+        ),
+    ),
+    "geometric_clip_rs": (
+        opj.CorrectionConfig(
+            use_tis=True,
+            tis_level="geometric",
+            tis_mode="clip",
+            tis_lower_bound=0.8,
+            tis_upper_bound=1.5,
+            tis_batch_normalize=True,
+            use_rs=True,
+            rs_level="geometric",
+            rs_lower_bound=0.7,
+            rs_upper_bound=1.4,
+            rs_veto_threshold=1e-3,
+            probability_metrics=True,
+            m2po_tau=0.3,
+        ),
+        lambda: rules.chain(
+            rules.mismatch_metrics(),
+            rules.probability_metrics(),
+            rules.importance_weights(level="geometric", mode="clip", lower=0.8, upper=1.5),
+            rules.rejection_sampling(level="geometric", lower=0.7, upper=1.4),
+            rules.veto(threshold=1e-3),
+            rules.m2po(tau=0.3),
+            rules.batch_normalize(),
+        ),
+    ),
+}
+
+
+def _assert_same_result(got, want, rtol=0.0):
+    np.testing.assert_allclose(np.asarray(got.weights), np.asarray(want.weights), rtol=rtol)
+    np.testing.assert_allclose(np.asarray(got.mask), np.asarray(want.mask), rtol=rtol)
+    assert set(got.metrics) == set(want.metrics)
+    for key in want.metrics:
+        np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=rtol, err_msg=key)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_correct_equals_compute_correction(name):
+    config, build = CASES[name]
+    _, old, rollout, _, mask = _batch()
+    correction = build()
+    assert correction == rules.from_config(config)  # the config builds exactly these values
+    for reduction in ("sequence", "token"):
+        want = jax.jit(
+            lambda o, b, m, how=reduction: opj.compute_correction(o, b, m, config, reduction=how)
+        )(old, rollout, mask)
+        got = jax.jit(
+            lambda o, b, m, how=reduction: opj.correct(o, b, m, *correction.rules, reduction=how)
+        )(old, rollout, mask)
+        _assert_same_result(got, want)
+
+
+def _loss_and_grad(fn, logp):
+    def scalar(lp):
+        parts, metric_parts = fn(lp)
+        return parts.value(), opj.finalize_metrics(metric_parts)
+
+    (value, metrics), grad = jax.jit(jax.value_and_grad(scalar, has_aux=True))(jnp.asarray(logp))
+    return value, grad, metrics
+
+
+def _assert_same_loss(got, want):
+    (v1, g1, m1), (v2, g2, m2) = got, want
+    np.testing.assert_allclose(v1, v2, rtol=RTOL)
+    np.testing.assert_allclose(g1, g2, rtol=RTOL, atol=1e-9)
+    assert set(m1) == set(m2)
+    for key in m2:
+        np.testing.assert_allclose(m1[key], m2[key], rtol=RTOL, atol=1e-9, err_msg=key)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean"])
+def test_decoupled_ppo_equals_policy_loss(name, aggregation):
+    config, build = CASES[name]
+    logp, old, rollout, adv, mask = _batch(1)
+    loss_config = opj.LossConfig(
+        algorithm="decoupled_ppo",
+        correction=config,
+        aggregation=aggregation,
+        clip_eps=0.25,
+        dual_clip_c=3.0,
+    )
+    surrogate = objectives.ppo_clip(clip_eps=0.25, dual_clip_c=3.0)
+
+    def composed(lp):
+        return objectives.decoupled_ppo(
+            lp, old, rollout, adv, mask,
+            correction=build(), surrogate=surrogate, aggregation=aggregation,
+        )  # fmt: skip
+
+    def configured(lp):
+        return opj.policy_loss_parts(lp, old, rollout, adv, mask, loss_config)
+
+    _assert_same_loss(_loss_and_grad(composed, logp), _loss_and_grad(configured, logp))
+
+
+@pytest.mark.heavy
+def test_decoupled_ppo_with_a_precomputed_correction():
+    config, build = CASES["mis"]
+    logp, old, rollout, adv, mask = _batch(2)
+    result = opj.correct(old, rollout, mask, *build().rules)
+    loss_config = opj.LossConfig(algorithm="decoupled_ppo", correction=config)
+
+    def composed(lp):
+        return objectives.decoupled_ppo(lp, old, rollout, adv, mask, correction=result)
+
+    def configured(lp):
+        return opj.policy_loss_parts(
+            lp, old, rollout, adv, mask, loss_config, correction_result=result
+        )
+
+    _assert_same_loss(_loss_and_grad(composed, logp), _loss_and_grad(configured, logp))
+    # and the loss equals the one that runs the correction inside
+    inside = _loss_and_grad(
+        lambda lp: objectives.decoupled_ppo(lp, old, rollout, adv, mask, correction=build()),
+        logp,
+    )
+    np.testing.assert_allclose(_loss_and_grad(composed, logp)[0], inside[0], rtol=RTOL)
+
+
+def test_a_chain_is_a_loss_config_correction():
+    config, build = CASES["mis"]
+    logp, old, rollout, adv, mask = _batch(3)
+    by_chain = opj.LossConfig(algorithm="decoupled_ppo", correction=build())
+    by_config = opj.LossConfig(algorithm="decoupled_ppo", correction=config)
+    loss, metrics = opj.policy_loss(logp, old, rollout, adv, mask, by_chain)
+    want_loss, want_metrics = opj.policy_loss(logp, old, rollout, adv, mask, by_config)
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL)
+    assert set(metrics) == set(want_metrics)
+    assert hash(by_chain) == hash(opj.LossConfig(algorithm="decoupled_ppo", correction=build()))
+
+
+@pytest.mark.parametrize(
+    ("entry", "algorithm"), [(objectives.ppo, "ppo"), (objectives.bypass_ppo, "bypass_ppo")]
+)
+def test_ppo_and_bypass_equal_policy_loss(entry, algorithm):
+    logp, old, rollout, adv, mask = _batch(4)
+    denominator = old if algorithm == "ppo" else rollout
+    surrogate = objectives.surrogate("gspo", clip_eps=3e-4)
+    config = opj.LossConfig(algorithm=algorithm, policy_loss="gspo", clip_eps=3e-4)
+
+    def composed(lp):
+        return entry(lp, denominator, adv, mask, surrogate=surrogate)
+
+    def configured(lp):
+        old_logp, rollout_logp = (old, None) if algorithm == "ppo" else (None, rollout)
+        return opj.policy_loss_parts(lp, old_logp, rollout_logp, adv, mask, config)
+
+    _assert_same_loss(_loss_and_grad(composed, logp), _loss_and_grad(configured, logp))
+
+
+def test_correct_matches_a_numpy_reference():
+    # truncate at 2, token RS in [0.5, 2], veto at 1e-4, batch normalised per token
+    _, old, rollout, _, mask = _batch(5)
+    got = opj.correct(old, rollout, mask, *CASES["mis"][1]().rules)
+    delta = old.astype(np.float64) - rollout
+    ratio = np.exp(np.clip(delta, -20, 20))
+    keep_seq = ~np.any(mask & (delta < np.log(1e-4)), axis=-1, keepdims=True)
+    final = mask & (ratio >= 0.5) & (ratio <= 2.0) & keep_seq
+    w = np.minimum(ratio, 2.0)
+    mu = w[final].mean()
+    np.testing.assert_array_equal(np.asarray(got.mask) > 0, final)
+    np.testing.assert_allclose(got.weights, np.where(final, w / mu, 0.0), rtol=1e-5)
+    np.testing.assert_allclose(got.metrics["mis_batch_norm_factor"], mu, rtol=1e-5)
+    fraction = np.where(mask, ratio > 2.0, False).sum(-1) / np.maximum(mask.sum(-1), 1)
+    nonempty = mask.sum(-1) > 0
+    np.testing.assert_allclose(
+        got.metrics["mis_tis_truncate_fraction"], fraction[nonempty].mean(), rtol=1e-5
+    )
+
+
+def test_metrics_only_chain_leaves_weights_and_mask():
+    _, old, rollout, _, mask = _batch(6)
+    got = opj.correct(old, rollout, mask, rules.mismatch_metrics())
+    want = opj.compute_correction(old, rollout, mask, opj.CorrectionConfig())
+    _assert_same_result(got, want)
+    np.testing.assert_array_equal(got.weights, mask.astype(np.float32))
+
+
+@pytest.mark.heavy
+def test_jit_vmap_and_grad():
+    correction = CASES["mis"][1]()
+    logp, old, rollout, adv, mask = _batch(7, shape=(3, 4, 9))
+    one = jax.jit(correction)
+    eager = correction(old[0], rollout[0], mask[0])
+    _assert_same_result(one(old[0], rollout[0], mask[0]), eager, rtol=RTOL)
+    per_slice = jax.jit(jax.vmap(correction))(old, rollout, mask)
+    for i in range(old.shape[0]):
+        want = one(old[i], rollout[i], mask[i])
+        np.testing.assert_allclose(per_slice.weights[i], want.weights, rtol=RTOL)
+        for key in ("mis_kl", "mis_ess", "mis_batch_norm_factor"):
+            np.testing.assert_allclose(per_slice.metrics[key][i], want.metrics[key], rtol=RTOL)
+
+    def loss(lp):
+        parts, _ = objectives.decoupled_ppo(lp, old, rollout, adv, mask, correction=correction)
+        return parts.value()
+
+    grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(logp)))
+    assert np.isfinite(grad).all() and np.abs(grad).sum() > 0
+    np.testing.assert_array_equal(grad[~mask], 0.0)
+    weights_grad = jax.jit(jax.grad(lambda o: correction(o, rollout, mask).weights.sum()))(old)
+    assert not np.asarray(weights_grad).any()  # the weights are stop-gradient
+
+
+def test_an_empty_batch_gives_zero_loss_and_gradients():
+    logp, old, rollout, adv, _ = _batch(8)
+    mask = np.zeros(logp.shape, bool)
+    value, grad = jax.jit(
+        jax.value_and_grad(
+            lambda lp: objectives.decoupled_ppo(
+                lp, old, rollout, adv, mask, correction=CASES["mis"][1]()
+            )[0].value()
+        )
+    )(jnp.asarray(logp))
+    assert float(value) == 0.0 and not np.asarray(grad).any()
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", ["mis", "decoupled_seq_is_rs"])
+def test_packed_equals_padded(name):
+    correction = CASES[name][1]()
+    logp, old, rollout, adv, mask = _batch(9, shape=(7, 10))
+    lengths = mask.sum(-1)
+    sequences = [
+        {
+            "logp": logp[i, :n],
+            "old": old[i, :n],
+            "rollout": rollout[i, :n],
+            "adv": np.full(n, adv[i], np.float32),
+            "mask": mask[i, :n],
+        }
+        for i, n in enumerate(lengths)
+        if n > 0
+    ]
+    packed = opj.pack_sequences(sequences, 24, max_segments=3, pad_value=0)
+    a, ids, k = packed.arrays, packed.segment_ids, packed.num_segments
+    got = jax.jit(
+        lambda o, b, m, s: opj.correct(o, b, m, *correction.rules, segment_ids=s, num_segments=k)
+    )(a["old"], a["rollout"], a["mask"], ids)
+    keep = lengths > 0
+    want = jax.jit(correction)(old[keep], rollout[keep], mask[keep])
+    for i, (row, start) in enumerate(zip(packed.rows, packed.starts, strict=True)):
+        n = lengths[keep][i]
+        np.testing.assert_allclose(
+            got.weights[row, start : start + n], want.weights[i, :n], rtol=RTOL
+        )
+        np.testing.assert_array_equal(got.mask[row, start : start + n], want.mask[i, :n])
+    for key in want.metrics:
+        np.testing.assert_allclose(got.metrics[key], want.metrics[key], rtol=1e-5, err_msg=key)
+
+    def packed_loss(lp):
+        return objectives.decoupled_ppo(
+            lp, a["old"], a["rollout"], a["adv"], a["mask"],
+            correction=correction, segment_ids=ids, num_segments=k,
+        )  # fmt: skip
+
+    def padded_loss(lp):
+        return objectives.decoupled_ppo(
+            lp, old[keep], rollout[keep], adv[keep], mask[keep], correction=correction
+        )
+
+    v1, _, m1 = _loss_and_grad(packed_loss, a["logp"])
+    v2, _, m2 = _loss_and_grad(padded_loss, logp[keep])
+    np.testing.assert_allclose(v1, v2, rtol=1e-5)
+    np.testing.assert_allclose(m1["pg_clipfrac"], m2["pg_clipfrac"], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: rules.veto(1e-4),
+        lambda: rules.importance_weights("token"),
+        lambda: rules.rejection_sampling("token", 0.5, 2.0),
+        lambda: rules.m2po(0.1),
+        lambda: rules.seq_logprob_error(2.0),
+        lambda: rules.criterion("seq_max_k2", 2.5),
+        lambda: rules.batch_normalize("token"),
+        lambda: objectives.ppo_clip(0.2),
+    ],
+)
+def test_hyperparameters_are_keyword_only(call):
+    with pytest.raises(TypeError):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: rules.veto(threshold=0.0), "veto: threshold"),
+        (lambda: rules.veto(threshold=float("nan")), "threshold"),
+        (lambda: rules.veto(threshold=True), "threshold"),
+        (lambda: rules.importance_weights(level="tok"), "importance_weights: level"),
+        (lambda: rules.importance_weights(mode="trunc"), "importance_weights: mode"),
+        (lambda: rules.importance_weights(upper=-2.0), "importance_weights: upper"),
+        (lambda: rules.importance_weights(lower=0.0, mode="clip"), "importance_weights: lower"),
+        (lambda: rules.importance_weights(mode="clip", lower=3.0, upper=2.0), "lower must be <"),
+        (lambda: rules.importance_weights(mode="band", lower=3.0, upper=2.0), "lower must be <="),
+        (lambda: rules.rejection_sampling(level="seq"), "rejection_sampling: level"),
+        (lambda: rules.rejection_sampling(lower=2.0, upper=2.0), "lower must be <"),
+        (lambda: rules.m2po(tau=-1.0), "m2po: tau"),
+        (lambda: rules.seq_logprob_error(threshold=0.5), "seq_logprob_error: threshold"),
+        (lambda: rules.criterion("seq_max_k9", threshold=2.0), "criterion"),
+        (lambda: rules.criterion("seq_max_k2", threshold="x"), "threshold"),
+        (lambda: rules.batch_normalize(reduction="row"), "batch_normalize: reduction"),
+        (lambda: objectives.ppo_clip(clip_eps=1.5), "clip_eps"),
+        (lambda: objectives.ppo_clip(dual_clip_c=0.5), "dual_clip_c"),
+        (lambda: objectives.surrogate("gspoo"), "did you mean 'gspo'"),
+        (lambda: rules.chain(rules.batch_normalize(), rules.batch_normalize()), "at most once"),
+    ],
+)
+def test_bad_hyperparameters_raise_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_bad_values_of_other_types_raise_type_errors():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'clip_eps_hihg'"):
+        objectives.surrogate("ppo_clip", clip_eps_hihg=0.3)
+    with pytest.raises(TypeError, match=r"rules\[1\]"):
+        rules.chain(rules.mismatch_metrics(), "veto")
+    _, old, rollout, adv, mask = _batch()
+    with pytest.raises(TypeError, match="correction must be"):
+        objectives.decoupled_ppo(old, old, rollout, adv, mask, correction=None)
+    with pytest.raises(TypeError, match="surrogate must be"):
+        objectives.decoupled_ppo(
+            old, old, rollout, adv, mask, correction=rules.chain(), surrogate="ppo_clip"
+        )
+    with pytest.raises(ValueError, match="aggregation"):
+        objectives.ppo(old, old, adv, mask, aggregation="sequence_meen")
+    with pytest.raises(ValueError, match="rollout_logp"):
+        opj.correct(old, rollout[:, :3], mask, rules.veto(threshold=1e-4))
+
+
+def test_from_config_refuses_what_needs_versions():
+    config = opj.CorrectionConfig(use_tis=True, max_weight_staleness=2)
+    with pytest.raises(ValueError, match="max_weight_staleness"):
+        rules.from_config(config)
+
+
+@pytest.mark.multi_device
+def test_shard_map_equals_the_unsharded_call():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    auto = (AxisType.Auto, AxisType.Auto)
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=auto, devices=jax.devices("cpu")[:8])
+    axes = opj.MeshAxes(batch="data", token="seq")
+    correction = CASES["geometric_clip_rs"][1]()
+    logp, old, rollout, adv, mask = _batch(10, shape=(4, 16))
+    adv = np.broadcast_to(adv[:, None], mask.shape).astype(np.float32)
+
+    def step(lp, o, b, a, m):
+        res = opj.correct(o, b, m, *correction.rules, axis_names=axes)
+        parts, _ = objectives.decoupled_ppo(lp, o, b, a, m, correction=correction, axis_names=axes)
+        return res.weights, res.metrics, parts.value()
+
+    spec = P("data", "seq")
+    sharded = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, P(), P()))
+    )
+    weights, metrics, loss = sharded(logp, old, rollout, adv, mask)
+    want = opj.compute_correction(old, rollout, mask, CASES["geometric_clip_rs"][0])
+    np.testing.assert_allclose(weights, want.weights, rtol=1e-5, atol=1e-7)
+    for key in want.metrics:
+        np.testing.assert_allclose(metrics[key], want.metrics[key], rtol=1e-5, atol=1e-7)
+    unsharded = objectives.decoupled_ppo(logp, old, rollout, adv, mask, correction=correction)
+    np.testing.assert_allclose(loss, unsharded[0].value(), rtol=1e-5, atol=1e-7)
