@@ -51,9 +51,9 @@ def sortable(versions: jax.Array) -> jax.Array:
     versions above ``2**24`` collide (``2**24 + 1`` reads as ``2**24``). Instead each
     ``v >= 0`` (negatives read as 0: they are never compared) becomes a distinct normal
     float32: with ``w = v − 2**30``, the float whose bit pattern is ``|w| + 2**23``,
-    negated for ``w < 0``. Normal floats order like
-    their bit patterns, none is inf, NaN or subnormal (which CPUs may flush to 0), so
-    every ``max`` / ``min`` / ``pmax`` of keys is exact.
+    negated for ``w < 0``. Normal floats order like their bit patterns, and none of
+    these is inf, NaN or subnormal (which CPUs may flush to 0), so every ``max`` /
+    ``min`` / ``pmax`` of keys is exact.
     """
     w = jnp.maximum(versions.astype(jnp.int32), 0) - (1 << 30)
     pattern = (jnp.abs(w) + (1 << 23)).astype(jnp.uint32)
