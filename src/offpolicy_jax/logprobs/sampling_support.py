@@ -15,7 +15,9 @@ trainer renormalises θ over exactly that set::
 ``H_t = −Σ_{v∈S_t} π(v|S_t) log π(v|S_t)`` over the same set.
 
 The support is a padded id list ``[..., T, K]`` (entries equal to ``support_pad``,
-default ``−1``, are padding; an id listed twice counts once). :func:`support_from_csr`
+default ``−1``, are padding; an id listed twice counts once). The padding id must lie
+outside the vocabulary ``[0, V)`` (one inside raises ``ValueError``: its entries could
+not be told from that token). :func:`support_from_csr`
 builds it from vLLM's CSR layout (``SamplingMask(token_ids, offsets)``: the kept ids of
 token ``t`` are ``token_ids[offsets[t]:offsets[t+1]]``; prime-rl's ``ids`` / ``counts``
 is the same with ``offsets = [0, *cumsum(counts)]``).
