@@ -9,7 +9,7 @@ import pytest
 
 MODULES = [
     "offpolicy_jax.reduction.means",
-    "offpolicy_jax.config",
+    "offpolicy_jax.config.correction",
     "offpolicy_jax.correction.compute",
     "offpolicy_jax.losses.policy_loss",
     "offpolicy_jax.logprobs.sampling_support",
