@@ -72,17 +72,21 @@ class CorrectionConfig:
         weight ``w`` inside ``[L, U]``, 0 outside, the token stays in the mask and the
         loss denominator) or ``"none"`` (no IS weight: ``w = 1``; the rejection rules
         below still apply).
-      tis_lower_bound: ``L``; ``None`` means ``1 / tis_upper_bound``. Unused by truncate.
+      tis_lower_bound: ``L``; ``None`` means ``1 / tis_upper_bound``. Unused by truncate
+        and none, but a value given there must still be below ``tis_upper_bound``.
       tis_upper_bound: ``U``.
       tis_batch_normalize: rescale the weights to mean 1 over what stays in the loss.
       use_rs: rejection sampling: drop tokens/sequences whose ratio at ``rs_level``
-        leaves ``[rs_lower_bound, rs_upper_bound]``.
+        leaves ``[rs_lower_bound, rs_upper_bound]``. Acts only when ``use_tis`` is true;
+        with ``use_tis`` false the config is metrics only (as miles'
+        ``compute_mis_weights``) and building it warns.
       rs_level: level of the rejection ratio (the same four levels).
       rs_lower_bound: ``None`` means the resolved ``tis_lower_bound``.
       rs_upper_bound: ``None`` means ``tis_upper_bound``.
       rs_veto_threshold: reject a sequence with any token ratio below this; ``None``
         disables the veto. Like every rejection, it acts only when ``use_tis`` is
-        true (with or without ``use_rs``, D1); a metrics-only config ignores it.
+        true (with or without ``use_rs``, D1); a metrics-only config ignores it, with a
+        warning.
       rs_criteria: KL-estimator rejection criteria (docs/semantics.md §8), each a string
         ``"criterion:threshold"`` with verl's names and threshold syntax, e.g.
         ``("seq_max_k2:2.5", "seq_mean_k3:0.01")``; a token stays only if every

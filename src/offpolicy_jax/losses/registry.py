@@ -18,7 +18,9 @@ surrogates (:mod:`offpolicy_jax.losses.builtins`) are registered exactly like a 
     cfg = opj.LossConfig(policy_loss="scaled_pg", scale=0.5)
 
 ``LossConfig`` takes the hyperparameters as flat keywords (``scale=0.5``) and holds
-them as ``cfg.params`` (an instance of the registered class); ``cfg.scale`` reads one.
+them as ``cfg.params`` (an instance of the registered class); ``cfg.scale`` reads one
+(the built-ins' are typed attributes of ``LossConfig``; a type checker sees a user
+surrogate's as ``cfg.params.scale``).
 The pipeline around a surrogate (the correction's IS weights and mask, the algorithm's
 ratio denominator, aggregation, metrics, packing, sharding) is the same for all.
 """
