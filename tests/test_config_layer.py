@@ -210,7 +210,7 @@ def _batch(seed: int = 0, shape=(6, 9)):
 
 
 def test_use_rs_without_use_tis_warns_and_is_metrics_only():
-    with pytest.warns(UserWarning, match=r"use_rs reject nothing because use_tis is false"):
+    with pytest.warns(UserWarning, match=r"use_rs rejects nothing because use_tis is false"):
         cfg = opj.CorrectionConfig(use_rs=True, rs_lower_bound=0.9, rs_upper_bound=1.1)
     old, rollout, mask = _batch()
     # Ratios well outside [0.9, 1.1] exist: use_tis would reject them.
@@ -223,7 +223,7 @@ def test_use_rs_without_use_tis_warns_and_is_metrics_only():
 def test_veto_without_use_tis_warns():
     with pytest.warns(UserWarning, match=r"use_rs and rs_veto_threshold reject nothing"):
         opj.CorrectionConfig.from_dict({"use_rs": True, "rs_veto_threshold": 1e-4})
-    with pytest.warns(UserWarning, match=r"rs_veto_threshold reject nothing"):
+    with pytest.warns(UserWarning, match=r"rs_veto_threshold rejects nothing"):
         opj.CorrectionConfig(rs_veto_threshold=1e-4)
 
 
@@ -401,3 +401,99 @@ def test_verl_v070_default_block_builds():
     assert cfg.algorithm == "decoupled_ppo"
     assert isinstance(cfg.correction, opj.CorrectionConfig)
     assert (cfg.correction.tis_level, cfg.correction.use_rs) == ("sequence", False)
+
+
+# --------------------------------------------------------------------------- the loss plan
+
+
+def test_private_loss_functions_receive_the_plan_not_the_config():
+    tree = ast.parse((PACKAGE / "losses" / "policy_loss.py").read_text())
+    takes_config = sorted(
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        and node.name.startswith("_")
+        and any(
+            arg.annotation is not None and "LossConfig" in ast.unparse(arg.annotation)
+            for arg in node.args.args + node.args.kwonlyargs
+        )
+    )
+    assert takes_config == ["_terms"]  # the one that resolves it
+    built = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("CorrectionConfig")
+    ]
+    assert built == [], f"a CorrectionConfig is built in the loss pipeline at lines {built}"
+
+
+def test_a_loss_config_is_resolved_once_per_trace(monkeypatch):
+    import jax
+
+    from offpolicy_jax.config import plan
+    from offpolicy_jax.losses import policy_loss as module
+
+    calls = []
+
+    def counting(config):
+        calls.append(config)
+        return plan.resolve(config)
+
+    monkeypatch.setattr(module, "resolve", counting)
+    old, rollout, mask = _batch(seed=5)
+    logp = old + np.float32(0.05)
+    adv = np.linspace(-1.0, 1.0, old.shape[0], dtype=np.float32)
+    cfg = opj.LossConfig(
+        algorithm="decoupled_ppo",
+        correction=opj.CorrectionConfig.preset("mis"),
+        get_mismatch_metrics=True,
+        policy_loss="gspo",
+        clip_eps=3e-4,
+    )
+    step = jax.jit(
+        jax.value_and_grad(lambda lp: opj.policy_loss(lp, old, rollout, adv, mask, cfg)[0])
+    )
+    first = step(logp)
+    second = step(logp + np.float32(0.01))
+    assert len(calls) == 1 and calls[0] is cfg
+    assert np.isfinite(float(first[0])) and np.isfinite(float(second[0]))
+
+
+@pytest.mark.parametrize(
+    "config, mismatch",
+    [
+        (opj.LossConfig(algorithm="ppo"), None),
+        (opj.LossConfig(algorithm="ppo", get_mismatch_metrics=True), opj.CorrectionConfig()),
+        (
+            opj.LossConfig(correction=opj.CorrectionConfig(probability_metrics=True)),
+            opj.CorrectionConfig(probability_metrics=True),
+        ),
+        (opj.LossConfig(algorithm="decoupled_ppo", correction=opj.VanillaTIS()), None),
+        (
+            opj.LossConfig(
+                algorithm="decoupled_ppo",
+                correction=opj.VanillaTIS(),
+                get_mismatch_metrics=True,
+            ),
+            opj.CorrectionConfig(),
+        ),
+        (
+            opj.LossConfig(
+                algorithm="decoupled_ppo",
+                correction=opj.CorrectionConfig.preset("mis"),
+                get_mismatch_metrics=True,
+            ),
+            None,  # the correction reports them itself
+        ),
+    ],
+)
+def test_the_plan_resolves_the_metrics_only_correction(config, mismatch):
+    from offpolicy_jax.config.plan import resolve
+
+    plan = resolve(config)
+    assert plan.mismatch_metrics == mismatch
+    assert plan.algorithm.name == config.algorithm
+    assert plan.reweights == config.reweights
+    assert (plan.policy_loss, plan.params) == (config.policy_loss, config.params)
+    with pytest.raises(TypeError, match=r"config must be a LossConfig, got dict"):
+        resolve({"algorithm": "ppo"})  # type: ignore[arg-type]

@@ -240,7 +240,8 @@ class CorrectionConfig:
         ]
         if idle:
             warnings.warn(
-                f"{owner}: {' and '.join(idle)} reject nothing because use_tis is false "
+                f"{owner}: {' and '.join(idle)} "
+                f"{'reject' if len(idle) > 1 else 'rejects'} nothing because use_tis is false "
                 "(metrics only: weights 1, mask unchanged, as in miles); set use_tis: true "
                 "(with tis_mode: none for rejection without IS weights) to apply them",
                 UserWarning,

@@ -370,7 +370,8 @@ class LossConfig:
         tis_clip_low: float = 0.0,
         **other_fields: Any,
     ) -> LossConfig:
-        """Maps the reference's command-line flags to a :class:`LossConfig`.
+        """Maps the reference's command-line flags (miles' and slime's) to a :class:`LossConfig`;
+        the reader is :mod:`offpolicy_jax.interop.flags`.
 
         ==========================  ===========  ==========================
         ``use_rollout_logprobs``    ``use_tis``  algorithm
