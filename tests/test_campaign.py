@@ -200,6 +200,8 @@ def test_hostile_correction_config_builds_sound_or_names_the_key(kwargs):
         ok = _float32_ratio_ok(resolved_lower)
     if ok and kwargs["tis_mode"] != "truncate":
         ok = _f32(resolved_lower) < _f32(upper)
+    if ok and lower is not None:  # an explicit lower bound, used or not, lies below upper
+        ok = _f32(lower) < _f32(upper)
     if ok and kwargs["use_rs"]:
         rs_lower = (
             kwargs["rs_lower_bound"] if kwargs["rs_lower_bound"] is not None else resolved_lower

@@ -48,7 +48,7 @@ def test_layout_names_every_module():
     modules += [  # the layers' modules (demo/ and diagnose/ are described as a whole)
         m.name
         for sub in subpackages
-        if sub.name in ("correction", "losses", "logprobs", "interop", "reduction")
+        if sub.name in ("config", "correction", "losses", "logprobs", "interop", "reduction")
         for m in sub.glob("*.py")
         if m.name != "__init__.py"
     ]

@@ -9,7 +9,7 @@ import pytest
 
 MODULES = [
     "offpolicy_jax.reduction.means",
-    "offpolicy_jax.config",
+    "offpolicy_jax.config.correction",
     "offpolicy_jax.correction.compute",
     "offpolicy_jax.correction.composed",
     "offpolicy_jax.losses.surrogate_values",

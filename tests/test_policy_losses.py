@@ -552,10 +552,11 @@ def test_from_verl_errors_name_the_verl_key(rc, actor, message):
 
 def test_every_verl_surrogate_has_a_native_name():
     from offpolicy_jax import config
+    from offpolicy_jax.interop import verl
     from offpolicy_jax.losses import registry
 
-    assert set(config._VERL_LOSS_MODES.values()) <= set(registry.names())
-    assert set(config._VERL_AGGREGATIONS.values()) <= set(config.AGGREGATIONS)
+    assert set(verl._VERL_LOSS_MODES.values()) <= set(registry.names())
+    assert set(verl._VERL_AGGREGATIONS.values()) <= set(config.AGGREGATIONS)
     for a, b in itertools.combinations(registry.names(), 2):
         assert a != b
 

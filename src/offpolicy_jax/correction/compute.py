@@ -29,7 +29,7 @@ from offpolicy_jax._validation import (
     check_same_shape,
     check_split_over,
 )
-from offpolicy_jax.config import CorrectionConfig
+from offpolicy_jax.config.correction import CorrectionConfig
 from offpolicy_jax.correction import constructors as make
 from offpolicy_jax.correction import (
     metrics,

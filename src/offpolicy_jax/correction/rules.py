@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.config import RejectionSamplingConfig
+from offpolicy_jax.config.rejection import RejectionSamplingConfig
 from offpolicy_jax.correction import criteria, ratios
 from offpolicy_jax.correction.criteria import Criterion
 from offpolicy_jax.correction.ratios import METRIC_LOG_CAP

@@ -7,3 +7,7 @@
 (:func:`~offpolicy_jax.policy_loss`: one pipeline for every algorithm and surrogate).
 The public names are re-exported by :mod:`offpolicy_jax`.
 """
+
+# The built-in surrogates register themselves on import: importing the package fills
+# the registry, so a name is found wherever the registry is reachable.
+from offpolicy_jax.losses import builtins as _builtins  # noqa: E402, F401

@@ -15,21 +15,14 @@ sequence weight, LUSPO's length) take it through the layout, so packed sequences
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.config import (
-    _F32,
-    LossConfig,
-    _check_number,
-    _check_positive,
-    _f32,
-    check_f32_coefficient,
-)
+from offpolicy_jax._checks import F32, check_f32_coefficient, check_number, check_positive, f32
 from offpolicy_jax.losses import covariance as cov
 from offpolicy_jax.losses import policy_losses as pl
 from offpolicy_jax.losses.registry import (
@@ -43,15 +36,31 @@ from offpolicy_jax.losses.surrogates import ppo_surrogate
 from offpolicy_jax.reduction import Column
 
 PG_METRICS: tuple[str, ...] = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+
+
+class LossSettings(Protocol):
+    """What the surrogate and regulariser terms read of a loss config (a
+    :class:`~offpolicy_jax.LossConfig`): the core takes these values, not the config."""
+
+    @property
+    def policy_loss(self) -> str: ...
+    @property
+    def params(self) -> Any: ...
+    @property
+    def kl_off_policy(self) -> bool: ...
+    @property
+    def kl_estimator(self) -> str: ...
+
+
 _OWNER = "LossConfig"
 
 
 def _number(params, key: str, *, positive: bool = False) -> None:
     """Validates ``params.key`` as a finite number (numeric strings too) and stores the float."""
-    value = _check_number(_OWNER, key, getattr(params, key), optional=True)
+    value = check_number(_OWNER, key, getattr(params, key), optional=True)
     object.__setattr__(params, key, value)
     if positive:
-        _check_positive(_OWNER, key, value)
+        check_positive(_OWNER, key, value)
         check_f32_coefficient(_OWNER, key, value)
 
 
@@ -78,13 +87,13 @@ class ClipRange:
         # sides and stay finite, and ε < 1 keeps the lower clip above 0 (at ε >= 1 every
         # ratio, being positive, would pass the lower clip: it would silently be off).
         one, eps, high = np.float32(1), self.clip_eps, self.clip_eps_high
-        f32 = np.float32(_f32(eps)) if eps is not None else one
-        if eps is None or not (0 < eps < 1 and 0 < np.float32(one - f32) < one < one + f32):
+        eps32 = np.float32(f32(eps)) if eps is not None else one
+        if eps is None or not (0 < eps < 1 and 0 < np.float32(one - eps32) < one < one + eps32):
             raise ValueError(
                 f"{_OWNER}.clip_eps must be in (0, 1), with 0 < 1 - clip_eps < 1 < 1 + clip_eps "
                 f"in float32, got {eps!r}"
             )
-        if high is not None and not (high > 0 and one < _f32(1 + high) <= _F32.max):
+        if high is not None and not (high > 0 and one < f32(1 + high) <= F32.max):
             raise ValueError(
                 f"{_OWNER}.clip_eps_high must be > 0 with 1 < 1 + clip_eps_high < inf in "
                 f"float32, got {high!r}"
@@ -106,7 +115,7 @@ class PPOClip(ClipRange):
         super().__post_init__()
         _number(self, "dual_clip_c")
         c = self.dual_clip_c
-        if c is not None and not np.float32(1) < _f32(c) <= _F32.max:
+        if c is not None and not np.float32(1) < f32(c) <= F32.max:
             raise ValueError(
                 f"{_OWNER}.dual_clip_c must be > 1 and finite in float32 (or None), got {c!r}"
             )
@@ -205,8 +214,8 @@ class TwoSidedClip(ClipRange):
         delta, high = self.clamp_log_prob_coef, self.upper_clip_eps
         # δ ≤ 1 + ε_high would cap the positive-advantage side too: no longer INTELLECT-2's
         # bound on the negative side alone (the paper and TRL ask for δ > 1 + ε).
-        bound = np.float32(1) + np.float32(_f32(high))
-        if delta is None or not bound < np.float32(_f32(delta)) <= _F32.max:
+        bound = np.float32(1) + np.float32(f32(high))
+        if delta is None or not bound < np.float32(f32(delta)) <= F32.max:
             raise ValueError(
                 f"{_OWNER}.clamp_log_prob_coef (INTELLECT-2's δ) must be > 1 + clip_eps_high "
                 f"= {float(bound):g} and finite in float32, got {delta!r}"
@@ -260,7 +269,7 @@ class ClipCovParams(ClipRange):
         _number(self, "clip_cov_lb")
         _number(self, "clip_cov_ub")
         lb, ub = self.clip_cov_lb, self.clip_cov_ub
-        if lb is None or ub is None or not _f32(lb) < _f32(ub):
+        if lb is None or ub is None or not f32(lb) < f32(ub):
             raise ValueError(
                 f"{_OWNER}.clip_cov_lb must be < {_OWNER}.clip_cov_ub (in float32), got "
                 f"clip_cov_lb={lb!r}, clip_cov_ub={ub!r}"
@@ -601,7 +610,7 @@ PIPELINE_METRICS: frozenset[str] = frozenset(
 )
 
 
-def surrogate_columns(config: LossConfig, x: SurrogateInput) -> SurrogateOutput:
+def surrogate_columns(config: LossSettings, x: SurrogateInput) -> SurrogateOutput:
     """The surrogate ``config.policy_loss`` names, with its hyperparameters ``config.params``.
 
     Args:
@@ -635,7 +644,7 @@ def surrogate_columns(config: LossConfig, x: SurrogateInput) -> SurrogateOutput:
 
 
 def regulariser_terms(
-    config: LossConfig,
+    config: LossSettings,
     theta: jax.Array,
     denominator: jax.Array | None,
     valid: jax.Array,

@@ -36,6 +36,7 @@ from offpolicy_jax._validation import (
     check_split_over,
 )
 from offpolicy_jax.config import CorrectionConfig, LossConfig, VanillaTIS
+from offpolicy_jax.config.plan import LossPlan, resolve
 from offpolicy_jax.correction import metrics, ratios, rules, stages, staleness
 from offpolicy_jax.correction.chain import Correction
 from offpolicy_jax.correction.compute import CorrectionResult, correction_parts
@@ -47,10 +48,6 @@ from offpolicy_jax.losses.policy_losses import safe_log_ratio
 from offpolicy_jax.losses.registry import SurrogateInput
 from offpolicy_jax.losses.surrogates import reinforce_term, vanilla_tis
 from offpolicy_jax.reduction import AxisNames, MeanParts, Reduction
-
-METRICS_ONLY = CorrectionConfig()
-"""The default correction: §4 mismatch metrics only (non-finite sequences left out)."""
-
 
 LossParts = MeanParts
 """The loss as ``numerator / denominator``: the library's one poolable type.
@@ -254,7 +251,8 @@ def _terms(
     inputs: LossInputs, config: LossConfig, axis_names, num_segments, contiguous_segments
 ) -> PolicyLossTerms:
     axes = _reduce.as_mesh_axes(axis_names)
-    return _pipeline(inputs, config, axes, (num_segments, contiguous_segments))
+    # Resolved once per trace: the pipeline below reads the plan, never the config.
+    return _pipeline(inputs, resolve(config), axes, (num_segments, contiguous_segments))
 
 
 class LossInputs(NamedTuple):
@@ -318,10 +316,10 @@ class _Batch:
         return {"old": self.old, "rollout": self.rollout, "theta": self.theta_sg}[name]
 
 
-def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
+def _prepare(inputs: LossInputs, plan: LossPlan, axes, packing) -> _Batch:
     """Checks the arguments (errors name them) and builds the layout; ``packing`` is
     the static ``(num_segments, contiguous_segments)``."""
-    theta, old, rollout, adv, mask = _check_inputs(config, inputs)
+    theta, old, rollout, adv, mask = _check_inputs(plan, inputs)
     num_segments, contiguous = packing
     layout = _reduce.layout(axes, inputs.segment_ids, num_segments, theta.shape, contiguous)
     if inputs.segment_ids is not None and jnp.shape(inputs.advantages) != theta.shape:
@@ -330,11 +328,11 @@ def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
             f"be per token, {theta.shape} (give each token its sequence's advantage)"
         )
     mask = _reduce.only_segments(layout, mask, raw=inputs.mask)
-    ref, ent = _check_regularisers(config, theta, inputs.ref_logp, inputs.entropy)
-    if inputs.correction_result is not None and not config.reweights:
+    ref, ent = _check_regularisers(plan, theta, inputs.ref_logp, inputs.entropy)
+    if inputs.correction_result is not None and not plan.reweights:
         raise ValueError(
             f"correction_result is only used by algorithms that apply IS weights "
-            f"(decoupled_ppo, reinforce_is), not {config.algorithm!r}"
+            f"(decoupled_ppo, reinforce_is), not {plan.algorithm.name!r}"
         )
     # Per-sequence advantages are legitimately replicated across token shards.
     check_split_over(
@@ -351,20 +349,16 @@ def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
     # non-finite reference log-prob or entropy that enters the loss: read as 0 it
     # would silently drop the KL / entropy term of that token (§5.2).
     bad_model = ~jnp.isfinite(theta) | ~jnp.isfinite(adv)
-    rewards = _check_rewards(config, theta, inputs.rewards, inputs.segment_ids)
-    if rewards is not None and config.positive_example_nll_weight > 0:
+    rewards = _check_rewards(plan, theta, inputs.rewards, inputs.segment_ids)
+    if rewards is not None and plan.positive_example_nll_weight > 0:
         bad_model = bad_model | ~jnp.isfinite(rewards)
-    if ref is not None and config.kl_coef > 0:
+    if ref is not None and plan.kl_coef > 0:
         bad_model = bad_model | ~jnp.isfinite(ref)
-    if ent is not None and config.entropy_coef != 0:
+    if ent is not None and plan.entropy_coef != 0:
         bad_model = bad_model | ~jnp.isfinite(ent)
     adv = jnp.where(valid & jnp.isfinite(adv), adv, 0.0)
     versions, current = staleness.check_versions(
-        inputs.versions,
-        inputs.current_version,
-        theta.shape,
-        needed_by=_versions_key(config),
-        mask=mask,
+        inputs.versions, inputs.current_version, theta.shape, needed_by=plan.versions_key, mask=mask
     )
     check_split_over(axes.batch + axes.token, versions=inputs.versions)
     b = _Batch(
@@ -378,14 +372,14 @@ def _prepare(inputs: LossInputs, config: LossConfig, axes, packing) -> _Batch:
         ref,
         ent,
         layout,
-        config.metric_reduction,
+        plan.metric_reduction,
         key=_check_key(inputs.key),
         rewards=rewards,
     )
     if versions is None:
         return b
     b = dataclasses.replace(b, versions=versions, current=current)
-    return _proximal(b, config) if config.prox_logp_method != "recompute" else b
+    return _proximal(b, plan) if plan.prox_logp_method != "recompute" else b
 
 
 def _check_key(key) -> jax.Array | None:
@@ -405,24 +399,14 @@ def _check_key(key) -> jax.Array | None:
     return jax.random.wrap_key_data(key)
 
 
-def _versions_key(config: LossConfig) -> str | None:
-    """The config key that reads ``versions`` (for the error message), or None."""
-    if config.prox_logp_method != "recompute":
-        return "LossConfig.prox_logp_method"
-    correction = config.correction
-    if isinstance(correction, CorrectionConfig) and correction.uses_versions:
-        return "the correction's max_weight_staleness / mask_offpolicy_in_partial_rollout"
-    return None
-
-
-def _proximal(b: _Batch, config: LossConfig) -> _Batch:
+def _proximal(b: _Batch, plan: LossPlan) -> _Batch:
     """AReaL's proximal approximation (:mod:`offpolicy_jax.losses.proximal`): π_old from π_rollout,
     ``sg(θ)`` and the versions (``loglinear`` / ``linear``), and the ``prox_*`` metrics
     (with ``"metrics"``, or whenever ``old_logp`` is given too: the approximations'
     errors against it) over the valid tokens whose log-probs are finite."""
     assert b.rollout is not None and b.versions is not None and b.current is not None
     alpha = proximal.interpolation_weight(b.versions, b.current)
-    method = config.prox_logp_method
+    method = plan.prox_logp_method
     methods = proximal.METHODS if method == "metrics" else (method,)
     finite = jnp.isfinite(b.theta_sg) & jnp.isfinite(b.rollout)
     if b.old is not None:
@@ -432,21 +416,21 @@ def _proximal(b: _Batch, config: LossConfig) -> _Batch:
         methods, alpha, b.old, b.rollout, b.theta_sg, population, b.layout, b.reduction
     )
     old = b.old
-    if config.approximates_old:
+    if plan.approximates_old:
         old = proximal.approximate(method, b.rollout, b.theta_sg, alpha)
     return dataclasses.replace(b, old=old, proximal=parts)
 
 
-def _check_regularisers(config, theta, ref_logp, entropy):
+def _check_regularisers(plan: LossPlan, theta, ref_logp, entropy):
     """``ref_logp`` / ``entropy``: required by a non-zero coefficient, shaped like ``logp``."""
-    if config.kl_coef > 0 and ref_logp is None:
+    if plan.kl_coef > 0 and ref_logp is None:
         raise ValueError(
-            f"ref_logp is required: LossConfig.kl_coef = {config.kl_coef} adds a KL-to-reference "
+            f"ref_logp is required: LossConfig.kl_coef = {plan.kl_coef} adds a KL-to-reference "
             "term (pass the reference policy's log-probs of the sampled tokens)"
         )
-    if config.entropy_coef != 0 and entropy is None:
+    if plan.entropy_coef != 0 and entropy is None:
         raise ValueError(
-            f"entropy is required: LossConfig.entropy_coef = {config.entropy_coef} adds an "
+            f"entropy is required: LossConfig.entropy_coef = {plan.entropy_coef} adds an "
             "entropy bonus (pass the per-token entropies [..., T])"
         )
     ref = None if ref_logp is None else jax.lax.stop_gradient(as_float_logp("ref_logp", ref_logp))
@@ -455,10 +439,10 @@ def _check_regularisers(config, theta, ref_logp, entropy):
     return ref, ent
 
 
-def _check_rewards(config, theta, rewards, segment_ids):
+def _check_rewards(plan: LossPlan, theta, rewards, segment_ids):
     """``rewards``: required by ``positive_example_nll_weight > 0``; ``[...]`` per
     sequence (as ``[..., 1]``) or ``[..., T]`` per token (required with ``segment_ids``)."""
-    weight = config.positive_example_nll_weight
+    weight = plan.positive_example_nll_weight
     if rewards is None:
         if weight > 0:
             raise ValueError(
@@ -481,20 +465,16 @@ def _check_rewards(config, theta, rewards, segment_ids):
     return jax.lax.stop_gradient(r.astype(jnp.float32))
 
 
-def _check_inputs(config, inputs: LossInputs):
-    if not isinstance(config, LossConfig):
-        raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
-    algo = ALGORITHMS[config.algorithm]
+def _check_inputs(plan: LossPlan, inputs: LossInputs):
+    algo = plan.algorithm
     theta = as_float_logp("logp", inputs.logp)
-    if inputs.old_logp is None and algo.needs_old and not config.approximates_old:
+    if inputs.old_logp is None and algo.needs_old and not plan.approximates_old:
         takes_none = [a.name for a in ALGORITHMS.values() if not a.needs_old]
         raise ValueError(
             f"old_logp is required for algorithm {algo.name!r} (it is the ratio denominator); "
             f"only {' and '.join(repr(a) for a in takes_none)} accept old_logp=None"
         )
-    if inputs.rollout_logp is None and (
-        algo.needs_rollout or config.correction is not None or config.get_mismatch_metrics
-    ):
+    if inputs.rollout_logp is None and plan.needs_rollout:
         raise ValueError(
             f"rollout_logp is required for algorithm {algo.name!r} with this correction/metrics "
             "setting: without the inference engine's log-probs there is nothing to correct"
@@ -546,10 +526,10 @@ class _Corrected(NamedTuple):
     counts_nonfinite: bool = False
 
 
-def _correct(config: LossConfig, old, b: _Batch, precomputed, over_final=()) -> _Corrected:
+def _correct(plan: LossPlan, old, b: _Batch, precomputed, over_final=()) -> _Corrected:
     """The configured correction, with ``old`` as the IS numerator; ``over_final``:
     per-token values the loss sums over ``m'`` (see :func:`stages.run`)."""
-    correction, mask, layout, rollout = config.correction, b.mask, b.layout, b.rollout
+    correction, mask, layout, rollout = plan.correction, b.mask, b.layout, b.rollout
     assert rollout is not None  # _check_inputs: a correction requires rollout_logp
     if precomputed is not None:
         # Its metrics describe the whole batch and live in precomputed.metrics;
@@ -579,7 +559,7 @@ def _correct(config: LossConfig, old, b: _Batch, precomputed, over_final=()) -> 
             old, rollout, mask, clip_low=clip_low, clip=clip, reduction=b.reduction, layout=layout
         )
         return _Corrected(weights, mask, dict(parts))
-    assert correction is not None  # config.reweights
+    assert correction is not None  # plan.reweights
     result = correction(
         old,
         rollout,
@@ -594,42 +574,32 @@ def _correct(config: LossConfig, old, b: _Batch, precomputed, over_final=()) -> 
 
 
 def _corrected(
-    b: _Batch, config: LossConfig, algo: Algorithm, precomputed, over_final=()
+    b: _Batch, plan: LossPlan, algo: Algorithm, precomputed, over_final=()
 ) -> _Corrected:
     """The correction (if it reweights), the mismatch metrics and OPSM: ``w``, ``m'``.
     ``over_final``: per-token values the loss sums over ``m'``, handed to the
     correction's second pass (which reduces over ``m'`` anyway)."""
     done = _Corrected(None, b.mask, {})
-    if config.reweights:
-        done = _correct(config, b.policy(algo.is_numerator), b, precomputed, over_final)
+    if plan.reweights:
+        done = _correct(plan, b.policy(algo.is_numerator), b, precomputed, over_final)
     proxy_old = b.old if b.old is not None else b.theta_sg
-    has_metrics = (
-        algo.weighted
-        and algo.is_numerator == "old"
-        and isinstance(config.correction, CorrectionConfig)
-    )
-    if config.wants_mismatch_metrics and not has_metrics:
+    if plan.mismatch_metrics is not None:
         # §4 metrics of π_old (sg(θ) where absent) against π_rollout; the loss is
         # unchanged. In reinforce_is they replace those of the correction's sg(θ).
-        probability = (
-            isinstance(config.correction, CorrectionConfig)
-            and config.correction.probability_metrics
-        )
-        metrics_only = CorrectionConfig(probability_metrics=True) if probability else METRICS_ONLY
         # The staleness metrics come with them, unless the correction above reported them.
-        versions = (None, None) if config.reweights else (b.versions, b.current)
+        versions = (None, None) if plan.reweights else (b.versions, b.current)
         _, _, mismatch = correction_parts(
             proxy_old,
             b.rollout,
             b.mask,
-            metrics_only,
+            plan.mismatch_metrics,
             reduction=b.reduction,
             layout=b.layout,
             versions=versions[0],
             current_version=versions[1],
         )
         done.parts.update(mismatch)
-    if config.opsm_delta is None:
+    if plan.opsm_delta is None:
         return done
     # §8 OPSM drops sequences, like a rejection: a stage of its own over the valid tokens.
     behaviour = b.rollout if b.rollout is not None else proxy_old
@@ -641,7 +611,7 @@ def _corrected(
         b.layout,
         b.reduction,
     )
-    opsm = rules.OffPolicySequenceMask(config.opsm_delta, b.adv)
+    opsm = rules.OffPolicySequenceMask(plan.opsm_delta, b.adv)
     _, kept, opsm_parts = stages.run([opsm], tokens, weight_stats=False, batch_normalize=None)
     done.parts.update(opsm_parts)
     return done._replace(mask=jnp.where(kept > 0, done.mask, 0.0))
@@ -660,7 +630,7 @@ def _rollout_abs_diff(b: _Batch, algo: Algorithm) -> jax.Array | None:
 
 
 def _policy_term(
-    b: _Batch, config: LossConfig, algo: Algorithm, c: _Corrected, diff: jax.Array | None
+    b: _Batch, plan: LossPlan, algo: Algorithm, c: _Corrected, diff: jax.Array | None
 ) -> _objective.SurrogateOutput:
     """The per-token policy loss ``ℓ'`` and its metric columns (over ``m'``); ``diff``:
     :func:`_rollout_abs_diff`."""
@@ -683,11 +653,11 @@ def _policy_term(
         b.rollout,
         b.key,
     )
-    out = _objective.surrogate_columns(config, x)
+    out = _objective.surrogate_columns(plan, x)
     columns = dict(out.columns)
     if diff is not None:
         columns["train_rollout_logprob_abs_diff"] = _reduce.total(diff, c.mask)
-    if config.correction is not None or config.get_mismatch_metrics:
+    if plan.reports_ois:
         # ois = mean exp(θ − d) (§5), not the ±S-clamped ratio: it must show the
         # divergence it exists to show; capped like every metric exponential.
         ois = metric_exp(jax.lax.stop_gradient(log_ratio))
@@ -695,15 +665,15 @@ def _policy_term(
     return out._replace(columns=columns)
 
 
-def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLossTerms:
-    b = _prepare(inputs, config, axes, packing)
-    algo = ALGORITHMS[config.algorithm]
+def _pipeline(inputs: LossInputs, plan: LossPlan, axes, packing) -> PolicyLossTerms:
+    b = _prepare(inputs, plan, axes, packing)
+    algo = plan.algorithm
     # The abs-diff metric sums over m': the correction's second pass takes it (the
     # layout then finds it taken below) where the correction reduces over m'.
     diff = _rollout_abs_diff(b, algo)
     over_final = () if diff is None else (diff,)
-    c = _corrected(b, config, algo, inputs.correction_result, over_final)
-    policy = _policy_term(b, config, algo, c, diff)
+    c = _corrected(b, plan, algo, inputs.correction_result, over_final)
+    policy = _policy_term(b, plan, algo, c, diff)
     per_token, policy_columns = policy.loss, policy.columns
     columns = {
         "count": _reduce.count(c.mask),
@@ -726,21 +696,21 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
     kl_denominator = b.policy(algo.ratio or "old")
     positive = None if b.rewards is None else b.rewards > 0
     regularisers = _objective.regulariser_terms(
-        config, b.theta, kl_denominator, b.valid, b.ref, b.ent, positive=positive
+        plan, b.theta, kl_denominator, b.valid, b.ref, b.ent, positive=positive
     )
     pg_per_token = per_token
     if "kl_loss" in regularisers:
         columns["kl_loss"] = _reduce.total(regularisers["kl_loss"], c.mask)
-        if config.kl_coef:
-            per_token = per_token + config.kl_coef * regularisers["kl_loss"]
+        if plan.kl_coef:
+            per_token = per_token + plan.kl_coef * regularisers["kl_loss"]
     if "entropy" in regularisers:
         columns["entropy"] = _reduce.total(regularisers["entropy"], c.mask)
-        if config.entropy_coef:
-            per_token = per_token - config.entropy_coef * regularisers["entropy"]
+        if plan.entropy_coef:
+            per_token = per_token - plan.entropy_coef * regularisers["entropy"]
     if "nll_loss" in regularisers:
         columns["nll_loss"] = _reduce.total(regularisers["nll_loss"], c.mask)
-        if config.positive_example_nll_weight:
-            per_token = per_token + config.positive_example_nll_weight * regularisers["nll_loss"]
+        if plan.positive_example_nll_weight:
+            per_token = per_token + plan.positive_example_nll_weight * regularisers["nll_loss"]
     if per_token is not pg_per_token:
         columns["pg_loss"] = _reduce.total(pg_per_token, c.mask)
     columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
@@ -750,11 +720,11 @@ def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLo
     # where the correction's second pass has not taken it already.
     apart = {k: columns.pop(k) for k in ("train_rollout_logprob_abs_diff",) if k in columns}
     sums = b.layout.reduce(columns) | b.layout.reduce(apart)
-    return _aggregated(b, config, per_token, c, sums, policy.own_metrics)
+    return _aggregated(b, plan, per_token, c, sums, policy.own_metrics)
 
 
 def _aggregated(
-    b: _Batch, config: LossConfig, per_token, c: _Corrected, sums, own_metrics=()
+    b: _Batch, plan: LossPlan, per_token, c: _Corrected, sums, own_metrics=()
 ) -> PolicyLossTerms:
     """The per-sequence sums as the loss's and the metrics' batch parts."""
     reduction, layout = b.reduction, b.layout
@@ -774,12 +744,12 @@ def _aggregated(
     # and stay in m'' = m under rejected_in_denominator, as in the correction's path.
     count = jnp.where(ok, sums["count"], 0.0)
     mask_count = jnp.where(ok, sums["mask_count"], 0.0)
-    denominator = sums["mask_count"] if config.rejected_in_denominator else count
-    horizon = _horizon(config.aggregation, config.loss_scale_factor, b.mask.shape[-1], layout)
+    denominator = sums["mask_count"] if plan.rejected_in_denominator else count
+    horizon = _horizon(plan.aggregation, plan.loss_scale_factor, b.mask.shape[-1], layout)
     for key in ("loss", "pg_loss", "kl_loss", "entropy", "nll_loss"):
         if key in sums:
             means[key] = aggregation_terms(
-                jnp.where(ok, sums[key], 0.0), denominator, config.aggregation, horizon=horizon
+                jnp.where(ok, sums[key], 0.0), denominator, plan.aggregation, horizon=horizon
             )
     means.setdefault("pg_loss", means["loss"])
     token_means = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "train_rollout_logprob_abs_diff")
@@ -795,7 +765,7 @@ def _aggregated(
     return PolicyLossTerms(
         loss=jnp.where(final_mask > 0, per_token, 0.0),
         mask=final_mask,
-        denominator_mask=b.mask if config.rejected_in_denominator else final_mask,
+        denominator_mask=b.mask if plan.rejected_in_denominator else final_mask,
         parts=loss_parts,
         metrics=parts,
     )

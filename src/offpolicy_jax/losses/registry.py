@@ -18,7 +18,9 @@ surrogates (:mod:`offpolicy_jax.losses.builtins`) are registered exactly like a 
     cfg = opj.LossConfig(policy_loss="scaled_pg", scale=0.5)
 
 ``LossConfig`` takes the hyperparameters as flat keywords (``scale=0.5``) and holds
-them as ``cfg.params`` (an instance of the registered class); ``cfg.scale`` reads one.
+them as ``cfg.params`` (an instance of the registered class); ``cfg.scale`` reads one
+(the built-ins' are typed attributes of ``LossConfig``; a type checker sees a user
+surrogate's as ``cfg.params.scale``).
 The pipeline around a surrogate (the correction's IS weights and mask, the algorithm's
 ratio denominator, aggregation, metrics, packing, sharding) is the same for all.
 """
@@ -26,7 +28,6 @@ ratio denominator, aggregation, metrics, packing, sharding) is the same for all.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -133,7 +134,27 @@ class Surrogate:
 
 
 _REGISTRY: dict[str, Surrogate] = {}
-_RESERVED: tuple[str, ...] = ()  # LossConfig's own field names, filled by config.py
+# LossConfig's own field names: a surrogate's hyperparameters become LossConfig keywords,
+# so they may not shadow them (the registry sits below the config and names them itself;
+# the tests check that this list is LossConfig's fields).
+_RESERVED: tuple[str, ...] = (
+    "algorithm",
+    "correction",
+    "aggregation",
+    "rejected_in_denominator",
+    "get_mismatch_metrics",
+    "metric_reduction",
+    "policy_loss",
+    "params",
+    "opsm_delta",
+    "loss_scale_factor",
+    "kl_coef",
+    "kl_estimator",
+    "kl_off_policy",
+    "entropy_coef",
+    "prox_logp_method",
+    "positive_example_nll_weight",
+)
 
 
 def register_surrogate(
@@ -198,21 +219,13 @@ def _check_params_type(name: str, params: type) -> None:
             )
 
 
-def _ensure_builtins() -> None:
-    # The built-ins register themselves on import; the config module validates names
-    # without importing JAX-heavy modules at its own import time.
-    importlib.import_module("offpolicy_jax.losses.builtins")
-
-
 def names() -> tuple[str, ...]:
     """The registered surrogate names, in registration order (built-ins first)."""
-    _ensure_builtins()
     return tuple(_REGISTRY)
 
 
 def lookup(name: Any, owner: str = "LossConfig.policy_loss") -> Surrogate:
     """The surrogate registered as ``name``; ``ValueError`` with a did-you-mean hint."""
-    _ensure_builtins()
     if isinstance(name, str) and name in _REGISTRY:
         return _REGISTRY[name]
     known = list(_REGISTRY)
@@ -226,7 +239,6 @@ def lookup(name: Any, owner: str = "LossConfig.policy_loss") -> Surrogate:
 
 def hyperparameter_owners() -> dict[str, tuple[str, ...]]:
     """Every registered hyperparameter name -> the surrogates that take it."""
-    _ensure_builtins()
     owners: dict[str, list[str]] = {}
     for entry in _REGISTRY.values():
         for key in entry.param_names:
