@@ -99,7 +99,6 @@ def correction_parts(
     layout,
     versions=None,
     current_version=None,
-    over_final=(),
 ):
     """:func:`compute_correction` on validated float32 inputs: ``(w, m', metric parts)``.
 
@@ -107,8 +106,6 @@ def correction_parts(
     weight on kept tokens, 0 elsewhere, not yet multiplied by the mask value.
     ``versions`` / ``current_version``: float32, checked by
     :func:`~offpolicy_jax.correction.staleness.check_versions` (or None).
-    ``over_final``: per-token values the caller sums over ``m'`` next (see
-    :func:`~offpolicy_jax.correction.stages.run`).
     """
     chain = correction_stages(config)
     if config.nonfinite_rollout == "neutral":
@@ -123,11 +120,7 @@ def correction_parts(
     )
     norm = normalize.normalizer_reduction(level) if config.tis_batch_normalize else None
     weights, final, parts = stages.run(
-        chain,
-        tokens,
-        weight_stats=config.use_tis,
-        batch_normalize=norm,
-        over_final=over_final if config.use_tis else (),
+        chain, tokens, weight_stats=config.use_tis, batch_normalize=norm
     )
     if not config.use_tis:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts
@@ -144,7 +137,6 @@ def compute_correction(
     axis_names: AxisNames = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
-    contiguous_segments: bool = False,
     versions: jax.typing.ArrayLike | None = None,
     current_version: jax.typing.ArrayLike | None = None,
 ) -> CorrectionResult:
@@ -177,11 +169,6 @@ def compute_correction(
         sequence per row.
       num_segments: ``K``, a static int, the most sequences a row may hold; given
         exactly when ``segment_ids`` is.
-      contiguous_segments: static; the promise that every row is laid out as
-        :func:`~offpolicy_jax.pack_sequences` does (each sequence one run of tokens,
-        ids 1, 2, 3, ... in order, checked by ``reduction.contiguous_rows``), which
-        lets the CPU engine take a faster exact path. A broken promise gives wrong
-        values; the default (False) is exact for any ids.
       versions: asynchronous RL (docs/guide/async.md): int ``[..., T]``, the policy
         version that sampled each token. Adds ``mis_staleness_mean`` /
         ``mis_staleness_max`` (age ``current_version − version`` over the valid
@@ -219,7 +206,6 @@ def compute_correction(
         axes,
         segment_ids,
         num_segments,
-        contiguous_segments,
         versions,
         current_version,
     )
@@ -234,7 +220,6 @@ def _compute_correction(
     axes,
     segment_ids,
     num_segments,
-    contiguous,
     versions=None,
     current_version=None,
 ) -> CorrectionResult:
@@ -245,8 +230,8 @@ def _compute_correction(
     versions, current = staleness.check_versions(
         versions, current_version, old.shape, needed_by=_versions_key(config)
     )
-    layout = _reduce.layout(axes, segment_ids, num_segments, old.shape, contiguous)
-    weights_mask = _reduce.only_segments(layout, weights_mask, raw=mask)
+    layout = _reduce.layout(axes, segment_ids, num_segments, old.shape)
+    weights_mask = _reduce.only_segments(layout, weights_mask)
     check_split_over(
         axes.batch + axes.token,
         old_logp=old_logp,
