@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from offpolicy_jax.reduction.columns import INIT
 
@@ -116,6 +117,35 @@ def _scatter_columns(
     return tuple(out[..., 1:, i] for i in range(len(values)))
 
 
+def _explicit_spec(x: jax.Array) -> PartitionSpec | None:
+    """The ``PartitionSpec`` in ``x``'s type where it shards an axis (``jit`` with
+    ``NamedSharding`` on an ``AxisType.Explicit`` mesh), else None."""
+    try:
+        spec = tuple(jax.typeof(x).sharding.spec)
+    except AttributeError:
+        return None
+    spec = (spec + (None,) * x.ndim)[: x.ndim]
+    return PartitionSpec(*spec) if any(e is not None for e in spec) else None
+
+
+def _mesh_names(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _on_shards(fn: Callable, args: tuple, in_specs: tuple, out_specs, spec: PartitionSpec):
+    """``fn(*local_args)`` in a ``shard_map`` manual over the mesh axes of ``spec`` (the
+    arrays' own sharding): an explicitly sharded scatter or gather has no unambiguous
+    output sharding, while each device's block of rows and tokens is a plain one."""
+    axes = {name for entry in spec for name in _mesh_names(entry)}
+    mapped = jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, axis_names=axes)
+    return mapped(*args)
+
+
+_COLLECTIVE = {"sum": jax.lax.psum, "min": jax.lax.pmin, "max": jax.lax.pmax}
+
+
 def reduce_segments(
     ops: tuple[str, ...], num_segments: int, values: tuple[jax.Array, ...], segment_ids
 ) -> tuple[jax.Array, ...]:
@@ -124,8 +154,35 @@ def reduce_segments(
     One scatter per op (``jax.ops.segment_sum`` / ``segment_min`` / ``segment_max`` of
     the op's columns stacked), O(T) work whatever ``K``; tokens with an id outside
     ``1..K`` go to a slot that is dropped. Sums are linear (the transpose is a gather);
-    an empty segment gives the op's identity (0, ``+inf``, ``−inf``).
+    an empty segment gives the op's identity (0, ``+inf``, ``−inf``). Arrays sharded in
+    their types are reduced on each device's block, and the ``[..., K]`` partial results
+    combined over the token axis's mesh axes.
     """
+    spec = next(filter(None, map(_explicit_spec, (segment_ids, *values))), None)
+    if spec is None:
+        return _reduce_segments(ops, num_segments, values, segment_ids)
+    token_axes = _mesh_names(spec[-1])
+
+    def local(ids, *vals):
+        out = _reduce_segments(ops, num_segments, vals, ids)
+        if not token_axes:
+            return out
+        return tuple(_COLLECTIVE[op](r, token_axes) for op, r in zip(ops, out, strict=True))
+
+    per_segment = PartitionSpec(*spec[:-1], None)
+    return _on_shards(
+        local,
+        (segment_ids, *values),
+        (spec,) * (len(values) + 1),
+        (per_segment,) * len(values),
+        spec,
+    )
+
+
+def _reduce_segments(
+    ops: tuple[str, ...], num_segments: int, values: tuple[jax.Array, ...], segment_ids
+) -> tuple[jax.Array, ...]:
+    """:func:`reduce_segments` of arrays on one device (or sharded by the partitioner)."""
     results: list = [None] * len(values)
     for op in ("sum", "min", "max"):
         at = [i for i, o in enumerate(ops) if o == op]
@@ -143,7 +200,24 @@ def gather_broadcast(values: jax.Array, segment_ids: jax.Array, fill) -> jax.Arr
     lead = jnp.broadcast_shapes(values.shape[:-1], segment_ids.shape[:-1])
     values = jnp.broadcast_to(values, (*lead, num_segments))
     segment_ids = jnp.broadcast_to(segment_ids, (*lead, segment_ids.shape[-1]))
+    ids_spec, values_spec = _explicit_spec(segment_ids), _explicit_spec(values)
+    if ids_spec is None and values_spec is None:
+        return _gather(values, segment_ids, fill)
+    lead = tuple(ids_spec or values_spec)[:-1]  # type: ignore[arg-type]
+    token_spec = PartitionSpec(*lead, None if ids_spec is None else ids_spec[-1])
+    per_segment = PartitionSpec(*lead, None)
+    return _on_shards(
+        lambda v, i: _gather(v, i, fill),
+        (values, segment_ids),
+        (per_segment, token_spec),
+        token_spec,
+        token_spec,
+    )
+
+
+def _gather(values: jax.Array, segment_ids: jax.Array, fill) -> jax.Array:
+    num_segments = values.shape[-1]
     inside = (segment_ids >= 1) & (segment_ids <= num_segments)
     index = jnp.where(inside, segment_ids - 1, 0)
-    out = _over_rows(lambda v, i: v[i], len(lead))(values, index)
+    out = _over_rows(lambda v, i: v[i], segment_ids.ndim - 1)(values, index)
     return jnp.where(inside, out, jnp.asarray(fill, values.dtype))
