@@ -10,9 +10,11 @@ time of each version and their ratio per computation and size, and the metric ke
 that only one of them reports (work the other does not do).
 
 Why not ``run.py --against``: that compares jit / floor ratios between two runs, which
-is only meaningful on the same machine; this compares the code itself. Issue 10 asked
-the redesigned pipeline to stay within 10% of the phase-1 library (commit ``7737661``,
-the code behind the phase-1 ``results.json``).
+is only meaningful on the same machine; this compares the code itself.
+``--env NAME=VALUE`` (repeatable) traces one copy of the other commit per setting, for a
+switch read at trace time: ``--commit dc27304 --env OFFPOLICY_JAX_REDUCTION=plain --env
+OFFPOLICY_JAX_REDUCTION=fused`` times that commit's two reduction paths beside this
+checkout.
 """
 
 from __future__ import annotations
@@ -106,6 +108,57 @@ def steps(opj: ModuleType, inputs: dict[str, jax.Array]) -> dict[str, tuple]:
     return out
 
 
+def traced(setting: str, module: ModuleType, inputs) -> dict[str, tuple]:
+    """:func:`steps` of ``module`` traced with the ``NAME=VALUE`` variable ``setting`` set
+    (a variable read when a program is traced), restored afterwards."""
+    if not setting:
+        return steps(module, inputs)
+    name, _, value = setting.partition("=")
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return steps(module, inputs)
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def timed(versions: dict[str, tuple], repeats: int) -> dict[str, list[float]]:
+    """Each version's compiled step called ``repeats`` times, interleaved."""
+    for compiled, call_args in versions.values():
+        for _ in range(3):
+            jax.block_until_ready(compiled(*call_args))
+    times: dict[str, list[float]] = {v: [] for v in versions}
+    for _ in range(repeats):
+        for version, (compiled, call_args) in versions.items():
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*call_args))
+            times[version].append(time.perf_counter() - start)
+    return times
+
+
+def row(name, batch, length, times, ours, theirs) -> dict:
+    """One computation and size: this checkout's median and, per other version, its
+    median, paired ratio and the metric keys only one of the two reports."""
+    now = statistics.median(times["this checkout"]) * 1e3
+    keys_now = metric_keys(*ours[name])
+    others = []
+    for label, steps_then in theirs.items():
+        keys_then = metric_keys(*steps_then[name])
+        others.append(
+            {
+                "version": label,
+                "other_ms": statistics.median(times[label]) * 1e3,
+                **paired_ratio(times["this checkout"], times[label]),
+                "only_this": sorted(keys_now - keys_then),
+                "only_other": sorted(keys_then - keys_now),
+            }
+        )
+    return {"computation": name, "size": f"{batch} x {length}", "this_ms": now, "others": others}
+
+
 def metric_keys(compiled, args) -> set[str]:
     result = compiled(*args)
     metrics = result[0][1] if isinstance(result, tuple) else result.metrics
@@ -118,52 +171,45 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="64x2048,256x4096,256x8192", help="BxT,BxT,...")
     parser.add_argument("--repeats", type=int, default=21, help="timed calls per version")
     parser.add_argument("--out", default=None, help="directory for compare_results.md/.json")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="trace another copy of the other commit with this environment variable set "
+        "(repeatable: each copy is timed beside this checkout; the first is the headline)",
+    )
     args = parser.parse_args(argv)
 
     import offpolicy_jax as current
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        other, sha = load_commit(args.commit, pathlib.Path(tmp))
+        others = []
+        for i, setting in enumerate(args.env or [""]):
+            module, sha = load_commit(args.commit, pathlib.Path(tmp), suffix=f"_{i}")
+            others.append((f"{sha} {setting}".strip(), setting, module))
         load_before = os.getloadavg()[0]
         for item in args.sizes.split(","):
             batch, length = (int(x) for x in item.lower().split("x"))
             inputs = {k: jnp.asarray(v) for k, v in workloads.make_inputs(batch, length).items()}
-            ours, theirs = steps(current, inputs), steps(other, inputs)
+            ours = steps(current, inputs)
+            theirs = {label: traced(setting, module, inputs) for label, setting, module in others}
             for name in ours:
-                versions = {"this checkout": ours[name], sha: theirs[name]}
-                for compiled, call_args in versions.values():
-                    for _ in range(3):
-                        jax.block_until_ready(compiled(*call_args))
-                times: dict[str, list[float]] = {v: [] for v in versions}
-                for _ in range(args.repeats):
-                    for version, (compiled, call_args) in versions.items():
-                        start = time.perf_counter()
-                        jax.block_until_ready(compiled(*call_args))
-                        times[version].append(time.perf_counter() - start)
-                now = statistics.median(times["this checkout"]) * 1e3
-                then = statistics.median(times[sha]) * 1e3
-                paired = paired_ratio(times["this checkout"], times[sha])
-                low, high = paired["paired_quartiles"]
-                keys_now, keys_then = metric_keys(*ours[name]), metric_keys(*theirs[name])
-                rows.append(
-                    {
-                        "computation": name,
-                        "size": f"{batch} x {length}",
-                        "this_ms": now,
-                        "other_ms": then,
-                        "ratio": now / then,
-                        **paired,
-                        "only_this": sorted(keys_now - keys_then),
-                        "only_other": sorted(keys_then - keys_now),
-                    }
-                )
+                versions = {"this checkout": ours[name]}
+                versions |= {label: theirs[label][name] for label in theirs}
+                times = timed(versions, args.repeats)
+                rows.append(row(name, batch, length, times, ours, theirs))
                 print(
-                    f"{name:>10} {batch}x{length}: {now:.2f} ms vs {then:.2f} ms = "
-                    f"{now / then:.2f}; paired {paired['paired_ratio']:.2f} ({low:.2f}-{high:.2f})"
+                    f"{name:>10} {batch}x{length}: "
+                    + "; ".join(
+                        f"{o['version']}: paired {o['paired_ratio']:.2f}"
+                        for o in rows[-1]["others"]
+                    )
                 )
     report = {
         "commit": sha,
+        "versions": [label for label, _, _ in others],
         "command": "python -m benchmarks.compare "
         + " ".join(sys.argv[1:] if argv is None else argv),
         **environment(load_before),
@@ -177,28 +223,32 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def render(report: dict) -> str:
+    versions = report["versions"]
     lines = [
         f"# This checkout against commit `{report['commit']}`",
         "",
         f"{environment_line(report)}.",
         "",
-        "Both versions run in one process on the same inputs (decoupled PPO with the shipped "
-        "`mis.yaml`, every metric), compiled, then timed call by call, interleaved: medians. "
-        "*only here* / *only there*: metric keys that one version reports and the other does "
-        "not (work the other does not do). *paired*: the median over calls of each call's "
-        "time over the other version's call beside it (quartiles in brackets), steadier "
-        "than the ratio of medians when the machine's speed drifts during the run.",
+        "All versions run in one process on the same inputs (decoupled PPO with the shipped "
+        "`mis.yaml`, every metric, `policy_loss` forward + backward and "
+        "`compute_correction`), compiled, then timed call by call, interleaved, so that a "
+        "busy machine slows them alike. *paired*: the median over calls of each call's time "
+        "of this checkout over the other version's call beside it (quartiles in brackets), "
+        "steadier than the ratio of medians when the machine's speed drifts. *only here* / "
+        "*only there*: metric keys one version reports and the other does not.",
         "",
-        "| computation | [B, T] | this checkout ms | other ms | this / other | **paired** "
-        "| only here | only there |",
-        "|---|---|---|---|---|---|---|---|",
+        "| computation | [B, T] | this checkout ms | "
+        + " | ".join(f"`{v}` ms | **this / `{v}`, paired**" for v in versions)
+        + " | only here | only there |",
+        "|---|---|---|" + "---|---|" * len(versions) + "---|---|",
     ]
     for r in report["rows"]:
+        cells = " | ".join(f"{o['other_ms']:.2f} | {paired_cell(o)}" for o in r["others"])
+        first = r["others"][0]
         lines.append(
-            f"| {r['computation']} | {r['size']} | {r['this_ms']:.2f} | {r['other_ms']:.2f} | "
-            f"{r['ratio']:.2f} | {paired_cell(r)} | "
-            f"{', '.join(f'`{k}`' for k in r['only_this']) or '–'} | "
-            f"{', '.join(f'`{k}`' for k in r['only_other']) or '–'} |"
+            f"| {r['computation']} | {r['size']} | {r['this_ms']:.2f} | {cells} | "
+            f"{', '.join(f'`{k}`' for k in first['only_this']) or '–'} | "
+            f"{', '.join(f'`{k}`' for k in first['only_other']) or '–'} |"
         )
     return "\n".join(lines) + "\n"
 

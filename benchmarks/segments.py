@@ -10,13 +10,14 @@ slows them alike; temp memory is XLA's compiled temporary allocation.
 
 Variants:
 
-* ``row``: the unpacked layout's fused reduction (the baseline);
-* ``fused_compare``: the library's choice: ``[B, K, T]`` compare-and-select
-  operands, reduced by ``reduction.fused_cpu``'s chunked variadic loop, custom JVP;
+* ``row``: the unpacked layout's reduction (the baseline);
+* ``library``: the library's choice (``reduction.segment_reduce``): the columns
+  stacked, one scatter-add into (chunk of 256 tokens, segment) slots, the chunks
+  summed as a tree; O(T) whatever K;
 * ``materialized``: the same after writing the column values once
-  (``optimization_barrier``), so that an ``exp`` is not evaluated K times;
-* ``per_segment_loop``: K operands per column (``where(id == k, x, 0)``) in
-  ``reduction.fused_cpu``'s grouped variadic loops;
+  (``optimization_barrier``);
+* ``per_segment_loop``: K operands per column (``where(id == k, x, 0)``), each reduced
+  as a row;
 * ``jnp_sum``: ``jnp.sum`` of the ``[B, K, T]`` select (a library kernel);
 * ``einsum``: one-hot ``[B, T, K]`` indicator, ``einsum`` with the stacked columns;
 * ``segment_sum``: ``jax.ops.segment_sum`` over flattened (row, segment) ids.
@@ -66,7 +67,7 @@ def variants(k: int, n: int, kind: str):
     def row(x, y, ids, pop):
         return _reduce.Rows(MeshAxes()).reduce(columns(x, y, pop, n, kind))
 
-    def fused_compare(x, y, ids, pop):
+    def library(x, y, ids, pop):
         return _reduce.segment_reduce(columns(x, y, pop, n, kind), ids, k, MeshAxes())
 
     def materialized(x, y, ids, pop):
@@ -110,7 +111,7 @@ def variants(k: int, n: int, kind: str):
 
     return {
         "row": row,
-        "fused_compare": fused_compare,
+        "library": library,
         "materialized": materialized,
         "per_segment_loop": per_segment_loop,
         "jnp_sum": jnp_sum,
@@ -147,7 +148,7 @@ def main(argv=None):
             for name, fn in variants(k, n, kind).items():
                 step = with_backward(fn) if backward else fn
                 compiled[name] = jax.jit(step).lower(x, y, ids, pop).compile()
-            ref = compiled["fused_compare"](x, y, ids, pop)
+            ref = compiled["library"](x, y, ids, pop)
             times = {name: [] for name in compiled}
             for _ in range(args.repeats):
                 for name, c in compiled.items():

@@ -6,15 +6,13 @@ import re
 #
 # * One CPU device (the default here, unless JAX_NUM_CPU_DEVICES is set): every module
 #   except the multi-device ones below, which are skipped with a pointer to the second run.
-#   With one device an unsharded program cannot be split, so the fused CPU reductions
-#   compile their single-device form: about 0.6x the CPU time of the 8-device run of the
-#   same tests (the conformance pack's 288 grid cases: 318 s vs 532 s of CPU), and
-#   compiling is most of the suite's time.
+#   Compiling is most of the suite's time, and a one-device program compiles faster
+#   than one that jit may split over eight devices.
 # * `JAX_NUM_CPU_DEVICES=8 python -m pytest -m "multi_device or partition_safe"`: the
 #   sharded, HLO-communication and mesh modules and the tests marked `multi_device`
 #   (which need 8 devices), plus the fast tier of the PARTITION_SAFE_MODULES: unsharded
-#   programs on a multi-device backend, where jit may still split them, so the fused
-#   reductions compile their partition-safe form (a path users of multi-device hosts run).
+#   programs on a multi-device backend, where jit may still split them (what users of
+#   multi-device hosts run).
 #
 # JAX fixes the device count when its CPU backend starts; this file is loaded before any
 # test module, in the main process and in every xdist worker, so the setting lands first.
@@ -138,11 +136,7 @@ SLOW_MODULES = frozenset(
 # 5. `@pytest.mark.heavy` functions: those whose fast-tier cases took over ~5 s of CPU
 #    (measured with `--durations=0` on the 2-core VM: 98 functions, two thirds of the fast
 #    tier's time: pooling, packed == padded, vmap == loop, jit == eager, finite-difference
-#    gradients, the demo's engines). They run in the whole suite, and CI's plain-path run
-#    (`-m "not slow or heavy_fast or conformance"`: the fast tier, the cases of heavy
-#    functions that rules 2-4 would keep, and every reference case) runs them on the
-#    TPU/GPU reduction path too.
-PLAIN_PATH_SELECTION = "not slow or heavy_fast or conformance"
+#    gradients, the demo's engines). They run in the whole suite.
 CONFORMANCE_STRIDE = 97
 COVER_MIN = 6
 
@@ -197,29 +191,22 @@ def _eight_device_run(config) -> bool:
     return _markexpr(config) == "multi_device or partition_safe"
 
 
-def _plain_path_run(config) -> bool:
-    return _markexpr(config) == PLAIN_PATH_SELECTION
-
-
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", f"multi_device: needs 8 CPU devices; runs in `{EIGHT_DEVICE_RUN}`"
     )
     config.addinivalue_line(
         "markers",
-        "partition_safe: unsharded numerics run again on 8 devices (the fused reductions' "
-        "partition-safe form); added by tests/conftest.py",
+        "partition_safe: unsharded numerics run again on 8 devices (programs jit may "
+        "split); added by tests/conftest.py",
     )
     config.addinivalue_line(
         "markers",
         "heavy: over ~5 s of CPU in the fast tier; deferred to the whole suite (rule 5)",
     )
-    config.addinivalue_line(
-        "markers", "heavy_fast: a heavy test's case that the fast-tier rules would keep"
-    )
     # Before any test module is imported: their @settings decorators read the profile.
-    # The 8-device run and CI's plain-path run repeat fast-tier cases with its example cap.
-    fast_profile = _fast_run(config) or _eight_device_run(config) or _plain_path_run(config)
+    # The 8-device run repeats fast-tier cases with its example cap.
+    fast_profile = _fast_run(config) or _eight_device_run(config)
     if fast_profile and os.environ.get("HYPOTHESIS_PROFILE", "ci") in ("ci", "default"):
         settings.load_profile("fast")
 
@@ -252,7 +239,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("heavy") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.heavy_fast)
         if _needs_eight_devices(item):
             item.add_marker(pytest.mark.multi_device)
         elif item.path.name in PARTITION_SAFE_MODULES and not item.get_closest_marker("slow"):

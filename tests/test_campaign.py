@@ -492,8 +492,8 @@ def test_core_metrics_of_finite_extreme_inputs_are_finite():
 # --------------------------------------------------------------------------- issue 30 classes
 # Properties that would have caught each class of issue 30's silent wrong answers: packed
 # ids above num_segments, masks other than 0/1, every verl rollout_rs option string,
-# hostile config values behind every config entry point, and every entry point under the
-# plain (accelerator) reduction path. Their fixed-example regressions are in
+# and hostile config values behind every config entry point. Their fixed-example
+# regressions are in
 # tests/test_reliability.py.
 
 PACKED_MIS = opj.LossConfig(
@@ -709,49 +709,3 @@ def test_every_config_entry_point_builds_or_raises_a_bounded_named_error(entry, 
             assert key in message or "YAML" in message, message
     except yaml.YAMLError:
         pass  # safe_dump of a value YAML cannot represent: not the library's input
-
-
-def _entry_points(config, logp, old, rollout, adv, mask):
-    (loss, metrics), grad = jax.value_and_grad(opj.policy_loss, has_aux=True)(
-        logp, old, rollout, adv, mask, config
-    )
-    out = {"policy_loss": (loss, metrics, grad)}
-    parts, _ = opj.policy_loss_parts(logp, old, rollout, adv, mask, config)
-    out["policy_loss_parts"] = (parts.numerator, parts.denominator)
-    if isinstance(config.correction, opj.CorrectionConfig):
-        for reduction in ("sequence", "token"):
-            res = opj.compute_correction(old, rollout, mask, config.correction, reduction=reduction)
-            out[f"compute_correction_{reduction}"] = res
-    for aggregation in ("sequence_mean", "token_mean", "sequence_sum", "row_mean"):
-        out[aggregation] = opj.aggregate(adv * logp, mask, mask, aggregation).value()
-    return out
-
-
-@functools.cache
-def entry_points(config, shapes):
-    """``(fused, plain)`` programs of :func:`_entry_points` for ``config``, compiled ahead
-    of time. The switch ``OFFPOLICY_JAX_REDUCTION`` is read when a program is traced,
-    and JAX reuses the traces of the library's inner jitted functions whatever it says:
-    each path is traced from cleared caches, and the compiled programs outlive them."""
-    from offpolicy_jax.reduction import backend
-
-    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-    programs = []
-    for path in ("fused", "plain"):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv(backend.ENV, path)
-            jax.clear_caches()
-            function = jax.jit(functools.partial(_entry_points, config))
-            programs.append(function.lower(*args).compile())
-    jax.clear_caches()
-    return tuple(programs)
-
-
-@pytest.mark.slow  # compiles every entry point twice per config
-@budget(ci=5)
-@given(batch=campaign_batches(), config=loss_configs)
-def test_every_entry_point_under_the_plain_reduction_path_equals_the_fused_one(batch, config):
-    args = [jnp.asarray(x) for x in inputs(batch)]
-    fused, plain = entry_points(config, tuple((x.shape, x.dtype) for x in args))
-    # The plain path is what TPU/GPU run; two programs: equal up to summation order.
-    assert_close(plain(*args), fused(*args), rtol=2e-5, atol=2e-5)

@@ -815,5 +815,6 @@ def test_without_segment_ids_the_program_is_unchanged():
                 lambda *a, fn=fn: fn(*a, segment_ids=np.ones(a[0].shape, np.int32), num_segments=2)
             )(*args)
         )
-        assert "reduce_segments" in packed and "reduce_segments" not in plain
-        assert "_broadcast" not in plain
+        # the per-segment scatters and the gathers back to tokens: packed rows only
+        assert "scatter" in packed and "scatter" not in plain
+        assert "gather" in packed and "gather" not in plain

@@ -496,11 +496,7 @@ def test_diagnose_skewed_dump_peak_memory_stays_under_1_gb(tmp_path):
     script = _peak_rss_script()
     argv = ["diagnose", str(tmp_path / "skewed.parquet"), "--out", str(tmp_path / "o")]
     # The default configuration on one device, whatever other tests of this process set.
-    env = {
-        k: v
-        for k, v in __import__("os").environ.items()
-        if k not in ("XLA_FLAGS", "OFFPOLICY_JAX_REDUCTION")
-    }
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
     env |= {"JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
         [sys.executable, "-c", script, *argv, "--no-progress"],

@@ -1,8 +1,8 @@
-"""``_reduce.Rows.reduce``: the fused per-sequence reductions equal the plain ones.
+"""``_reduce.Rows.reduce``: the per-sequence reductions against NumPy.
 
-Every reduction of the library goes through ``Rows.reduce``; its fast path (one
-variadic reduce over chunks of tokens, columns split into groups) must give the
-same numbers, gradients and NaN-safety as reducing each column on its own.
+Every reduction of the library goes through ``Rows.reduce``; reducing many columns
+together must give the same numbers, gradients and NaN-safety as reducing each
+column on its own.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _inputs(rng, shape, n):
     return values.astype(np.float32), population.astype(np.float32)
 
 
-def _fused(values, population):
+def _reduced(values, population):
     columns = {
         f"c{i}": _reduce.Column(OPS[i % 3], values[i], population) for i in range(len(values))
     }
@@ -43,8 +43,7 @@ def _expected(op, value, population):
     return x.min(-1, initial=fill) if op == "min" else x.max(-1, initial=fill)
 
 
-# Small inputs take one plain loop; (64, 256) x 8+ columns the chunked, grouped path
-# (256 tokens split evenly over up to 8 devices in chunks of 4).
+# Rows of 0 to 1031 tokens, lengths that no power of two divides among them.
 @pytest.mark.parametrize(
     "shape", [(6, 64), (2, 3, 40), (5, 13), (4, 4), (3, 0), (64, 256), (64, 257), (16, 1031)]
 )
@@ -52,7 +51,7 @@ def _expected(op, value, population):
 def test_matches_plain_reductions(shape, n):
     rng = np.random.default_rng(n * 100 + shape[-1])
     values, population = _inputs(rng, shape, n)
-    got = jax.jit(_fused)(values, population)
+    got = jax.jit(_reduced)(values, population)
     for i in range(n):
         want = _expected(OPS[i % 3], values[i], population)
         assert got[f"c{i}"].shape == shape[:-1]
@@ -142,7 +141,7 @@ def _ragged(rng, batch, length):
 @pytest.mark.heavy
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_fast_path_policy_loss_matches_numpy_reference(level):
-    """A batch large enough for the chunked, grouped passes, against the NumPy oracle."""
+    """A batch of 64 x 256 tokens with every kind of garbage, against the NumPy oracle."""
     rng = np.random.default_rng(7)
     logp, old, rollout, adv, mask = _ragged(rng, 64, 256)
     correction = opj.CorrectionConfig(
@@ -207,52 +206,10 @@ def test_custom_derivatives_keep_forward_mode_and_second_order():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("length", [256, 257, 1031, 1030, 3, 5, 9])
-def test_unsplit_cpu_path_with_ragged_lengths(length):
-    """The one-device CPU path (chunked prefix + remainder), whatever the process's device
-    count: inside a one-device mesh nothing may split the token axis."""
-    from jax.sharding import AxisType
-
-    from offpolicy_jax.reduction import fused_cpu as _fusion
-
-    rng = np.random.default_rng(length)
-    values, population = _inputs(rng, (64, length), 9)
-    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
-    with jax.set_mesh(mesh):
-        assert _fusion._split(jnp.asarray(values[0])) == _fusion._Split(1, 1, None)
-        got = jax.jit(_fused)(values, population)
-    for i in range(9):
-        want = _expected(OPS[i % 3], values[i], population)
-        np.testing.assert_allclose(got[f"c{i}"], want, rtol=1e-5, atol=1e-5, err_msg=f"c{i}")
-
-
-@pytest.mark.parametrize(
-    "count, want",
-    [
-        (1, [1]),
-        (8, [8]),  # the correction's first pass: one loop
-        (9, [4, 5]),  # nine columns: two loops, never 8 + 1
-        (10, [5, 5]),
-        (16, [8, 8]),
-        (17, [5, 6, 6]),
-    ],
-)
-def test_cpu_loops_take_as_few_even_groups_as_possible(count, want):
-    from offpolicy_jax.reduction import fused_cpu as _fusion
-
-    loops = _fusion._loops(count)
-    assert [s.stop - s.start for s in loops] == want
-    assert loops[0].start == 0 and loops[-1].stop == count
-    assert all(a.stop == b.start for a, b in zip(loops, loops[1:], strict=False))
-    assert all(s.stop - s.start <= _fusion._MAX_COLUMNS for s in loops)
-
-
-@pytest.mark.heavy
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_column_asked_again_is_reduced_once(monkeypatch, packed):
     """A layout reduces each distinct column (same op, same arrays) once per call: the
-    loss asks again for the counts the correction's passes took, and one column too
-    many can cost a whole fused loop."""
+    loss asks again for the counts the correction's passes took."""
 
     rng = np.random.default_rng(4)
     values, population = _inputs(rng, (4, 64), 2)

@@ -92,7 +92,6 @@ class Correction:
         *,
         reduction: Reduction,
         layout: _reduce.Rows,
-        over_final=(),
     ) -> tuple[jax.Array, jax.Array, dict[str, MeanParts]]:
         """The pipeline on checked float32 inputs: ``(w, m', metric parts)`` (``w`` not yet
         multiplied by ``m'``), as ``compute.run_stages``."""
@@ -105,7 +104,6 @@ class Correction:
             batch_normalize=self.batch_normalize,
             reduction=reduction,
             layout=layout,
-            over_final=over_final,
         )
 
     def __call__(

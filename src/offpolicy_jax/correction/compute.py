@@ -117,7 +117,6 @@ def correction_parts(
     layout,
     versions=None,
     current_version=None,
-    over_final=(),
 ):
     """:func:`compute_correction` on validated float32 inputs: ``(w, m', metric parts)``.
 
@@ -125,8 +124,6 @@ def correction_parts(
     weight on kept tokens, 0 elsewhere, not yet multiplied by the mask value.
     ``versions`` / ``current_version``: integer arrays checked (and shaped) by
     :func:`~offpolicy_jax.correction.staleness.check_versions` (or None).
-    ``over_final``: per-token values the caller sums over ``m'`` next (see
-    :func:`~offpolicy_jax.correction.stages.run`).
     """
     chain = correction_stages(config)
     if config.nonfinite_rollout == "neutral":
@@ -146,7 +143,6 @@ def correction_parts(
         batch_normalize=norm,
         reduction=reduction,
         layout=layout,
-        over_final=over_final,
     )
 
 
@@ -160,7 +156,6 @@ def run_stages(
     batch_normalize: str | None,
     reduction,
     layout,
-    over_final=(),
 ):
     """The stage pipeline on validated float32 inputs: ``(w, m', metric parts)``.
 
@@ -177,7 +172,6 @@ def run_stages(
         tokens,
         weight_stats=reweights,
         batch_normalize=batch_normalize,
-        over_final=over_final if reweights else (),
     )
     if not reweights:  # metrics only: nothing is reweighted or rejected
         return jnp.where(mask > 0, 1.0, 0.0), mask, parts
@@ -194,7 +188,6 @@ def compute_correction(
     axis_names: AxisNames = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
-    contiguous_segments: bool = False,
     versions: jax.typing.ArrayLike | None = None,
     current_version: jax.typing.ArrayLike | None = None,
 ) -> CorrectionResult:
@@ -227,11 +220,6 @@ def compute_correction(
         sequence per row.
       num_segments: ``K``, a static int, the most sequences a row may hold; given
         exactly when ``segment_ids`` is.
-      contiguous_segments: static; the promise that every row is laid out as
-        :func:`~offpolicy_jax.pack_sequences` does (each sequence one run of tokens,
-        ids 1, 2, 3, ... in order, checked by ``reduction.contiguous_rows``), which
-        lets the CPU engine take a faster exact path. A broken promise gives wrong
-        values; the default (False) is exact for any ids.
       versions: asynchronous RL (docs/guide/async.md): int ``[..., T]``, the policy
         version that sampled each token. Adds ``mis_staleness_mean`` /
         ``mis_staleness_max`` (age ``current_version − version`` over the valid
@@ -274,7 +262,6 @@ def compute_correction(
         axes,
         segment_ids,
         num_segments,
-        contiguous_segments,
         versions,
         current_version,
     )
@@ -289,12 +276,11 @@ def _compute_correction(
     axes,
     segment_ids,
     num_segments,
-    contiguous,
     versions=None,
     current_version=None,
 ) -> CorrectionResult:
     old, rollout, weights_mask, layout = checked_inputs(
-        old_logp, rollout_logp, mask, axes, segment_ids, num_segments, contiguous
+        old_logp, rollout_logp, mask, axes, segment_ids, num_segments
     )
     versions, current = staleness.check_versions(
         versions, current_version, old.shape, needed_by=_versions_key(config), mask=weights_mask
@@ -313,15 +299,15 @@ def _compute_correction(
     return as_result(weights, final_mask, parts, old.shape)
 
 
-def checked_inputs(old_logp, rollout_logp, mask, axes, segment_ids, num_segments, contiguous=False):
+def checked_inputs(old_logp, rollout_logp, mask, axes, segment_ids, num_segments):
     """The checked float32 ``(old, rollout, mask, layout)`` of a correction call (errors
     name the argument); ``old`` and ``rollout`` are stop-gradient."""
     old = jax.lax.stop_gradient(as_float_logp("old_logp", old_logp))
     rollout = jax.lax.stop_gradient(as_float_logp("rollout_logp", rollout_logp))
     weights_mask = as_float_mask("mask", mask)
     check_same_shape("old_logp", old, rollout_logp=rollout, mask=weights_mask)
-    layout = _reduce.layout(axes, segment_ids, num_segments, old.shape, contiguous)
-    weights_mask = _reduce.only_segments(layout, weights_mask, raw=mask)
+    layout = _reduce.layout(axes, segment_ids, num_segments, old.shape)
+    weights_mask = _reduce.only_segments(layout, weights_mask)
     check_split_over(
         axes.batch + axes.token,
         old_logp=old_logp,

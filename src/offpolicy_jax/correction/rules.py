@@ -228,8 +228,6 @@ class ProbabilityMetrics(Stage):
     (:func:`offpolicy_jax.correction.criteria.js_divergence`)."""
 
     def decide(self, t, sums):
-        # Reduced apart from pass 1's columns: measured faster than inside pass 1
-        # (docs/guide/reduction_engine.md).
         mult, js = criteria.probability_errors(t.delta)
         own = t.layout.reduce(
             {"mult": _reduce.total(mult, t.population), "js": _reduce.total(js, t.population)}

@@ -330,13 +330,10 @@ def _decide(stages: Sequence[Stage], t: Tokens, sums: Mapping, finite: jax.Array
     return _Decided(populations, weights, weights_per_seq, requests, parts)
 
 
-def _pass2(
-    t: Tokens, d: _Decided, weight_stats: bool, over_final: Sequence[jax.Array] = ()
-) -> dict:
-    """Pass 2: per-token sums over the populations known now, the final weight
-    statistics and the caller's ``over_final`` sums. Keys: ``("n", population)``,
-    ``("sum", metric key, population)``, ``("over_final", i)``, or a name (``w``,
-    ``w2``, ``lo``, ``hi``)."""
+def _pass2(t: Tokens, d: _Decided, weight_stats: bool) -> dict:
+    """Pass 2: per-token sums over the populations known now and the final weight
+    statistics. Keys: ``("n", population)``, ``("sum", metric key, population)``, or a
+    name (``w``, ``w2``, ``lo``, ``hi``)."""
     columns: dict[Hashable, Column] = {}
     for name, metric, at in d.requests:
         p = d.index(metric, at)
@@ -352,8 +349,6 @@ def _pass2(
             columns["w2"] = _reduce.total(d.weights * d.weights, d.final)
             columns["lo"] = _reduce.minimum(d.weights, d.final)
             columns["hi"] = _reduce.maximum(d.weights, d.final)
-    for i, value in enumerate(over_final):
-        columns[("over_final", i)] = _reduce.total(value, d.final)
     return t.layout.reduce(columns)
 
 
@@ -410,7 +405,6 @@ def run(
     *,
     weight_stats: bool,
     batch_normalize: str | None,
-    over_final: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, jax.Array, dict[str, MeanParts]]:
     """Runs the stages (see the module docstring).
 
@@ -420,11 +414,6 @@ def run(
       weight_stats: emit ``mis_is_ratio_*`` and ``mis_nonfinite_seq_fraction`` (use_tis).
       batch_normalize: None, or the reduction ``μ`` is averaged with (``"token"`` /
         ``"sequence"``); ``mis_batch_norm_factor`` is emitted whenever ``weight_stats``.
-      over_final: per-token values (``[..., T]``) whose per-sequence sums over the
-        final mask ``m'`` the caller takes next, as ``t.layout.reduce`` of
-        ``total(x, m')`` with the returned ``m'``: reduced here, in pass 2, beside the
-        pipeline's own sums over ``m'``, the caller's reduction finds them taken (one
-        pass over the tokens fewer).
 
     Returns:
       ``(w, m', parts)``: the weights on kept tokens (0 elsewhere, not multiplied by the
@@ -437,7 +426,7 @@ def run(
         d.parts["mis_nonfinite_seq_fraction"] = _reduce.seq_mean_of_values(
             jnp.where(finite, 0.0, 1.0), pass1["count"], t.reduction
         )
-    pass2 = _pass2(t, d, weight_stats, over_final)
+    pass2 = _pass2(t, d, weight_stats)
     count_valid = _restrict(finite, pass1["count"])
 
     def count(p):

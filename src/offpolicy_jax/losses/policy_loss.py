@@ -104,14 +104,13 @@ def aggregate(
       >>> float(opj.aggregate(x, m, m, "sequence_mean").value())
       3.5
     """
-    raw_final, raw_denominator = final_mask, denominator_mask
     final_mask = as_float_mask("final_mask", final_mask)
     denominator_mask = as_float_mask("denominator_mask", denominator_mask)
     layout = _reduce.layout(
         _reduce.as_mesh_axes(axis_names), segment_ids, num_segments, final_mask.shape
     )
-    final_mask = _reduce.only_segments(layout, final_mask, raw=raw_final)
-    denominator_mask = _reduce.only_segments(layout, denominator_mask, raw=raw_denominator)
+    final_mask = _reduce.only_segments(layout, final_mask)
+    denominator_mask = _reduce.only_segments(layout, denominator_mask)
     sums = layout.reduce(
         {
             "loss": _reduce.total(per_token_loss, final_mask),
@@ -196,7 +195,6 @@ def policy_loss_terms(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
-    contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
     versions: jax.typing.ArrayLike | None = None,
@@ -244,15 +242,13 @@ def policy_loss_terms(
         key,
         rewards,
     )
-    return _terms(inputs, config, axis_names, num_segments, contiguous_segments)
+    return _terms(inputs, config, axis_names, num_segments)
 
 
-def _terms(
-    inputs: LossInputs, config: LossConfig, axis_names, num_segments, contiguous_segments
-) -> PolicyLossTerms:
+def _terms(inputs: LossInputs, config: LossConfig, axis_names, num_segments) -> PolicyLossTerms:
     axes = _reduce.as_mesh_axes(axis_names)
     # Resolved once per trace: the pipeline below reads the plan, never the config.
-    return _pipeline(inputs, resolve(config), axes, (num_segments, contiguous_segments))
+    return _pipeline(inputs, resolve(config), axes, num_segments)
 
 
 class LossInputs(NamedTuple):
@@ -316,18 +312,17 @@ class _Batch:
         return {"old": self.old, "rollout": self.rollout, "theta": self.theta_sg}[name]
 
 
-def _prepare(inputs: LossInputs, plan: LossPlan, axes, packing) -> _Batch:
-    """Checks the arguments (errors name them) and builds the layout; ``packing`` is
-    the static ``(num_segments, contiguous_segments)``."""
+def _prepare(inputs: LossInputs, plan: LossPlan, axes, num_segments) -> _Batch:
+    """Checks the arguments (errors name them) and builds the layout (``num_segments``:
+    static, with ``inputs.segment_ids``)."""
     theta, old, rollout, adv, mask = _check_inputs(plan, inputs)
-    num_segments, contiguous = packing
-    layout = _reduce.layout(axes, inputs.segment_ids, num_segments, theta.shape, contiguous)
+    layout = _reduce.layout(axes, inputs.segment_ids, num_segments, theta.shape)
     if inputs.segment_ids is not None and jnp.shape(inputs.advantages) != theta.shape:
         raise ValueError(
             f"advantages has shape {jnp.shape(inputs.advantages)}; with segment_ids they must "
             f"be per token, {theta.shape} (give each token its sequence's advantage)"
         )
-    mask = _reduce.only_segments(layout, mask, raw=inputs.mask)
+    mask = _reduce.only_segments(layout, mask)
     ref, ent = _check_regularisers(plan, theta, inputs.ref_logp, inputs.entropy)
     if inputs.correction_result is not None and not plan.reweights:
         raise ValueError(
@@ -526,9 +521,8 @@ class _Corrected(NamedTuple):
     counts_nonfinite: bool = False
 
 
-def _correct(plan: LossPlan, old, b: _Batch, precomputed, over_final=()) -> _Corrected:
-    """The configured correction, with ``old`` as the IS numerator; ``over_final``:
-    per-token values the loss sums over ``m'`` (see :func:`stages.run`)."""
+def _correct(plan: LossPlan, old, b: _Batch, precomputed) -> _Corrected:
+    """The configured correction, with ``old`` as the IS numerator."""
     correction, mask, layout, rollout = plan.correction, b.mask, b.layout, b.rollout
     assert rollout is not None  # _check_inputs: a correction requires rollout_logp
     if precomputed is not None:
@@ -545,12 +539,11 @@ def _correct(plan: LossPlan, old, b: _Batch, precomputed, over_final=()) -> _Cor
             layout=layout,
             versions=b.versions,
             current_version=b.current,
-            over_final=over_final,
         )
         return _Corrected(weights, final, dict(parts), counts_nonfinite=True)
     if isinstance(correction, Correction):  # a chain of rules: the same pipeline, as parts
         weights, final, parts = correction.parts(
-            old, rollout, mask, reduction=b.reduction, layout=layout, over_final=over_final
+            old, rollout, mask, reduction=b.reduction, layout=layout
         )
         return _Corrected(weights, final, dict(parts), counts_nonfinite=correction.reweights)
     if isinstance(correction, VanillaTIS):
@@ -573,15 +566,11 @@ def _correct(plan: LossPlan, old, b: _Batch, precomputed, over_final=()) -> _Cor
     return _Corrected(weights, final, parts, "mis_nonfinite_seq_fraction" in parts)
 
 
-def _corrected(
-    b: _Batch, plan: LossPlan, algo: Algorithm, precomputed, over_final=()
-) -> _Corrected:
-    """The correction (if it reweights), the mismatch metrics and OPSM: ``w``, ``m'``.
-    ``over_final``: per-token values the loss sums over ``m'``, handed to the
-    correction's second pass (which reduces over ``m'`` anyway)."""
+def _corrected(b: _Batch, plan: LossPlan, algo: Algorithm, precomputed) -> _Corrected:
+    """The correction (if it reweights), the mismatch metrics and OPSM: ``w``, ``m'``."""
     done = _Corrected(None, b.mask, {})
     if plan.reweights:
-        done = _correct(plan, b.policy(algo.is_numerator), b, precomputed, over_final)
+        done = _correct(plan, b.policy(algo.is_numerator), b, precomputed)
     proxy_old = b.old if b.old is not None else b.theta_sg
     if plan.mismatch_metrics is not None:
         # §4 metrics of π_old (sg(θ) where absent) against π_rollout; the loss is
@@ -665,15 +654,11 @@ def _policy_term(
     return out._replace(columns=columns)
 
 
-def _pipeline(inputs: LossInputs, plan: LossPlan, axes, packing) -> PolicyLossTerms:
-    b = _prepare(inputs, plan, axes, packing)
+def _pipeline(inputs: LossInputs, plan: LossPlan, axes, num_segments) -> PolicyLossTerms:
+    b = _prepare(inputs, plan, axes, num_segments)
     algo = plan.algorithm
-    # The abs-diff metric sums over m': the correction's second pass takes it (the
-    # layout then finds it taken below) where the correction reduces over m'.
-    diff = _rollout_abs_diff(b, algo)
-    over_final = () if diff is None else (diff,)
-    c = _corrected(b, plan, algo, inputs.correction_result, over_final)
-    policy = _policy_term(b, plan, algo, c, diff)
+    c = _corrected(b, plan, algo, inputs.correction_result)
+    policy = _policy_term(b, plan, algo, c, _rollout_abs_diff(b, algo))
     per_token, policy_columns = policy.loss, policy.columns
     columns = {
         "count": _reduce.count(c.mask),
@@ -715,11 +700,7 @@ def _pipeline(inputs: LossInputs, plan: LossPlan, axes, packing) -> PolicyLossTe
         columns["pg_loss"] = _reduce.total(pg_per_token, c.mask)
     columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
     columns["loss"] = _reduce.total(per_token, c.mask)
-    # The rollout abs-diff metric, the only column of this pass that reads
-    # rollout_logp, is reduced apart (measured faster, docs/guide/reduction_engine.md)
-    # where the correction's second pass has not taken it already.
-    apart = {k: columns.pop(k) for k in ("train_rollout_logprob_abs_diff",) if k in columns}
-    sums = b.layout.reduce(columns) | b.layout.reduce(apart)
+    sums = b.layout.reduce(columns)
     return _aggregated(b, plan, per_token, c, sums, policy.own_metrics)
 
 
@@ -783,7 +764,6 @@ def policy_loss_parts(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
-    contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
     versions: jax.typing.ArrayLike | None = None,
@@ -830,7 +810,7 @@ def policy_loss_parts(
         key,
         rewards,
     )
-    terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
+    terms = _terms(inputs, config, axis_names, num_segments)
     return terms.parts, terms.metrics
 
 
@@ -846,7 +826,6 @@ def policy_loss(
     correction_result: CorrectionResult | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
-    contiguous_segments: bool = False,
     ref_logp: jax.typing.ArrayLike | None = None,
     entropy: jax.typing.ArrayLike | None = None,
     versions: jax.typing.ArrayLike | None = None,
@@ -890,9 +869,6 @@ def policy_loss(
         sequence per row.
       num_segments: ``K``, a static int, the most sequences a row may hold; given
         exactly when ``segment_ids`` is.
-      contiguous_segments: static; the promise that every row is laid out as
-        :func:`~offpolicy_jax.pack_sequences` does (see
-        :func:`~offpolicy_jax.compute_correction`): a faster exact path on CPU.
       ref_logp: ``[..., T]`` log π_ref of the sampled tokens (stop-gradient), for the
         KL-to-reference term (``config.kl_coef``, ``kl_estimator``, ``kl_off_policy``;
         docs/semantics.md §5.2); required when ``kl_coef > 0``, else it only adds the
@@ -952,6 +928,6 @@ def policy_loss(
         key,
         rewards,
     )
-    terms = _terms(inputs, config, axis_names, num_segments, contiguous_segments)
+    terms = _terms(inputs, config, axis_names, num_segments)
     loss, parts = terms.parts, terms.metrics
     return loss.value().astype(jnp.float32), metrics.finalize(parts)

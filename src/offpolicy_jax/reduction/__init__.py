@@ -15,9 +15,10 @@ Behind the seam (see docs/guide/reduction_engine.md):
   two layouts (and the ``psum`` of per-sequence values over sharded token axes);
 * :mod:`~offpolicy_jax.reduction.means`, :mod:`~offpolicy_jax.reduction.mesh`: poolable
   means and the ``axis_names`` argument;
-* :mod:`~offpolicy_jax.reduction.backend`: which implementation runs
-  (``OFFPOLICY_JAX_REDUCTION=auto|plain|fused``), :mod:`~offpolicy_jax.reduction.plain`
-  (TPU/GPU, and CPU on request) and :mod:`~offpolicy_jax.reduction.fused_cpu` (XLA:CPU).
+* :mod:`~offpolicy_jax.reduction.plain`: how the reductions run, the same on every
+  backend (one ``jnp.sum`` / ``min`` / ``max`` per column of a row; one scatter per op
+  and one gather for packed rows, O(T) whatever the number of segments);
+* :mod:`~offpolicy_jax.reduction.scan`: the per-sequence prefix minimum.
 """
 
 from offpolicy_jax.reduction.columns import (
@@ -43,7 +44,6 @@ from offpolicy_jax.reduction.rows import ColumnKey, Rows
 from offpolicy_jax.reduction.segments import (
     Packed,
     check_segments,
-    contiguous_rows,
     in_segment,
     layout,
     only_segments,
@@ -65,7 +65,6 @@ __all__ = [
     "Rows",
     "as_mesh_axes",
     "check_segments",
-    "contiguous_rows",
     "count",
     "count_where",
     "in_segment",

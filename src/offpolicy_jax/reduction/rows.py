@@ -1,8 +1,8 @@
 """The layout "one sequence per row": columns in, per-sequence values out.
 
 A layout reduces a dict of :class:`~offpolicy_jax.reduction.columns.Column` s to
-per-sequence values in one go (:meth:`Rows.reduce`, by the path
-:mod:`~offpolicy_jax.reduction.backend` chooses), ``psum``-s them over
+per-sequence values in one go (:meth:`Rows.reduce`, one ``jnp.sum`` / ``min`` /
+``max`` per column: :mod:`~offpolicy_jax.reduction.plain`), ``psum``-s them over
 context-parallel mesh axes, broadcasts per-sequence values back to tokens, and sums
 per-sequence terms over the batch (:meth:`Rows.batch_means`) with one ``psum`` of
 scalars over the data-parallel axes. Only per-sequence values ever cross devices.
@@ -19,7 +19,7 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax.reduction import backend, scan
+from offpolicy_jax.reduction import plain, scan
 from offpolicy_jax.reduction.columns import Column, broadcast_shape, identity, operand
 from offpolicy_jax.reduction.means import MeanParts
 from offpolicy_jax.reduction.mesh import MeshAxes
@@ -93,7 +93,7 @@ class Rows:
         """:meth:`reduce` without looking for columns already taken."""
         names = tuple(columns)
         shape = broadcast_shape(columns.values())
-        results = backend.reduce_rows(
+        results = plain.reduce_columns(
             tuple(columns[n].op for n in names),
             tuple(operand(columns[n], shape) for n in names),
         )
@@ -157,7 +157,8 @@ class Rows:
         totals = tuple(
             jnp.broadcast_arrays(*(t for m in means.values() for t in (m.numerator, m.denominator)))
         )
-        totals = backend.batch_totals(totals)
+        while totals[0].ndim:  # one trailing axis at a time
+            totals = plain.reduce_columns(("sum",) * len(totals), totals)
         if self.axes.batch:
             totals = jax.lax.psum(totals, self.axes.batch)
         return {key: MeanParts(*totals[2 * i : 2 * i + 2]) for i, key in enumerate(means)}

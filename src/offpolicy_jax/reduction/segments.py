@@ -16,11 +16,9 @@ are the sequences of a row and 0 is padding. A per-sequence value is then
   pipeline, the losses and every rule reduce and broadcast through it, so they are
   all packed-aware without knowing it.
 
-How a segment is reduced is the engine's business (:mod:`~offpolicy_jax.reduction.backend`):
-the exact compare-and-reduce on every path, and, on the fused CPU path, a faster
-windowed reduction when the caller promises contiguous segments (``contiguous``, a
-static choice: the public ``contiguous_segments`` argument; :func:`contiguous_rows`
-checks the promise). Every packed call compiles once.
+A segment is reduced by one scatter per op (:func:`~offpolicy_jax.reduction.plain.reduce_segments`)
+and broadcast back by one gather: O(T) work whatever ``K`` and whatever the layout of
+the ids (a sequence need not be one run of tokens).
 
 Ids outside ``1..K`` (0, negative, too large) belong to no segment: they are
 padding, whatever the mask says.
@@ -36,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import _validation
-from offpolicy_jax.reduction import backend, fused_cpu, scan
+from offpolicy_jax.reduction import plain, scan
 from offpolicy_jax.reduction.columns import Column, broadcast_shape, count_where, operand
 from offpolicy_jax.reduction.mesh import MeshAxes
-from offpolicy_jax.reduction.plain import select_broadcast
+from offpolicy_jax.reduction.plain import gather_broadcast
 from offpolicy_jax.reduction.rows import ColumnKey, Rows, combine_over
 
 
@@ -106,7 +104,6 @@ def segment_reduce(
     segment_ids: jax.Array,
     num_segments: int,
     axes: MeshAxes,
-    contiguous: bool = False,
 ) -> dict[ColumnKey, jax.Array]:
     """Every column's per-segment reduction, ``[..., T] -> [..., K]``, computed together.
 
@@ -125,13 +122,11 @@ def segment_reduce(
         else is padding.
       num_segments: ``K``, static.
       axes: mesh axes to combine over inside ``shard_map``.
-      contiguous: static; the caller's promise that every row is laid out as
-        :func:`contiguous_rows` checks (the layout of ``pack_sequences``).
 
     Returns:
       name -> ``[..., K]`` per-segment result.
     """
-    return Packed(axes, segment_ids, num_segments, contiguous).reduce_columns(columns)
+    return Packed(axes, segment_ids, num_segments).reduce_columns(columns)
 
 
 def segment_broadcast(values: jax.Array, segment_ids: jax.Array, fill=0.0) -> jax.Array:
@@ -146,9 +141,9 @@ def segment_broadcast(values: jax.Array, segment_ids: jax.Array, fill=0.0) -> ja
       fill: the value of padding tokens.
     """
     if values.dtype == jnp.bool_:
-        out = select_broadcast(values.astype(jnp.int8), segment_ids, int(bool(fill)))
+        out = gather_broadcast(values.astype(jnp.int8), segment_ids, int(bool(fill)))
         return out.astype(bool)
-    return select_broadcast(values, segment_ids, fill)
+    return gather_broadcast(values, segment_ids, fill)
 
 
 def segment_any(
@@ -177,14 +172,12 @@ class Packed(Rows):
       axes: mesh axes to combine over inside ``shard_map``.
       segment_ids: int32 ``[..., T]``; 1..K name the sequences of a row.
       num_segments: ``K``, static.
-      contiguous: static, the caller's promise (see :func:`segment_reduce`).
     """
 
     # A default only because the inherited ``axes`` has one; :func:`layout` always
     # passes validated ids (see ``ids``).
     segment_ids: jax.Array | None = None
     num_segments: int = 1
-    contiguous: bool = False
 
     @property
     def ids(self) -> jax.Array:
@@ -193,15 +186,6 @@ class Packed(Rows):
             raise TypeError("Packed layout constructed without segment_ids")
         return self.segment_ids
 
-    # The engine's windows of these ids (None where the windowed path does not run),
-    # made with the layout, in the trace that uses it, once for every reduction and
-    # broadcast.
-    plan: fused_cpu.Plan | None = dataclasses.field(default=None, init=False, repr=False)
-
-    def __post_init__(self):
-        plan = backend.windows_plan(self.ids, self.num_segments, self.contiguous)
-        object.__setattr__(self, "plan", plan)
-
     def reduce_columns(self, columns: Mapping[ColumnKey, Column]) -> dict[ColumnKey, jax.Array]:
         """Every column's per-segment reduction, ``[..., T] -> [..., K]`` (see
         :func:`segment_reduce`)."""
@@ -209,26 +193,18 @@ class Packed(Rows):
             return {}
         names = tuple(columns)
         shape = broadcast_shape(columns.values(), self.ids.shape)
-        results = backend.reduce_segments(
+        results = plain.reduce_segments(
             tuple(columns[n].op for n in names),
             self.num_segments,
             tuple(operand(columns[n], shape) for n in names),
             jnp.broadcast_to(self.ids, shape),
-            self.plan,
         )
         return combine_over(dict(zip(names, results, strict=True)), columns, self.axes.token)
 
     def broadcast(self, per_seq: jax.Array) -> jax.Array:
         """A per-segment value ``[..., K]`` on every token of its segment, ``[..., T]``
         (0 / False on padding)."""
-        values = jnp.asarray(per_seq)
-        plan = self.plan
-        if plan is None:
-            return segment_broadcast(values, self.ids)
-        if values.dtype == jnp.bool_:
-            out = fused_cpu.window_broadcast(values.astype(jnp.int8), self.ids, plan, 0)
-            return out.astype(bool)
-        return fused_cpu.window_broadcast(values, self.ids, plan, 0.0)
+        return segment_broadcast(jnp.asarray(per_seq), self.ids)
 
     def scan_inputs(self, values: jax.Array) -> tuple[jax.Array, ...]:
         """The segment ids, token-shaped like ``values``."""
@@ -244,65 +220,27 @@ class Packed(Rows):
         local_ids = jnp.broadcast_to(self.ids, values.shape) if ids is None else ids
         out = scan.exclusive_min_segments(values, local_ids)
         if token_axes:
-            # The windows plan belongs to the layout's own ids, not to a shard of them.
-            plan = self.plan if ids is None else None
-            (local,) = backend.reduce_segments(
-                ("min",), self.num_segments, (values,), local_ids, plan
-            )
+            (local,) = plain.reduce_segments(("min",), self.num_segments, (values,), local_ids)
             carry = scan.carry_from_earlier_shards(local, token_axes)
             out = jnp.minimum(out, segment_broadcast(carry, local_ids, jnp.inf))
         return out
 
 
-def layout(
-    axes: MeshAxes, segment_ids, num_segments, shape: tuple[int, ...], contiguous: bool = False
-) -> Rows:
+def layout(axes: MeshAxes, segment_ids, num_segments, shape: tuple[int, ...]) -> Rows:
     """The layout of a public call: :class:`Rows` without ``segment_ids``, else
     :class:`Packed` (the arguments validated, errors naming them)."""
     ids = check_segments(segment_ids, num_segments, shape)
     if ids is None:
         return Rows(axes)
-    if not isinstance(contiguous, bool):
-        raise TypeError(
-            f"contiguous_segments must be a static Python bool, got {type(contiguous).__name__}"
-        )
-    return Packed(axes, ids, int(num_segments), contiguous)
+    return Packed(axes, ids, int(num_segments))
 
 
-def contiguous_rows(segment_ids: jax.Array, num_segments: int) -> jax.Array:
-    """Bool scalar: ``segment_ids`` keep the promise of ``contiguous_segments=True``.
-
-    True when each sequence is one run of tokens, consecutive sequences of a row have
-    ids of different parity and each is longer than the engine's window of 16-64
-    tokens but the last of a row, as :func:`~offpolicy_jax.pack_sequences` lays them
-    out (more exactly: no window holds two different even ids or two different odd
-    ids, and no sequence ends in two windows that hold two ids); True too where the
-    windowed path does not apply (rows shorter than two windows). Check it on the host
-    (``bool(...)``) before promising: a broken promise gives wrong per-sequence values.
-    """
-    ids = jnp.asarray(segment_ids).astype(jnp.int32)
-    if not fused_cpu.use_windows(ids, num_segments):
-        return jnp.asarray(True)
-    return fused_cpu.windows_plan(ids, num_segments).ok
-
-
-def only_segments(layout: Rows, mask: jax.Array, raw=None) -> jax.Array:
-    """The mask without padding: 0 outside the segments ``1..K`` of a packed layout
-    (padding is never trained on, whatever the mask says); unchanged otherwise.
-
-    ``mask`` is the float mask; ``raw``, when given, the user's mask before the
-    conversion. A bool ``raw`` is restricted as a bool: ``(raw & inside)`` converted
-    stays a 0/1 value that XLA turns ``x * mask`` into a select of and fuses into every
-    pass, where a float ``where`` would be stored as its own ``[..., T]`` array and
-    multiplied in every column (enough extra work per token to push the first pass's
-    fused loop out of vector code: packed steps were 2x slower).
-    """
+def only_segments(layout: Rows, mask: jax.Array) -> jax.Array:
+    """The float mask without padding: 0 outside the segments ``1..K`` of a packed
+    layout (padding is never trained on, whatever the mask says); unchanged otherwise."""
     if not isinstance(layout, Packed):
         return mask
-    inside = in_segment(layout.ids, layout.num_segments)
-    if raw is not None and jnp.result_type(raw) == jnp.bool_:
-        return (jnp.asarray(raw) & inside).astype(jnp.float32)
-    return jnp.where(inside, mask, 0.0)
+    return jnp.where(in_segment(layout.ids, layout.num_segments), mask, 0.0)
 
 
 def segment_arguments(layout: Rows) -> dict:

@@ -1,0 +1,188 @@
+"""One reduction path: packed rows of any layout exact, long rows within float32 rounding.
+
+Every backend runs the same reductions (one sum / min / max per column of a row; one
+scatter per op and one gather for packed rows). These tests pin what that path must
+give against float64 NumPy references: ``pack_sequences`` rows of many short responses
+after a prompt equal the unpacked batch, the promise argument that let a faster path
+take such rows wrongly is gone, and sums over rows of 1k-8k tokens are within float32
+rounding of their exact values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import policy_losses_reference_trl as trl_ref
+import pytest
+
+import offpolicy_jax as opj
+from offpolicy_jax import reduction as _reduce
+
+NAMES = ("logp", "old_logp", "rollout_logp", "advantages", "mask")
+GEO_RS = "mis_rs_seq_mean_k1_seq_fraction"
+
+
+def _short_responses(seed: int, count: int = 40) -> list[dict[str, np.ndarray]]:
+    """Sequences of a prompt (mask 0) and a response of 1-40 tokens (mask 1)."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for _ in range(count):
+        prompt, response = int(rng.integers(4, 24)), int(rng.integers(1, 41))
+        n = prompt + response
+        old = -rng.exponential(1.0, n)
+        seqs.append(
+            {
+                "logp": old + rng.normal(0.0, 0.05, n),
+                "old_logp": old,
+                "rollout_logp": old + rng.normal(0.0, 0.02, n),
+                "advantages": np.full(n, rng.normal()),
+                "mask": np.r_[np.zeros(prompt), np.ones(response)],
+            }
+        )
+    return [{k: v.astype(np.float32) for k, v in s.items()} for s in seqs]
+
+
+def _padded(seqs):
+    length = max(len(s["mask"]) for s in seqs)
+    return {k: np.stack([np.pad(s[k], (0, length - len(s[k]))) for s in seqs]) for k in NAMES}
+
+
+def _geo_rs_seq_fraction(seqs) -> float:
+    """float64: the share of sequences whose mean log-ratio (old − rollout over the
+    response) leaves verl's geometric band [log 0.999, log 1.001]."""
+    rejected = []
+    for s in seqs:
+        valid = s["mask"] > 0
+        mean = np.mean(s["old_logp"][valid].astype(np.float64) - s["rollout_logp"][valid])
+        rejected.append(not np.log(0.999) <= mean <= np.log(1.001))
+    return float(np.mean(rejected))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_short_responses_equal_the_unpacked_batch(seed):
+    """``pack_sequences`` rows of 128 tokens, 8 segments, responses of 1-40 tokens after
+    a prompt, the ``decoupled_geo_rs_token_tis`` preset: the packed loss, its gradient
+    and the geometric rejection share equal the unpacked batch's (and the share equals
+    its float64 value)."""
+    seqs = _short_responses(seed)
+    packed = opj.pack_sequences(seqs, 128, max_segments=8)
+    assert packed.num_segments == 8 and packed.segment_ids.shape[-1] == 128
+    config = opj.LossConfig(
+        algorithm="decoupled_ppo",
+        correction=opj.CorrectionConfig.preset("decoupled_geo_rs_token_tis"),
+    )
+    ids, k = jnp.asarray(packed.segment_ids), packed.num_segments
+
+    def packed_loss(logp, *rest):
+        return opj.policy_loss(logp, *rest, config, segment_ids=ids, num_segments=k)
+
+    def padded_loss(logp, *rest):
+        return opj.policy_loss(logp, *rest, config)
+
+    step = jax.value_and_grad(packed_loss, has_aux=True)
+    (loss, metrics), grad = jax.jit(step)(*(jnp.asarray(packed.arrays[n]) for n in NAMES))
+    padded = _padded(seqs)
+    (want, want_metrics), want_grad = jax.jit(jax.value_and_grad(padded_loss, has_aux=True))(
+        *(jnp.asarray(padded[n]) for n in NAMES)
+    )
+    np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
+    grad, want_grad = np.asarray(grad), np.asarray(want_grad)
+    for i, s in enumerate(seqs):  # each sequence's tokens, where the packing put them
+        n, row, start = len(s["mask"]), packed.rows[i], packed.starts[i]
+        np.testing.assert_allclose(
+            grad[row, start : start + n], want_grad[i, :n], rtol=1e-5, atol=1e-7
+        )
+    share = _geo_rs_seq_fraction(seqs)
+    assert 0.0 < share < 1.0  # both kinds of sequence in the batch
+    np.testing.assert_allclose(metrics[GEO_RS], share, rtol=1e-6)
+    np.testing.assert_allclose(want_metrics[GEO_RS], share, rtol=1e-6)
+    for key, value in want_metrics.items():
+        np.testing.assert_allclose(metrics[key], value, rtol=2e-5, atol=1e-6, err_msg=key)
+    correction = opj.compute_correction(
+        *(jnp.asarray(packed.arrays[n]) for n in NAMES[1:3]),
+        jnp.asarray(packed.arrays["mask"]),
+        config.correction,
+        segment_ids=ids,
+        num_segments=k,
+    )
+    np.testing.assert_allclose(correction.metrics[GEO_RS], share, rtol=1e-6)
+
+
+def test_the_contiguous_segments_promise_is_gone():
+    """No argument lets a caller promise a layout: every packed call is exact for any
+    ids (a broken promise gave silently wrong losses)."""
+    seqs = _short_responses(0, count=8)
+    packed = opj.pack_sequences(seqs, 128, max_segments=8)
+    arrays = [jnp.asarray(packed.arrays[n]) for n in NAMES]
+    config = opj.LossConfig(
+        algorithm="decoupled_ppo",
+        correction=opj.CorrectionConfig.preset("decoupled_geo_rs_token_tis"),
+    )
+    packing = {"segment_ids": packed.segment_ids, "num_segments": packed.num_segments}
+    for entry in (opj.policy_loss, opj.policy_loss_parts, opj.policy_loss_terms):
+        with pytest.raises(TypeError, match="contiguous_segments"):
+            entry(*arrays, config, **packing, contiguous_segments=True)
+    with pytest.raises(TypeError, match="contiguous_segments"):
+        opj.compute_correction(
+            *arrays[1:3], arrays[4], config.correction, **packing, contiguous_segments=True
+        )
+    assert not hasattr(_reduce, "contiguous_rows")
+
+
+# ------------------------------------------------------------------- long rows, float64
+
+
+# A sum of n float32 terms taken as a tree errs by about log2(n) roundings of 2^-24 in
+# the worst case and a few in practice; the bound below is 4 of them, relative to the
+# sum of the terms' magnitudes. A sum accumulated sequentially over a long row (or
+# over chunks of a few tokens, then rows of chunk sums) errs 10-100x more.
+ROUNDINGS = 4 * 2.0**-24
+
+
+@pytest.mark.parametrize("length", [1024, 4096, 8191])
+def test_token_sum_is_within_float32_rounding(length):
+    rng = np.random.default_rng(length)
+    x = rng.random((1, length)).astype(np.float32)  # positive: |Σ x| = Σ |x|
+    mask = np.ones((1, length), bool)
+    mask[0, -5:] = False
+    want = np.where(mask, x.astype(np.float64), 0.0).sum()
+    got = opj.aggregate(jnp.asarray(x), jnp.asarray(mask), jnp.asarray(mask), "token_sum")
+    np.testing.assert_allclose(float(got.value()), want, rtol=ROUNDINGS)
+    # packed: the same tokens as two sequences a row
+    ids = np.where(mask, 1 + (np.arange(length) >= length // 3), 0).astype(np.int32)
+    packed = opj.aggregate(
+        jnp.asarray(x),
+        jnp.asarray(mask),
+        jnp.asarray(mask),
+        "token_sum",
+        segment_ids=jnp.asarray(ids),
+        num_segments=2,
+    )
+    np.testing.assert_allclose(float(packed.value()), want, rtol=ROUNDINGS)
+
+
+@pytest.mark.parametrize("length", [2048, 4096, 8192])
+def test_mis_kl_is_within_float32_rounding(length):
+    rng = np.random.default_rng(length)
+    old = (-rng.exponential(1.0, (1, length))).astype(np.float32)
+    rollout = (old + rng.normal(0.05, 0.02, (1, length))).astype(np.float32)
+    mask = np.ones((1, length), bool)
+    res = opj.compute_correction(old, rollout, mask, opj.CorrectionConfig())
+    delta = rollout.astype(np.float64) - old  # exact: both are float32
+    np.testing.assert_allclose(float(res.metrics["mis_kl"]), delta.mean(), rtol=ROUNDINGS)
+
+
+def test_luspo_loss_at_4096_tokens_is_within_float32_rounding():
+    length = 4096
+    rng = np.random.default_rng(5)
+    old = (-rng.exponential(1.0, (1, length))).astype(np.float32)
+    logp = (old + rng.normal(0.01, 0.02, (1, length))).astype(np.float32)
+    adv = np.ones((1, length), np.float32)
+    mask = np.ones((1, length), bool)
+    config = opj.LossConfig(algorithm="ppo", policy_loss="luspo", aggregation="token_mean")
+    loss, _ = jax.jit(lambda lp: opj.policy_loss(lp, old, None, adv, mask, config))(logp)
+    terms = trl_ref.luspo(logp, old, adv, mask, clip_eps=0.2, clip_eps_high=0.2)
+    want = np.where(mask, terms.loss, 0.0).sum() / mask.sum()
+    # the loss is n·exp(mean): the mean's rounding, times the few of exp, n and the mean
+    np.testing.assert_allclose(float(loss), want, rtol=2 * ROUNDINGS)
