@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import offpolicy_jax as opj
 
@@ -247,6 +249,44 @@ def test_from_hidden_is_exact_to_float32_rounding_at_large_logits():
     )
     assert_matches(lp, want, rtol=1e-6, atol=1e-6)
     assert_matches(ent, want_ent, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.multi_device
+@pytest.mark.slow
+@pytest.mark.usefixtures("clear_jax_caches")
+def test_vocab_sharded_from_hidden_is_exact_at_large_logits():
+    """The vocabulary split over 4 devices (``shard_map``, ``axis_name``): the shards'
+    maxima and rescaled sums combine to the same float32-exact log-probs and entropies
+    at logits of 1.6e5, with one vocabulary block, several, and a kept set."""
+    if len(jax.devices("cpu")) < 8:
+        pytest.skip("needs JAX_NUM_CPU_DEVICES=8 (tests/conftest.py)")
+    hidden, w, tokens = _large_logit_case()
+    w = np.concatenate([w, w[:, :2] - 3.0], axis=-1)  # V = 8: two columns per device
+    z = (hidden @ w)[0]
+    subset = np.array([[0, 2, 4, 7]] * 4)
+    part = np.zeros(z.shape, bool)
+    part[:, [0, 2, 4, 7]] = True
+    mesh = jax.make_mesh(
+        (4,), ("vocab",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:4]
+    )
+    h32, w32 = jnp.asarray(hidden, jnp.float32), jnp.asarray(w, jnp.float32)
+    for kw, keep in (
+        (dict(), np.ones(z.shape, bool)),
+        (dict(vocab_chunk_size=1), np.ones(z.shape, bool)),
+        (dict(support=jnp.asarray(subset[None])), part),
+    ):
+        want, want_ent, _ = np_kept_logprobs(z, keep, tokens[0])
+
+        def fn(h, w, kw=kw):
+            return opj.token_logprobs_from_hidden(
+                h, w, jnp.asarray(tokens), axis_name="vocab", return_entropy=True, **kw
+            )
+
+        lp, ent = jax.jit(
+            jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(None, "vocab")), out_specs=(P(), P()))
+        )(h32, w32)
+        assert_matches(lp[0], want, rtol=1e-6, atol=1e-6)
+        assert_matches(ent[0], want_ent, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- properties
