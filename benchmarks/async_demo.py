@@ -1,4 +1,4 @@
-"""Wall-clock of the π_old forward pass in the demo's asynchronous run (issue 28).
+"""Wall-clock of the π_old forward pass in the demo's asynchronous run.
 
 The demo's ``async`` mismatch (``offpolicy-jax demo --mismatch async``) samples every
 prompt group with weights 0..severity updates old. Its rows ``decoupled_ppo+mis+loglinear``

@@ -6,7 +6,7 @@ and its aligned neighbour, same ``B``) and each computation of ``workloads`` (th
 ``mis.yaml`` training step, ``compute_correction``, the Trust Region Masking + IcePop
 step) it compiles both sizes and times them alternately, call by call: each ragged
 call's time per token over the aligned call's right beside it, median over the calls
-(quartiles too). Issue 17's target: at most 1.25 (the cliff at ``T = 131071`` was 7x).
+(quartiles too). The target: at most 1.25 (a cliff of 7x at ``T = 131071`` was found once).
 
 Why not the ragged table of ``run.py --ragged``: that one divides medians measured
 minutes apart, one size after the other, and on a shared machine whose speed drifts
@@ -106,7 +106,7 @@ def render(report: dict) -> str:
         f"{environment_line(report)}; {report['repeats']} call pairs.",
         "",
         "Each ragged call's time per token over the aligned call's right beside it: median "
-        "(quartiles in brackets). Target (issue 17): at most 1.25.",
+        "(quartiles in brackets). Target: at most 1.25.",
         "",
         "| computation | ragged [B, T] | ns/token | aligned [B, T] | ns/token | **paired ratio** |",
         "|---|---|---|---|---|---|",

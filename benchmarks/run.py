@@ -317,7 +317,7 @@ def against(report: dict, baseline: dict, path: pathlib.Path) -> str:
     """Markdown: jit / floor of this run beside a baseline run's, per computation and size.
 
     Ratios to the floor are what survive a change of machine load between two runs;
-    a slowdown beyond 10% is flagged (issue 10: keep the ratios within 10%).
+    a slowdown beyond 10% is flagged (the ratios are to stay within 10%).
     """
     then = {(r["computation"], r["batch"], r["length"]): r for r in baseline["results"]}
     lines = [
@@ -530,7 +530,7 @@ def ragged_rows(report: dict) -> list[tuple[str, dict, dict]]:
 
 
 def targets(report: dict) -> list[str]:
-    """The issue's targets, evaluated on this run (information, not a test)."""
+    """The targets, evaluated on this run (information, not a test)."""
     rows = [r for r in report["results"] if r["computation"] == "loss"]
     if not rows:
         return []

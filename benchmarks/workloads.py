@@ -96,9 +96,8 @@ def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]
     }
 
 
-# Token counts that are not a multiple of the CPU fusion's chunk (odd, prime), each
-# beside the nearest multiple of 128: time per token must stay within 1.25x of it
-# (issue 17 #5, a 7x cliff at T = 131071 before the remainder path).
+# Token counts that are odd or prime, each beside the nearest multiple of 128: time per
+# token must stay within 1.25x of it (a 7x cliff at T = 131071 was found once).
 RAGGED_SIZES = "8x131071,8x131072,64x8191,64x8192,256x4093,256x4096"
 
 

@@ -5,7 +5,7 @@ Each case of the reference packs (and of the surrogate oracles of
 batch) has its own static config, hence its own program, and compiling is most of a
 case's time. Eight cases of one input signature traced into one
 jitted program give the same arrays bit for bit and compile about 20% faster than eight
-programs (per-program overhead; docs/development.md). The cases stay separate test items
+programs (per-program overhead). The cases stay separate test items
 with their own ids, outcomes and ``-k`` selection:
 
 * a *chunk* is GROUP_SIZE consecutive selected cases of one test function in

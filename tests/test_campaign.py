@@ -1,4 +1,4 @@
-"""The adversarial property campaign of issue 17: what a hostile user would try.
+"""The adversarial property campaign: what a hostile user would try.
 
 Every property draws from ``strategies`` (``hypothesis.extra.numpy``, so failures
 shrink): ragged ``[4, 16]`` batches with NaN / ±inf / ±1e30 at masked positions,
@@ -19,8 +19,7 @@ correction) each compile their own pool of programs (5-8 s of CPU apiece) and ha
 fixed-example counterparts in the fast tier (test_pipeline_defects, test_policy_losses,
 test_correction); the full suite runs them all.
 
-The two defects the campaign found in the core (issue 17, #1 and #2) have regression
-tests at the end.
+The two defects the campaign found in the core have regression tests at the end.
 """
 
 from __future__ import annotations
@@ -461,7 +460,7 @@ def test_correction_garbage_dtypes_and_finiteness(batch, config, dtype, mask_dty
 
 
 # --------------------------------------------------------------------------- core defects
-# Found by this campaign (issue 17, defects 1 and 2); fixed in the stage pipeline.
+# Found by this campaign; fixed in the stage pipeline.
 
 
 @pytest.mark.heavy
@@ -489,8 +488,8 @@ def test_core_metrics_of_finite_extreme_inputs_are_finite():
     assert_finite((loss, metrics, grad))
 
 
-# --------------------------------------------------------------------------- issue 30 classes
-# Properties that would have caught each class of issue 30's silent wrong answers: packed
+# --------------------------------------------------------------------- silent wrong answers
+# Properties that would have caught each class of silent wrong answers found once: packed
 # ids above num_segments, masks other than 0/1, every verl rollout_rs option string,
 # and hostile config values behind every config entry point. Their fixed-example
 # regressions are in

@@ -1,4 +1,4 @@
-"""The code's shape (issue 25): no function of the package is longer than a screen.
+"""The code's shape: no function of the package is longer than a screen.
 
 A function's length is its lines of code: docstrings, comments and blank lines aside,
 nested functions counted inside the function that holds them.

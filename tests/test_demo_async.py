@@ -1,4 +1,4 @@
-"""The demo's asynchronous mismatch (``--mismatch async``, issue 28): mixed policy versions
+"""The demo's asynchronous mismatch (``--mismatch async``): mixed policy versions
 per batch, the staleness rule and the proximal approximation as rows."""
 
 from __future__ import annotations

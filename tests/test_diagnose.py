@@ -492,7 +492,7 @@ def demo_dump(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["stale", "severe"])
 def test_demo_dump_report_equals_compute_correction(demo_dump, run, tmp_path, capsys):
-    """The must-show of issue 15: `offpolicy-jax diagnose` on the demo's own dump reports
+    """`offpolicy-jax diagnose` on the demo's own dump reports
     the metrics of one `compute_correction` call on the same arrays (every config)."""
     from offpolicy_jax.diagnose import readers
 

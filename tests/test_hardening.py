@@ -1,6 +1,6 @@
-"""Regressions of issue 17, defects 6-8: hostile but plausible inputs and configs.
+"""Regressions: hostile but plausible inputs and configs.
 
-Each test failed on the code the issue was filed against.
+Each test failed on the code before its fix.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_bound_that_is_zero_subnormal_or_inf_in_float32_is_rejected(key, extra, 
 
 
 def test_tis_upper_bound_1e_minus_46_no_longer_zeroes_every_weight():
-    # The issue's example: accepted, and every weight became min(w, float32(1e-46)) = 0.
+    # Once accepted, and every weight became min(w, float32(1e-46)) = 0.
     with pytest.raises(ValueError, match="tis_upper_bound"):
         opj.CorrectionConfig(use_tis=True, tis_upper_bound=1e-46)
 

@@ -191,7 +191,7 @@ def test_integer_mask_values_are_membership_only(value, dtype):
     ones = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
     big = ones.astype(dtype) * dtype(value)
     cfg = opj.CorrectionConfig(use_tis=True, tis_level="sequence", tis_upper_bound=1e6)
-    # Eagerly an integer mask other than 0/1 is refused (issue 30); under jit, where its
+    # Eagerly an integer mask other than 0/1 is refused; under jit, where its
     # values are not read, an entry > 0 is membership with weight 1.
     with pytest.raises(ValueError, match="mask is an integer mask holding"):
         opj.compute_correction(old, rollout, big, cfg)

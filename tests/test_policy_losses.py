@@ -891,8 +891,8 @@ def test_regularisers_need_their_inputs():
         opj.policy_loss(theta, old, rollout, adv, valid, loss_config("gpg"), ref_logp=theta[:, :3])
 
 
-# --------------------------------------------------------------------------- the issue's
-# "must show" list, for every surrogate: gradients of the stop-gradient surrogates against
+# --------------------------------------------------------------------------- every surrogate
+# Gradients of the stop-gradient surrogates against
 # finite differences of the objective they estimate, the remaining kinks, and empty /
 # garbage / micro-batched inputs with the KL and entropy terms switched on.
 

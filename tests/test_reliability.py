@@ -1,4 +1,4 @@
-"""Regression tests of issue 30: inputs that gave a plausible number instead of an error.
+"""Regression tests: inputs that once gave a plausible number instead of an error.
 
 One test per finding; each failed on 05d9d1f. The campaign properties that would have
 caught each class are in tests/test_campaign.py.
@@ -353,7 +353,7 @@ def test_diagnose_pads_a_skewed_batch_by_length_groups(tmp_path):
     from offpolicy_jax.diagnose import readers
 
     # One 20,000-token sequence beside 1,023 of 64: padding all to the longest made
-    # 1024 x 20,000 cells per column (the issue's 2M-token case: 7.63 GiB).
+    # 1024 x 20,000 cells per column (a 2M-token case: 7.63 GiB).
     lengths = np.array([64] * 500 + [20_000] + [64] * 523)
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     tokens = int(lengths.sum())

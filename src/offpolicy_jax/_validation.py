@@ -55,7 +55,7 @@ def as_float_logp(name: str, x) -> jax.Array:
 
 
 def as_float_mask(name: str, mask) -> jax.Array:
-    """Checks a mask and returns float32 weights (docs/semantics.md §0, issue 17 #3).
+    """Checks a mask and returns float32 weights (docs/semantics.md §0).
 
     An entry that is not > 0 (0, negative, NaN) is padding and becomes 0. A bool entry
     is 0/1; an integer mask must be 0/1 (a concrete one holding another value raises,

@@ -12,7 +12,7 @@ space ``δ_t = o_t − b_t``. Levels (docs/semantics.md §2):
 and ``ρ = exp(clip(λ, −S, S))`` with ``S = 20``: the clamp comes after the
 aggregation, so a long sequence of small ratios is bounded as a whole.
 
-Metrics follow one rule for exponentials (issue 17 #2): every ``exp`` inside a
+Metrics follow one rule for exponentials: every ``exp`` inside a
 *metric* is taken of an exponent capped at :data:`METRIC_LOG_CAP` = 50
 (:func:`metric_exp`, :func:`metric_expm1`), so a metric saturates at ``e^50 ≈ 5.2e21``
 instead of overflowing to inf, identically under jit and eager, and a sum of up to

@@ -11,9 +11,9 @@ read the keys of its v0.6.1 and v0.7.0 releases (November 2025 to January 2026).
 :func:`correction_kwargs` turns the keys into the keyword arguments of a native
 :class:`~offpolicy_jax.CorrectionConfig`:
 
-==============================  ===============================================
+=============================== ===============================================
 verl                            native
-==============================  ===============================================
+=============================== ===============================================
 ``rollout_is: null``            no IS weight: ``tis_mode="none"`` when a
                                 ``rollout_rs`` is set, else ``use_tis=False``
                                 (metrics only)
@@ -25,7 +25,7 @@ verl                            native
 ``rollout_rs: "a,b"``           ``rs_criteria=("a:<thr>", "b:<thr>")``
 ``rollout_rs_threshold``        one threshold for all criteria, or one each
 ``bypass_mode``, ``loss_type``  loss settings: read by ``LossConfig.from_verl``
-==============================  ===============================================
+=============================== ===============================================
 
 The keys of verl v0.6.1 and v0.7.0, which later releases dropped:
 
