@@ -99,9 +99,9 @@ class EffectiveSampleSize(MeanParts):
 
     The ESS is not a ratio of two sums, so it cannot be a plain :class:`MeanParts`
     (whose pooled value would be the mean of the micro-batches' ESS). Here
-    ``numerator = Σ w``, ``denominator = Σ w²`` and ``count = n``: adding the parts of
-    micro-batches or devices (``+`` or ``jax.tree.map(jnp.add, ...)``) adds the sums,
-    and :meth:`value` applies the formula once.
+    ``numerator = Σ w``, ``denominator = Σ w²`` and ``count = n``: pooling the parts of
+    micro-batches or devices (``+``, :func:`~offpolicy_jax.pool_metric_parts`) adds
+    the sums, and :meth:`value` applies the formula once.
     """
 
     count: jax.Array
@@ -118,6 +118,9 @@ class EffectiveSampleSize(MeanParts):
             self.count + other.count,
         )
 
+    def all_reduce(self, axes: tuple[str, ...]) -> EffectiveSampleSize:
+        return EffectiveSampleSize(*jax.lax.psum((self.numerator, self.denominator, self.count), axes))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +128,11 @@ class Extreme(MeanParts):
     """A batch maximum (``kind="max"``) or minimum, kept so that it pools exactly.
 
     ``numerator`` is the extreme over the batch's non-empty sequences (0 when it has
-    none) and ``denominator`` their number. ``a + b`` (micro-batches, devices) is the
-    extreme over the parts that hold a sequence, and :meth:`value` is 0 for an empty
-    batch. Pool it with ``+`` (or :func:`pool`): ``jax.tree.map(jnp.add, ...)`` adds
-    its leaves, which pools a mean, not an extreme.
+    none) and ``denominator`` their number. ``a + b`` (micro-batches) and
+    :meth:`all_reduce` (devices: ``pmax`` / ``pmin``) give the extreme over the parts
+    that hold a sequence, and :meth:`value` is 0 for an empty batch. Pool dicts of
+    parts with :func:`~offpolicy_jax.pool_metric_parts`: ``jax.tree.map(jnp.add, ...)``
+    adds the leaves, which pools a mean, not an extreme.
     """
 
     kind: str = dataclasses.field(default="max", metadata={"static": True})
@@ -148,9 +152,20 @@ class Extreme(MeanParts):
         )
         return Extreme(value, self.denominator + other.denominator, self.kind)
 
+    def all_reduce(self, axes: tuple[str, ...]) -> Extreme:
+        # A device without a sequence holds 0, which must not win the extreme.
+        some = self.denominator > 0
+        if self.kind == "max":
+            extreme = jax.lax.pmax(jnp.where(some, self.numerator, -jnp.inf), axes)
+        else:
+            extreme = jax.lax.pmin(jnp.where(some, self.numerator, jnp.inf), axes)
+        n = jax.lax.psum(self.denominator, axes)
+        return Extreme(jnp.where(n > 0, extreme, 0.0), n, self.kind)
+
 
 def pool(a: Mapping[str, MeanParts], b: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
-    """Pools two dicts of metric parts key by key, each by its type's ``+``."""
+    """Pools two dicts of metric parts key by key, each by its type's ``+``
+    (:func:`~offpolicy_jax.pool_metric_parts` is the public form)."""
     return {key: a[key] + b[key] for key in a}
 
 

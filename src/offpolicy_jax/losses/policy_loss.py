@@ -604,7 +604,9 @@ def _corrected(
             isinstance(config.correction, CorrectionConfig)
             and config.correction.probability_metrics
         )
-        metrics_only = CorrectionConfig(probability_metrics=True) if probability else METRICS_ONLY
+        metrics_only = CorrectionConfig(
+            probability_metrics=probability, nonfinite_rollout=_nonfinite_rollout(config)
+        )
         # The staleness metrics come with them, unless the correction above reported them.
         versions = (None, None) if config.reweights else (b.versions, b.current)
         _, _, mismatch = correction_parts(
@@ -617,6 +619,9 @@ def _corrected(
             versions=versions[0],
             current_version=versions[1],
         )
+        # A reweighting correction counted the neutral reads against its own π_old.
+        if _NEUTRAL_KEY in done.parts:
+            mismatch.pop(_NEUTRAL_KEY, None)
         done.parts.update(mismatch)
     if config.opsm_delta is None:
         return done
@@ -634,6 +639,27 @@ def _corrected(
     _, kept, opsm_parts = stages.run([opsm], tokens, weight_stats=False, batch_normalize=None)
     done.parts.update(opsm_parts)
     return done._replace(mask=jnp.where(kept > 0, done.mask, 0.0))
+
+
+_NEUTRAL_KEY = "mis_nonfinite_rollout_token_fraction"
+
+
+def _nonfinite_rollout(config: LossConfig) -> str:
+    """The correction's ``nonfinite_rollout`` (``"reject"`` without a CorrectionConfig)."""
+    correction = config.correction
+    return correction.nonfinite_rollout if isinstance(correction, CorrectionConfig) else "reject"
+
+
+def _neutral_rollout(b: _Batch, config: LossConfig, algo: Algorithm) -> _Batch:
+    """``nonfinite_rollout="neutral"``: the loss reads a non-finite ``π_rollout`` at a
+    valid token as the policy the correction compares it with (π_old, or ``sg(θ)``
+    where the algorithm has none), as the correction does: that token neither rejects
+    its sequence nor reaches a ratio as NaN."""
+    if b.rollout is None or _nonfinite_rollout(config) != "neutral":
+        return b
+    old = b.policy(algo.is_numerator)
+    old = old if old is not None else b.theta_sg
+    return dataclasses.replace(b, rollout=staleness.neutral_rollout(old, b.rollout, b.mask)[0])
 
 
 def _rollout_abs_diff(b: _Batch, algo: Algorithm) -> jax.Array | None:
@@ -685,13 +711,16 @@ def _policy_term(
 
 
 def _pipeline(inputs: LossInputs, config: LossConfig, axes, packing) -> PolicyLossTerms:
-    b = _prepare(inputs, config, axes, packing)
+    raw = _prepare(inputs, config, axes, packing)
+    # The correction reads the raw π_rollout (it counts the neutral reads itself);
+    # everything after it reads the filled one.
     algo = ALGORITHMS[config.algorithm]
+    b = _neutral_rollout(raw, config, algo)
     # The abs-diff metric sums over m': the correction's second pass takes it (the
     # layout then finds it taken below) where the correction reduces over m'.
     diff = _rollout_abs_diff(b, algo)
     over_final = () if diff is None else (diff,)
-    c = _corrected(b, config, algo, inputs.correction_result, over_final)
+    c = _corrected(raw, config, algo, inputs.correction_result, over_final)
     policy = _policy_term(b, config, algo, c, diff)
     per_token, policy_columns = policy.loss, policy.columns
     columns = {
@@ -812,9 +841,10 @@ def policy_loss_parts(
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
     """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
 
-    Add both over micro-batches (``a + b``, or ``jax.tree.map(jnp.add, ...)``), then
-    call ``.value()`` on the loss and :func:`offpolicy_jax.finalize_metrics` on the
-    metrics: the result equals the full-batch call. With batch normalisation
+    Pool both over micro-batches with :func:`offpolicy_jax.pool_metric_parts` (the
+    loss alone also with ``a + b``), then call ``.value()`` on the loss and
+    :func:`offpolicy_jax.finalize_metrics` on the metrics: the result equals the
+    full-batch call. With batch normalisation
     or sequence-level statistics that need the whole batch, compute the
     correction once on the full batch and pass it as ``correction_result``
     (normalising per micro-batch would bias the pooled loss).
