@@ -119,7 +119,9 @@ class EffectiveSampleSize(MeanParts):
         )
 
     def all_reduce(self, axes: tuple[str, ...]) -> EffectiveSampleSize:
-        return EffectiveSampleSize(*jax.lax.psum((self.numerator, self.denominator, self.count), axes))
+        return EffectiveSampleSize(
+            *jax.lax.psum((self.numerator, self.denominator, self.count), axes)
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -163,6 +165,23 @@ class Extreme(MeanParts):
         return Extreme(jnp.where(n > 0, extreme, 0.0), n, self.kind)
 
 
+def batch_extreme(layout, per_seq: jax.Array, count: jax.Array, kind: str) -> Extreme:
+    """The batch max (``kind="max"``) or min of per-sequence values over non-empty
+    sequences (and devices), as an :class:`~offpolicy_jax.correction.stages.Extreme`: 0 for an empty
+    batch, pooled over micro-batches as an extreme, not a mean."""
+    nonempty = count > 0
+    fill = -jnp.inf if kind == "max" else jnp.inf
+    values = jnp.where(nonempty, per_seq, fill)
+    extreme = jnp.max(values, initial=fill) if kind == "max" else jnp.min(values, initial=fill)
+    n = jnp.sum(jnp.where(nonempty, 1.0, 0.0))
+    axes = tuple(getattr(getattr(layout, "axes", None), "batch", ()) or ())
+    if axes:
+        extreme = (jax.lax.pmax if kind == "max" else jax.lax.pmin)(extreme, axes)
+        n = jax.lax.psum(n, axes)
+    extreme = jnp.where(jnp.isfinite(extreme), extreme, 0.0)
+    return Extreme(extreme, n, kind)
+
+
 def pool(a: Mapping[str, MeanParts], b: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
     """Pools two dicts of metric parts key by key, each by its type's ``+``
     (:func:`~offpolicy_jax.pool_metric_parts` is the public form)."""
@@ -194,14 +213,20 @@ def prefix_min_delta(t: Tokens) -> jax.Array:
     return t.layout.exclusive_min(t.delta, t.population)
 
 
+def level_log_ratio(level: str, t: Tokens, sums: Mapping[str, jax.Array]) -> jax.Array:
+    """``agg(δ)`` before the ``±S`` clamp: ``[..., T]`` at a per-token level
+    (:data:`TOKEN_LEVELS`), else per sequence."""
+    if level == "token":
+        return t.delta
+    if level == "minpro":
+        return ratios.minpro_log_ratio(t.delta, prefix_min_delta(t))
+    return ratios.sequence_log_ratio(sums["delta"], sums["count"], level)
+
+
 def level_ratio(level: str, t: Tokens, sums: Mapping[str, jax.Array]) -> jax.Array:
     """``ρ = exp(clip(agg(δ), −S, S))``: ``[..., T]`` at a per-token level
     (:data:`TOKEN_LEVELS`), else per sequence."""
-    if level == "token":
-        return ratios.clamped_exp(t.delta)
-    if level == "minpro":
-        return ratios.clamped_exp(ratios.minpro_log_ratio(t.delta, prefix_min_delta(t)))
-    return ratios.clamped_exp(ratios.sequence_log_ratio(sums["delta"], sums["count"], level))
+    return ratios.clamped_exp(level_log_ratio(level, t, sums))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +432,10 @@ def _weight_statistics(
     d.parts["mis_is_ratio_mean_final"] = MeanParts(after.numerator / mu, after.denominator)
     d.parts["mis_is_ratio_min_final"] = _reduce.seq_mean_of_values(low / mu, n_final, how)
     d.parts["mis_is_ratio_max_final"] = _reduce.seq_mean_of_values(high / mu, n_final, how)
+    # The batch's own extremes of the weights the loss uses (the two above average the
+    # sequences' extremes): the low tail a mean of minima hides.
+    d.parts["mis_is_ratio_batch_min_final"] = batch_extreme(t.layout, low / mu, n_final, "min")
+    d.parts["mis_is_ratio_batch_max_final"] = batch_extreme(t.layout, high / mu, n_final, "max")
     # ESS sums (invariant to μ): Σ w m', Σ w² m', Σ m' of the final mask.
     if d.weights_per_seq:
         some = n_final > 0
