@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -644,7 +644,7 @@ def _corrected(
 _NEUTRAL_KEY = "mis_nonfinite_rollout_token_fraction"
 
 
-def _nonfinite_rollout(config: LossConfig) -> str:
+def _nonfinite_rollout(config: LossConfig) -> Literal["reject", "neutral"]:
     """The correction's ``nonfinite_rollout`` (``"reject"`` without a CorrectionConfig)."""
     correction = config.correction
     return correction.nonfinite_rollout if isinstance(correction, CorrectionConfig) else "reject"
