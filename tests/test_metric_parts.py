@@ -13,6 +13,7 @@ finite and keep their rows.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import hypothesis.extra.numpy as hnp
@@ -425,3 +426,22 @@ def test_property_metrics_are_finite_at_extreme_weights(batch):
         for metrics in _all_tails(old, rollout, weights):
             bad = [k for k, v in metrics.items() if not np.isfinite(float(v))]
             assert not bad, bad
+
+
+def test_the_ratio_metrics_produced_are_the_ones_documented():
+    """Every ``mis_is_ratio_*`` key a reweighting correction emits is listed on the
+    metrics page, and every one listed there is emitted."""
+    import pathlib
+    import re
+
+    page = pathlib.Path(__file__).parents[1] / "docs" / "guide" / "metrics.md"
+    documented = set(re.findall(r"`(mis_is_ratio_[a-z_]+)`", page.read_text()))
+    _, old, rollout, _, mask, _ = _batch()
+    produced = set()
+    for mode in ("truncate", "clip", "mask", "none"):
+        cfg = opj.CorrectionConfig(use_tis=True, tis_mode=mode)
+        keys = jax.eval_shape(
+            functools.partial(opj.compute_correction, config=cfg), old, rollout, mask
+        )
+        produced |= {k for k in keys.metrics if k.startswith("mis_is_ratio_")}
+    assert produced == documented
