@@ -25,6 +25,7 @@ min/max JVP conventions do not matter.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -94,7 +95,7 @@ class TISWeights(Stage):
             return own["lo"], own["hi"]
         return log_ratio, log_ratio
 
-    def _tails(self, t, sums, log_ratio, weights, per_seq) -> dict:
+    def _tails(self, t, sums, log_ratio, raw, weights, per_seq) -> dict:
         """Both tails before any bound or clamp, and after the bound (module docstring)."""
         count = sums["count"]
         lo, hi = self._log_extremes(t, sums, log_ratio)
@@ -109,15 +110,26 @@ class TISWeights(Stage):
         if self.mode == "none":  # no bound: no tails to count
             return metrics
         unbounded = ratios.metric_exp(log_ratio)
-        for side, before, after in (
-            ("low", unbounded < self.lower, weights < self.lower),
-            ("high", unbounded > self.upper, weights > self.upper),
-        ):
+        # Within the clamp's range the clamped ratio crosses a bound exactly where the
+        # unclamped one does: the test is then the mode's own (one shared column).
+        clamp = math.exp(ratios.LOG_RATIO_CLAMP)
+        shared = 1 / clamp <= self.lower and self.upper <= clamp
+        # What the bound leaves outside [L, U] by construction (clip and mask keep
+        # nothing outside; truncation and the band nothing above U) is 0, not a column.
+        never = {"low", "high"} if self.mode in ("clip", "mask") else {"high"}
+        zero = jnp.zeros(jnp.shape(count))
+        for side, bound in (("low", self.lower), ("high", self.upper)):
+            ratio = raw if shared else unbounded
+            before = ratio < bound if side == "low" else ratio > bound
+            key = (("ratio", self.level), side, bound) if shared else None
             metrics[f"mis_is_ratio_fraction_{side}_before_bound"] = Mean(
-                _indicator(before), per_seq=per_seq
+                _indicator(before), per_seq=per_seq, key=key
             )
-            metrics[f"mis_is_ratio_fraction_{side}_final"] = Mean(
-                _indicator(after), "final", per_seq
+            after = weights < bound if side == "low" else weights > bound
+            metrics[f"mis_is_ratio_fraction_{side}_final"] = (
+                Mean(zero, "final", per_seq=True)
+                if side in never
+                else Mean(_indicator(after), "final", per_seq)
             )
         return metrics
 
@@ -129,7 +141,7 @@ class TISWeights(Stage):
         metrics = {
             "mis_tis_weight_before_bound": Mean(raw, per_seq=per_seq),
             "mis_tis_weight_after_bound": Mean(weights, "kept", per_seq),
-            **self._tails(t, sums, log_ratio, weights, per_seq),
+            **self._tails(t, sums, log_ratio, raw, weights, per_seq),
         }
         # Keyed like rejection sampling's fractions: RS at this level and bound
         # (the reference mis.yaml) shares the column.
