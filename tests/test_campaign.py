@@ -399,7 +399,7 @@ def test_pooled_micro_batches_equal_the_full_batch(batch, config, dtype, mask_dt
         (num, (den, part)), g = parts_vg(*(x[rows] for x in args), config=config)
         numerator, denominator = numerator + num, denominator + den
         grads.append(g)
-        parts = part if parts is None else jax.tree.map(jnp.add, parts, part)
+        parts = part if parts is None else opj.pool_metric_parts(parts, part)
     pooled_loss = numerator / denominator if denominator > 0 else 0.0 * numerator
     pooled_grad = jnp.concatenate(grads) / (denominator if denominator > 0 else 1.0)
     assert_close(

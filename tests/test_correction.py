@@ -232,7 +232,17 @@ def test_metric_keys_follow_config(config, extra):
         "mis_is_ratio_max_final",
         "mis_nonfinite_seq_fraction",
         "mis_ess",
+        "mis_is_ratio_min_before_bound",
+        "mis_is_ratio_max_before_bound",
+        "mis_is_ratio_batch_min_final",
+        "mis_is_ratio_batch_max_final",
     }
+    if config.tis_mode != "none":  # both tails of a bound, before it and after
+        common |= {
+            f"mis_is_ratio_fraction_{side}_{when}"
+            for side in ("low", "high")
+            for when in ("before_bound", "final")
+        }
     assert keys == MONITORING | (common | extra if config.use_tis else extra)
 
 

@@ -355,7 +355,7 @@ def test_micro_batch_pooling_equals_full_batch(batch, config, data):
         pooled_den += den
         grads.append(g)
         pooled_metrics = (
-            metrics if pooled_metrics is None else jax.tree.map(jnp.add, pooled_metrics, metrics)
+            metrics if pooled_metrics is None else opj.pool_metric_parts(pooled_metrics, metrics)
         )
     loss = opj.LossParts(pooled_num, pooled_den).value()
     grad = np.concatenate(grads) / (float(pooled_den) or 1.0)

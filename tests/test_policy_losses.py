@@ -819,7 +819,7 @@ def test_micro_batches_pool_to_the_full_batch(name, aggregation):
         (n, (d, metrics)), g = jax.jit(jax.value_and_grad(numerator, has_aux=True))(theta[rows])
         num, den = num + n, den + d
         grads.append(np.asarray(g))
-        pooled = metrics if pooled is None else jax.tree.map(jnp.add, pooled, metrics)
+        pooled = metrics if pooled is None else opj.pool_metric_parts(pooled, metrics)
     np.testing.assert_allclose(
         float(opj.LossParts(num, den).value()), float(full_loss), rtol=1e-5, atol=1e-6
     )
@@ -1137,7 +1137,7 @@ def test_micro_batches_pool_to_the_full_batch_with_kl_and_entropy(name, aggregat
         (n, (d, metrics)), g = step(*(x[rows] for x in args), given)
         num, den = num + n, den + d
         grads.append(np.asarray(g))
-        pooled = metrics if pooled is None else jax.tree.map(jnp.add, pooled, metrics)
+        pooled = metrics if pooled is None else opj.pool_metric_parts(pooled, metrics)
     np.testing.assert_allclose(
         float(opj.LossParts(num, den).value()), float(full_loss), rtol=1e-5, atol=1e-6
     )

@@ -98,7 +98,7 @@ def test_a_surrogate_sees_rollout_and_key_and_reports_its_own_metrics(scratch_re
     np.testing.assert_allclose(float(loss), (2 / 3 + 4 / 4) / 2, rtol=1e-6)
     a, ma = opj.policy_loss_parts(old[:1], old[:1], rollout[:1], jnp.ones(1), mask[:1], cfg)
     b, mb = opj.policy_loss_parts(old[1:], old[1:], rollout[1:], jnp.ones(1), mask[1:], cfg)
-    pooled = opj.finalize_metrics(jax.tree.map(jnp.add, ma, mb))
+    pooled = opj.finalize_metrics(opj.pool_metric_parts(ma, mb))
     np.testing.assert_allclose(float(pooled["gap_far_fraction"]), (1 / 3 + 2 / 4) / 2, rtol=1e-6)
     f = jax.jit(lambda k: opj.policy_loss(old, old, rollout, jnp.ones(2), mask, cfg, key=k)[0])
     assert float(f(jax.random.key(0))) == float(f(jax.random.key(0)))

@@ -517,7 +517,7 @@ def test_micro_batches_pool_to_the_full_batch(b, config, data):
         (n, (d, metrics)), g = _jit_parts(config)(*(x[rows] for x in args), part_rewards)
         num, den = num + n, den + d
         grads.append(g)
-        pooled = metrics if pooled is None else jax.tree.map(jnp.add, pooled, metrics)
+        pooled = metrics if pooled is None else opj.pool_metric_parts(pooled, metrics)
     np.testing.assert_allclose(
         float(opj.LossParts(num, den).value()), float(full_loss), rtol=1e-5, atol=1e-6
     )

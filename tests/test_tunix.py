@@ -566,3 +566,17 @@ def test_example_runs_end_to_end():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "mis_k3_kl" in result.stdout and "loss" in result.stdout
+
+
+def test_metric_aggregators_pool_each_kind_by_its_rule():
+    """tunix combines a step's micro-batch scalars per key: the maxima by max, the minima
+    by min (a mean of maxima would understate the batch's), the means by mean."""
+    lc = opj.LossConfig(
+        algorithm="decoupled_ppo",
+        correction=opj.CorrectionConfig(use_tis=True, rs_criteria=("token_k1:2.0",)),
+    )
+    agg = otx.metric_aggregators(lc)
+    assert set(agg) == set(otx.metric_keys(lc))
+    assert agg["opj/mis_rs_token_k1_max"] is np.max
+    assert agg["opj/mis_is_ratio_min_before_bound"] is np.min
+    assert agg["opj/mis_k3_kl"] is np.mean and agg["pg_clipfrac"] is np.mean

@@ -27,7 +27,7 @@ from offpolicy_jax.losses.policy_loss import (
 )
 from offpolicy_jax.losses.registry import SurrogateInput, SurrogateTerms, register_surrogate
 from offpolicy_jax.losses.surrogates import PPOTerms, ppo_surrogate
-from offpolicy_jax.reduction import MeanParts, MeshAxes
+from offpolicy_jax.reduction import MeanParts, MeshAxes, pool_metric_parts
 from offpolicy_jax.vcpo import (
     ess_learning_rate_scale,
     opob_advantages,
@@ -63,6 +63,7 @@ __all__ = [
     "policy_loss",
     "policy_loss_parts",
     "policy_loss_terms",
+    "pool_metric_parts",
     "ppo_surrogate",
     "register_surrogate",
     "sequence_ess",

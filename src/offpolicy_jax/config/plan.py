@@ -19,11 +19,6 @@ from offpolicy_jax.losses.algorithms import ALGORITHMS, Algorithm
 
 __all__ = ["LossPlan", "resolve"]
 
-# The §4 mismatch metrics without a correction (non-finite sequences left out), and
-# with NeMo-RL's probability metrics when the config's correction asks for them.
-_METRICS_ONLY = CorrectionConfig()
-_METRICS_ONLY_WITH_PROBABILITIES = CorrectionConfig(probability_metrics=True)
-
 
 @dataclasses.dataclass(frozen=True)
 class LossPlan:
@@ -40,6 +35,8 @@ class LossPlan:
       needs_rollout: ``rollout_logp`` is required.
       approximates_old: π_old is approximated (``old_logp`` is not needed).
       versions_key: the config key that reads ``versions`` (for errors), or None.
+      nonfinite_rollout: the correction's ``nonfinite_rollout`` (``"reject"`` without a
+        ``CorrectionConfig``): how the loss reads a non-finite ``π_rollout``.
       The rest: the :class:`LossConfig` fields of the same names.
     """
 
@@ -52,6 +49,7 @@ class LossPlan:
     needs_rollout: bool
     approximates_old: bool
     versions_key: str | None
+    nonfinite_rollout: Literal["reject", "neutral"]
     prox_logp_method: str
     aggregation: str
     loss_scale_factor: float | None
@@ -90,9 +88,19 @@ def _mismatch_metrics(config: LossConfig, algorithm: Algorithm) -> CorrectionCon
     )
     if reported or not config.wants_mismatch_metrics:
         return None
-    if isinstance(correction, CorrectionConfig) and correction.probability_metrics:
-        return _METRICS_ONLY_WITH_PROBABILITIES
-    return _METRICS_ONLY
+    # §4 metrics without a correction, with NeMo-RL's probability metrics when the
+    # config's correction asks for them, reading non-finite π_rollout as it does.
+    return CorrectionConfig(
+        probability_metrics=isinstance(correction, CorrectionConfig)
+        and correction.probability_metrics,
+        nonfinite_rollout=_nonfinite_rollout(config),
+    )
+
+
+def _nonfinite_rollout(config: LossConfig) -> Literal["reject", "neutral"]:
+    """The correction's ``nonfinite_rollout`` (``"reject"`` without a CorrectionConfig)."""
+    correction = config.correction
+    return correction.nonfinite_rollout if isinstance(correction, CorrectionConfig) else "reject"
 
 
 def resolve(config: LossConfig) -> LossPlan:
@@ -111,6 +119,7 @@ def resolve(config: LossConfig) -> LossPlan:
         needs_rollout=algorithm.needs_rollout or wants_rollout,
         approximates_old=config.approximates_old,
         versions_key=_versions_key(config),
+        nonfinite_rollout=_nonfinite_rollout(config),
         prox_logp_method=config.prox_logp_method,
         aggregation=config.aggregation,
         loss_scale_factor=config.loss_scale_factor,

@@ -296,10 +296,15 @@ def effective_sample_size(sum_w: jax.Array, sum_w2: jax.Array, n: jax.Array) -> 
 
     verl's ``rollout_is_eff_sample_size`` (``1 / mean((w / mean w)²)``) is the same
     quantity. Sums run over the kept tokens.
+
+    Taken as ``(Σ w / n) · (Σ w / Σ w²)``, the weighted mean weight times the inverse
+    of the ``w``-weighted one: no sum is squared, so float mask weights of any scale
+    (each sum scales by it) give a finite value where ``(Σ w)²`` would overflow.
     """
-    denom = n * sum_w2
-    safe = jnp.where(denom > 0, denom, 1.0)
-    return jnp.where(denom > 0, sum_w * sum_w / safe, 0.0)
+    ok = (n > 0) & (sum_w2 > 0)
+    mean_w = sum_w / jnp.where(ok, n, 1.0)
+    inverse = sum_w / jnp.where(ok, sum_w2, 1.0)
+    return jnp.where(ok, mean_w * inverse, 0.0)
 
 
 def opsm_keep(mean_log_ratio: jax.Array, mean_advantage: jax.Array, delta: float) -> jax.Array:

@@ -36,7 +36,13 @@ from offpolicy_jax.config.rejection import RejectionSamplingConfig
 from offpolicy_jax.correction import criteria, ratios
 from offpolicy_jax.correction.criteria import Criterion
 from offpolicy_jax.correction.ratios import METRIC_LOG_CAP
-from offpolicy_jax.correction.stages import Decision, Extreme, Mean, Stage, prefix_min_delta
+from offpolicy_jax.correction.stages import (
+    Decision,
+    Mean,
+    Stage,
+    batch_extreme,
+    prefix_min_delta,
+)
 
 RuleFactory = Callable[[float], Stage]
 
@@ -54,23 +60,6 @@ def _all_axes(t) -> tuple[str, ...]:
     if axes is None:
         return ()
     return tuple(axes.batch) + tuple(axes.token)
-
-
-def batch_extreme(layout, per_seq: jax.Array, count: jax.Array, kind: str) -> Extreme:
-    """The batch max (``kind="max"``) or min of per-sequence values over non-empty
-    sequences (and devices), as an :class:`~offpolicy_jax.correction.stages.Extreme`: 0 for an empty
-    batch, pooled over micro-batches as an extreme, not a mean."""
-    nonempty = count > 0
-    fill = -jnp.inf if kind == "max" else jnp.inf
-    values = jnp.where(nonempty, per_seq, fill)
-    extreme = jnp.max(values, initial=fill) if kind == "max" else jnp.min(values, initial=fill)
-    n = jnp.sum(_indicator(nonempty))
-    axes = _batch_axes(layout)
-    if axes:
-        extreme = (jax.lax.pmax if kind == "max" else jax.lax.pmin)(extreme, axes)
-        n = jax.lax.psum(n, axes)
-    extreme = jnp.where(jnp.isfinite(extreme), extreme, 0.0)
-    return Extreme(extreme, n, kind)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,9 +99,9 @@ class EffectiveSampleSize(MeanParts):
 
     The ESS is not a ratio of two sums, so it cannot be a plain :class:`MeanParts`
     (whose pooled value would be the mean of the micro-batches' ESS). Here
-    ``numerator = Σ w``, ``denominator = Σ w²`` and ``count = n``: adding the parts of
-    micro-batches or devices (``+`` or ``jax.tree.map(jnp.add, ...)``) adds the sums,
-    and :meth:`value` applies the formula once.
+    ``numerator = Σ w``, ``denominator = Σ w²`` and ``count = n``: pooling the parts of
+    micro-batches or devices (``+``, :func:`~offpolicy_jax.pool_metric_parts`) adds
+    the sums, and :meth:`value` applies the formula once.
     """
 
     count: jax.Array
@@ -118,6 +118,11 @@ class EffectiveSampleSize(MeanParts):
             self.count + other.count,
         )
 
+    def all_reduce(self, axes: tuple[str, ...]) -> EffectiveSampleSize:
+        return EffectiveSampleSize(
+            *jax.lax.psum((self.numerator, self.denominator, self.count), axes)
+        )
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +130,11 @@ class Extreme(MeanParts):
     """A batch maximum (``kind="max"``) or minimum, kept so that it pools exactly.
 
     ``numerator`` is the extreme over the batch's non-empty sequences (0 when it has
-    none) and ``denominator`` their number. ``a + b`` (micro-batches, devices) is the
-    extreme over the parts that hold a sequence, and :meth:`value` is 0 for an empty
-    batch. Pool it with ``+`` (or :func:`pool`): ``jax.tree.map(jnp.add, ...)`` adds
-    its leaves, which pools a mean, not an extreme.
+    none) and ``denominator`` their number. ``a + b`` (micro-batches) and
+    :meth:`all_reduce` (devices: ``pmax`` / ``pmin``) give the extreme over the parts
+    that hold a sequence, and :meth:`value` is 0 for an empty batch. Pool dicts of
+    parts with :func:`~offpolicy_jax.pool_metric_parts`: ``jax.tree.map(jnp.add, ...)``
+    adds the leaves, which pools a mean, not an extreme.
     """
 
     kind: str = dataclasses.field(default="max", metadata={"static": True})
@@ -148,9 +154,37 @@ class Extreme(MeanParts):
         )
         return Extreme(value, self.denominator + other.denominator, self.kind)
 
+    def all_reduce(self, axes: tuple[str, ...]) -> Extreme:
+        # A device without a sequence holds 0, which must not win the extreme.
+        some = self.denominator > 0
+        if self.kind == "max":
+            extreme = jax.lax.pmax(jnp.where(some, self.numerator, -jnp.inf), axes)
+        else:
+            extreme = jax.lax.pmin(jnp.where(some, self.numerator, jnp.inf), axes)
+        n = jax.lax.psum(self.denominator, axes)
+        return Extreme(jnp.where(n > 0, extreme, 0.0), n, self.kind)
+
+
+def batch_extreme(layout, per_seq: jax.Array, count: jax.Array, kind: str) -> Extreme:
+    """The batch max (``kind="max"``) or min of per-sequence values over non-empty
+    sequences (and devices), as an :class:`~offpolicy_jax.correction.stages.Extreme`: 0 for an empty
+    batch, pooled over micro-batches as an extreme, not a mean."""
+    nonempty = count > 0
+    fill = -jnp.inf if kind == "max" else jnp.inf
+    values = jnp.where(nonempty, per_seq, fill)
+    extreme = jnp.max(values, initial=fill) if kind == "max" else jnp.min(values, initial=fill)
+    n = jnp.sum(jnp.where(nonempty, 1.0, 0.0))
+    axes = tuple(getattr(getattr(layout, "axes", None), "batch", ()) or ())
+    if axes:
+        extreme = (jax.lax.pmax if kind == "max" else jax.lax.pmin)(extreme, axes)
+        n = jax.lax.psum(n, axes)
+    extreme = jnp.where(jnp.isfinite(extreme), extreme, 0.0)
+    return Extreme(extreme, n, kind)
+
 
 def pool(a: Mapping[str, MeanParts], b: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
-    """Pools two dicts of metric parts key by key, each by its type's ``+``."""
+    """Pools two dicts of metric parts key by key, each by its type's ``+``
+    (:func:`~offpolicy_jax.pool_metric_parts` is the public form)."""
     return {key: a[key] + b[key] for key in a}
 
 
@@ -179,14 +213,20 @@ def prefix_min_delta(t: Tokens) -> jax.Array:
     return t.layout.exclusive_min(t.delta, t.population)
 
 
+def level_log_ratio(level: str, t: Tokens, sums: Mapping[str, jax.Array]) -> jax.Array:
+    """``agg(δ)`` before the ``±S`` clamp: ``[..., T]`` at a per-token level
+    (:data:`TOKEN_LEVELS`), else per sequence."""
+    if level == "token":
+        return t.delta
+    if level == "minpro":
+        return ratios.minpro_log_ratio(t.delta, prefix_min_delta(t))
+    return ratios.sequence_log_ratio(sums["delta"], sums["count"], level)
+
+
 def level_ratio(level: str, t: Tokens, sums: Mapping[str, jax.Array]) -> jax.Array:
     """``ρ = exp(clip(agg(δ), −S, S))``: ``[..., T]`` at a per-token level
     (:data:`TOKEN_LEVELS`), else per sequence."""
-    if level == "token":
-        return ratios.clamped_exp(t.delta)
-    if level == "minpro":
-        return ratios.clamped_exp(ratios.minpro_log_ratio(t.delta, prefix_min_delta(t)))
-    return ratios.clamped_exp(ratios.sequence_log_ratio(sums["delta"], sums["count"], level))
+    return ratios.clamped_exp(level_log_ratio(level, t, sums))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,6 +427,10 @@ def _weight_statistics(
     d.parts["mis_is_ratio_mean_final"] = MeanParts(after.numerator / mu, after.denominator)
     d.parts["mis_is_ratio_min_final"] = _reduce.seq_mean_of_values(low / mu, n_final, how)
     d.parts["mis_is_ratio_max_final"] = _reduce.seq_mean_of_values(high / mu, n_final, how)
+    # The batch's own extremes of the weights the loss uses (the two above average the
+    # sequences' extremes): the low tail a mean of minima hides.
+    d.parts["mis_is_ratio_batch_min_final"] = batch_extreme(t.layout, low / mu, n_final, "min")
+    d.parts["mis_is_ratio_batch_max_final"] = batch_extreme(t.layout, high / mu, n_final, "max")
     # ESS sums (invariant to μ): Σ w m', Σ w² m', Σ m' of the final mask.
     if d.weights_per_seq:
         some = n_final > 0

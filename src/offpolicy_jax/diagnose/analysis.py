@@ -15,10 +15,12 @@ key pools (:func:`population`):
   the valid tokens of each sequence, per-sequence ones are one value per sequence);
 * ``all``: every non-empty sequence (``mis_nonfinite_seq_fraction``);
 * ``final``: sequences that keep a token after rejection
-  (``mis_is_ratio_{mean,min,max}_{after_tis_rs,final}``; min and max are the mean of
-  per-sequence minima/maxima, so they pool like any mean);
+  (``mis_is_ratio_{mean,min,max}_{after_tis_rs,final}``, ``mis_is_ratio_fraction_*_final``;
+  min and max are the mean of per-sequence minima/maxima, so they pool like any mean);
+  the ``mis_is_ratio_*_before_bound`` shares are ``valid``;
 * ``max`` / ``min``: a rule's ``P_max`` / ``P_min`` (``mis_rs_<criterion>_*``,
-  ``mis_seq_logprob_error_*``) are batch extremes (their parts are
+  ``mis_seq_logprob_error_*``) and the ratio's ``mis_is_ratio_{min,max}_before_bound``
+  and ``mis_is_ratio_batch_{min,max}_final`` are batch extremes (their parts are
   :class:`offpolicy_jax.correction.stages.Extreme`, :func:`extreme_kinds`), not means: the max / min over the
   chunks that hold a valid sequence (a chunk without one reports 0, which must not
   win), 0 when no chunk does;
@@ -220,7 +222,7 @@ def population(key: str, config: opj.CorrectionConfig) -> str:
     extreme = extreme_kinds(config).get(key)
     if extreme is not None:
         return extreme
-    if key.startswith("mis_is_ratio_"):
+    if key.startswith("mis_is_ratio_") and not key.endswith("_before_bound"):
         return "final"
     if key == "mis_nonfinite_seq_fraction":
         return "all"
@@ -507,9 +509,11 @@ class Accumulator:
                 if kind == "batch":
                     continue
                 if kind in ("max", "min"):
-                    # A chunk without a valid sequence reports 0: it must not win.
+                    # A chunk without a valid (for a _final extreme: a kept) sequence
+                    # reports 0: it must not win.
                     best = extremes.setdefault(key, None)
-                    if entry["valid_seqs"] > 0:
+                    present = entry["D_final"] if key.endswith("_final") else entry["valid_seqs"]
+                    if present > 0:
                         pick = max if kind == "max" else min
                         best = float(value) if best is None else pick(best, float(value))
                         extremes[key] = best
@@ -627,7 +631,7 @@ class Accumulator:
                 extra = self.extra[name]
                 mean_w = extra["mu_num"] / extra["mu_den"] if extra.get("mu_den") else 0.0
             mu = float(normalizer(jnp.float32(mean_w)))
-            for key in ("mean", "min", "max"):
+            for key in ("mean", "min", "max", "batch_min", "batch_max"):
                 result[f"mis_is_ratio_{key}_final"] /= mu
         result["mis_batch_norm_factor"] = mu
         return result

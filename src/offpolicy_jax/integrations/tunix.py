@@ -75,6 +75,7 @@ __all__ = [
     "StepMetricsHook",
     "hidden_states_and_unembedding",
     "loss_config_from_tunix",
+    "metric_aggregators",
     "metric_keys",
     "offpolicy_policy_loss",
     "policy_token_logps",
@@ -678,15 +679,9 @@ def offpolicy_policy_loss(
 function_registry.register_policy_loss_fn(POLICY_LOSS_NAME)(offpolicy_policy_loss)
 
 
-def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[str, ...]:
-    """The ``aux`` keys :func:`offpolicy_policy_loss` returns for ``loss_config``.
-
-    They depend only on the config, packing and which optional inputs the example has,
-    never on data: these are the keys of an example with rollout log-probs only where
-    the config needs them and reference log-probs only where ``kl_coef > 0`` (the
-    :class:`OffPolicyGRPOLearner` logs them; an example with more inputs has more
-    keys). Found with ``jax.eval_shape`` on a tiny batch.
-    """
+def _abstract_call(loss_config: opj.LossConfig, packed: bool, parts: bool) -> Any:
+    """``jax.eval_shape`` of the loss on a tiny abstract batch: tunix's aux dict, or
+    (``parts``) the metric parts of ``policy_loss_parts`` (their types say how they pool)."""
     shape = (2, 4)
     # Abstract inputs (eval_shape arguments): nothing is computed or checked on values.
     zeros = jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -704,7 +699,8 @@ def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[s
             old_per_token_logps=zeros,
             segment_ids=ints if packed else None,
         )
-        loss, metrics = opj.policy_loss(
+        loss_fn: Any = opj.policy_loss_parts if parts else opj.policy_loss
+        loss, metrics = loss_fn(
             zeros,
             zeros,
             zeros if _needs_rollout_logps(loss_config) else None,
@@ -716,9 +712,41 @@ def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[s
             ref_logp=zeros if loss_config.kl_coef > 0 else None,
             entropy=zeros if loss_config.entropy_coef != 0 else None,
         )
-        return _aux(metrics, example, 1 if packed else None)
+        return metrics if parts else _aux(metrics, example, 1 if packed else None)
 
-    return tuple(sorted(jax.eval_shape(run, zeros, ints, mask)))
+    return jax.eval_shape(run, zeros, ints, mask)
+
+
+def metric_keys(loss_config: opj.LossConfig, *, packed: bool = False) -> tuple[str, ...]:
+    """The ``aux`` keys :func:`offpolicy_policy_loss` returns for ``loss_config``.
+
+    They depend only on the config, packing and which optional inputs the example has,
+    never on data: these are the keys of an example with rollout log-probs only where
+    the config needs them and reference log-probs only where ``kl_coef > 0`` (the
+    :class:`OffPolicyGRPOLearner` logs them; an example with more inputs has more
+    keys). Found with ``jax.eval_shape`` on a tiny batch.
+    """
+    return tuple(sorted(_abstract_call(loss_config, packed, parts=False)))
+
+
+def metric_aggregators(
+    loss_config: opj.LossConfig, *, packed: bool = False
+) -> dict[str, Callable[..., Any]]:
+    """How tunix combines each :func:`metric_keys` value over micro-batches and steps.
+
+    tunix logs one finished scalar per micro-batch, which cannot pool exactly as
+    :func:`offpolicy_jax.pool_metric_parts` pools the parts; what it can do is pool each
+    kind by its rule: ``np.max`` for a batch maximum (``mis_staleness_max``, a rule's
+    ``P_max``), ``np.min`` for a batch minimum, ``np.mean`` for every mean and share.
+    """
+    kinds = {
+        METRIC_PREFIX + key: getattr(part, "kind", None)
+        for key, part in _abstract_call(loss_config, packed, parts=True).items()
+    }
+    pick: dict[str | None, Callable[..., Any]] = {"max": np.max, "min": np.min}
+    return {
+        key: pick.get(kinds.get(key), np.mean) for key in metric_keys(loss_config, packed=packed)
+    }
 
 
 class StepMetricsHook(tunix_hooks.TrainingHooks):
@@ -809,9 +837,7 @@ class _CarriesRolloutLogps:
                 )
         self._rollouts = threading.local()
         _capture_outputs(rl_cluster, self._rollouts)
-        rl_cluster.actor_trainer.with_rl_metrics_to_log(
-            {key: np.mean for key in metric_keys(loss_config)}
-        )
+        rl_cluster.actor_trainer.with_rl_metrics_to_log(metric_aggregators(loss_config))
 
     # tunix 0.1.7 builds its TrainExample inside this private method and offers no
     # public hook to add a field: the one override of a private tunix method here (the

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -587,6 +587,9 @@ def _corrected(b: _Batch, plan: LossPlan, algo: Algorithm, precomputed) -> _Corr
             versions=versions[0],
             current_version=versions[1],
         )
+        # A reweighting correction counted the neutral reads against its own π_old.
+        if _NEUTRAL_KEY in done.parts:
+            mismatch.pop(_NEUTRAL_KEY, None)
         done.parts.update(mismatch)
     if plan.opsm_delta is None:
         return done
@@ -604,6 +607,21 @@ def _corrected(b: _Batch, plan: LossPlan, algo: Algorithm, precomputed) -> _Corr
     _, kept, opsm_parts = stages.run([opsm], tokens, weight_stats=False, batch_normalize=None)
     done.parts.update(opsm_parts)
     return done._replace(mask=jnp.where(kept > 0, done.mask, 0.0))
+
+
+_NEUTRAL_KEY = "mis_nonfinite_rollout_token_fraction"
+
+
+def _neutral_rollout(b: _Batch, plan: LossPlan, algo: Algorithm) -> _Batch:
+    """``nonfinite_rollout="neutral"``: the loss reads a non-finite ``π_rollout`` at a
+    valid token as the policy the correction compares it with (π_old, or ``sg(θ)``
+    where the algorithm has none), as the correction does: that token neither rejects
+    its sequence nor reaches a ratio as NaN."""
+    if b.rollout is None or plan.nonfinite_rollout != "neutral":
+        return b
+    old = b.policy(algo.is_numerator)
+    old = old if old is not None else b.theta_sg
+    return dataclasses.replace(b, rollout=staleness.neutral_rollout(old, b.rollout, b.mask)[0])
 
 
 def _rollout_abs_diff(b: _Batch, algo: Algorithm) -> jax.Array | None:
@@ -655,10 +673,14 @@ def _policy_term(
 
 
 def _pipeline(inputs: LossInputs, plan: LossPlan, axes, num_segments) -> PolicyLossTerms:
-    b = _prepare(inputs, plan, axes, num_segments)
+    raw = _prepare(inputs, plan, axes, num_segments)
+    # The correction reads the raw π_rollout (it counts the neutral reads itself);
+    # everything after it reads the filled one.
     algo = plan.algorithm
-    c = _corrected(b, plan, algo, inputs.correction_result)
-    policy = _policy_term(b, plan, algo, c, _rollout_abs_diff(b, algo))
+    b = _neutral_rollout(raw, plan, algo)
+    diff = _rollout_abs_diff(b, algo)
+    c = _corrected(raw, plan, algo, inputs.correction_result)
+    policy = _policy_term(b, plan, algo, c, diff)
     per_token, policy_columns = policy.loss, policy.columns
     columns = {
         "count": _reduce.count(c.mask),
@@ -773,9 +795,10 @@ def policy_loss_parts(
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
     """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
 
-    Add both over micro-batches (``a + b``, or ``jax.tree.map(jnp.add, ...)``), then
-    call ``.value()`` on the loss and :func:`offpolicy_jax.finalize_metrics` on the
-    metrics: the result equals the full-batch call. With batch normalisation
+    Pool both over micro-batches with :func:`offpolicy_jax.pool_metric_parts` (the
+    loss alone also with ``a + b``), then call ``.value()`` on the loss and
+    :func:`offpolicy_jax.finalize_metrics` on the metrics: the result equals the
+    full-batch call. With batch normalisation
     or sequence-level statistics that need the whole batch, compute the
     correction once on the full batch and pass it as ``correction_result``
     (normalising per micro-batch would bias the pooled loss).

@@ -2,16 +2,21 @@
 
 Per-sequence terms first (:func:`seq_mean`, :func:`seq_mean_of_values`), then batch
 totals (``Rows.batch_means``): adding the parts of micro-batches or devices and
-dividing once gives exactly the full-batch mean.
+dividing once gives exactly the full-batch mean. :func:`pool_metric_parts` pools
+whole dicts of parts, each part by its own rule (a mean adds, a batch extreme keeps
+the extreme).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+
+from offpolicy_jax.reduction.mesh import as_mesh_axes
 
 Reduction = Literal["sequence", "token"]
 REDUCTIONS: tuple[str, ...] = ("sequence", "token")
@@ -22,10 +27,14 @@ REDUCTIONS: tuple[str, ...] = ("sequence", "token")
 class MeanParts:
     """A mean kept as ``numerator / denominator`` so that it pools exactly.
 
-    The one poolable type of the library: losses (``LossParts`` is this type),
+    The base of the library's poolable types: losses (``LossParts`` is this type),
     metrics and their per-sequence terms before the batch sum. ``a + b`` pools two
-    of them (micro-batches, devices) into the same type; call :meth:`value` once,
-    at the end. A pytree, so ``jax.tree.map(jnp.add, a, b)`` pools too.
+    of them (micro-batches) into the same type, :meth:`all_reduce` pools them over
+    mesh axes inside ``shard_map``; call :meth:`value` once, at the end. Subclasses
+    pool by their own rule (a batch maximum keeps the larger one, the ESS adds its
+    three sums), so pool dicts of metric parts with :func:`pool_metric_parts`, never
+    with ``jax.tree.map(jnp.add, ...)``: that adds the leaves, which is right for a
+    mean and wrong for a maximum.
 
     Examples:
       >>> import jax.numpy as jnp, offpolicy_jax as opj
@@ -48,8 +57,79 @@ class MeanParts:
             return NotImplemented
         return MeanParts(self.numerator + other.numerator, self.denominator + other.denominator)
 
+    def all_reduce(self, axes: tuple[str, ...]) -> MeanParts:
+        """These parts pooled over the named mesh axes (inside ``shard_map``): the
+        numerator and the denominator ``psum``-ed, as ``+`` adds them."""
+        return MeanParts(*jax.lax.psum((self.numerator, self.denominator), axes))
+
     def __iter__(self):  # `num, den = parts`
         return iter((self.numerator, self.denominator))
+
+
+def _is_parts(x: Any) -> bool:
+    return isinstance(x, MeanParts)
+
+
+def _check_parts(x: Any) -> None:
+    if not isinstance(x, MeanParts):
+        raise TypeError(
+            f"pool_metric_parts pools MeanParts (the parts policy_loss_parts and "
+            f"correction_parts return), got {type(x).__name__}: a finished value (a mean, "
+            "a maximum) cannot be pooled exactly"
+        )
+
+
+def pool_metric_parts(*parts: Any, axis_names: Any = None) -> Any:
+    """Pools metric parts of micro-batches (and devices) into the full batch's parts.
+
+    Each part pools by its own rule: a :class:`MeanParts` mean adds its numerator and
+    denominator, a batch maximum or minimum (``mis_staleness_max``, a rule's ``P_max``
+    / ``P_min``, ``mis_minpro_prefix_ratio_min``, the ``mis_is_ratio_*`` extremes)
+    keeps the extreme over the parts that saw a sequence, ``mis_ess`` adds its sums.
+    Taking :func:`~offpolicy_jax.finalize_metrics` of the result gives exactly the
+    metrics of one call on the whole batch. ``jax.tree.map(jnp.add, ...)`` is wrong
+    here: it adds the maxima.
+
+    Args:
+      *parts: pytrees of metric parts with the same structure (usually the metric
+        dicts of ``policy_loss_parts`` for each micro-batch, or ``LossParts``).
+      axis_names: inside ``shard_map``, mesh axes to pool over as well (a name or
+        names): the sums are ``psum``-ed and the extremes ``pmax`` / ``pmin``-ed, so
+        devices that each hold whole sequences pool exactly as micro-batches do. Not
+        needed for parts computed with ``axis_names`` (they are pooled already).
+
+    Returns:
+      One pytree of the same structure.
+
+    Raises:
+      TypeError: no parts, or a leaf that is not a :class:`MeanParts` (a finished
+        value), naming its type. ValueError: token (context-parallel) axes.
+
+    Examples:
+      >>> import jax.numpy as jnp, offpolicy_jax as opj
+      >>> a = {"m": opj.MeanParts(jnp.float32(3.0), jnp.float32(2.0))}
+      >>> b = {"m": opj.MeanParts(jnp.float32(1.0), jnp.float32(2.0))}
+      >>> float(opj.finalize_metrics(opj.pool_metric_parts(a, b))["m"])
+      1.0
+    """
+    if not parts:
+        raise TypeError("pool_metric_parts needs at least one pytree of metric parts")
+    jax.tree.map(_check_parts, parts[0], is_leaf=_is_parts)
+    pooled = parts[0]
+    for more in parts[1:]:
+        pooled = jax.tree.map(lambda x, y: x + y, pooled, more, is_leaf=_is_parts)
+    axes = as_mesh_axes(axis_names)
+    if axes.token:
+        # A sequence split over devices has per-device partial means, which no pooling
+        # of finished parts makes exact: the library psums them inside the call.
+        raise ValueError(
+            "pool_metric_parts: axis_names may name data-parallel axes only, got token axes "
+            f"{axes.token}; pass axis_names to the loss or correction instead"
+        )
+    names: Sequence[str] = tuple(axes.batch)
+    if names:
+        pooled = jax.tree.map(lambda x: x.all_reduce(tuple(names)), pooled, is_leaf=_is_parts)
+    return pooled
 
 
 def safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
