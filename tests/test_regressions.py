@@ -6,7 +6,6 @@ Each test is named after the failure it guards against.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
