@@ -2,7 +2,7 @@
 
 Every rule of the correction (the TIS weight at its level and bound mode, rejection
 sampling, the veto, any further rejection criterion, the mismatch metric group) is a
-:class:`Stage`: it declares the per-token :class:`~offpolicy_jax._reduce.Column` s it
+:class:`Stage`: it declares the per-token :class:`~offpolicy_jax.reduction.Column` s it
 needs (``columns``) and turns their per-sequence sums into a :class:`Decision` (a keep
 mask, bounded weights, metrics). :func:`run` executes a list of stages:
 
