@@ -21,6 +21,7 @@ pytest.importorskip("matplotlib")
 
 from run_once import shared_folder
 
+from offpolicy_jax import cli as command_line
 from offpolicy_jax.demo import cli, engine, task, train
 from offpolicy_jax.demo.experiment import PRESETS
 from offpolicy_jax.demo.model import round_mantissa
@@ -43,7 +44,7 @@ def run_cli(out: Path, *flags: str) -> subprocess.CompletedProcess:
         [
             sys.executable,
             "-m",
-            "offpolicy_jax.demo.cli",
+            "offpolicy_jax",
             "demo",
             "--tiny",
             "--no-progress",
@@ -240,7 +241,7 @@ BAD = {
 @pytest.mark.parametrize("argv", list(BAD.values()), ids=list(BAD))
 def test_bad_input_is_one_line_and_exit_2(argv, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        cli.main(argv + (["--out", str(tmp_path / "o")] if argv[:1] == ["demo"] else []))
+        command_line.main(argv + (["--out", str(tmp_path / "o")] if argv[:1] == ["demo"] else []))
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("offpolicy-jax: error: ") and err.count("\n") == 1, err
@@ -251,7 +252,7 @@ def test_unwritable_output_dir(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(SystemExit) as e:
-        cli.main(["demo", "--tiny", "--out", str(blocker / "out")])
+        command_line.main(["demo", "--tiny", "--out", str(blocker / "out")])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("offpolicy-jax: error: cannot write to output directory")
@@ -260,7 +261,7 @@ def test_unwritable_output_dir(tmp_path, capsys):
 
 def test_console_entry_point_bad_input_has_no_traceback():
     script = Path(sys.executable).with_name("offpolicy-jax")  # installed by pip install -e .
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "offpolicy_jax.demo.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "offpolicy_jax"]
     proc = subprocess.run(
         [*command, "demo", "--algorithms", "nope"],
         capture_output=True,
@@ -355,7 +356,7 @@ def test_version(capsys):
     import offpolicy_jax
 
     with pytest.raises(SystemExit) as e:
-        cli.main(["--version"])
+        command_line.main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"offpolicy-jax {offpolicy_jax.__version__}"
 

@@ -407,14 +407,3 @@ def write_dumps(history, directory: Path, command: str = "") -> list[Path]:
     }
     (directory / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
     return written
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``offpolicy-jax ARGV...`` (kept here for older callers; see :mod:`offpolicy_jax.cli`)."""
-    from offpolicy_jax.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
