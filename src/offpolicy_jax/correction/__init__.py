@@ -15,5 +15,6 @@ this package exports the primitives that pool a correction's statistics by hand 
 from offpolicy_jax.correction.criteria import effective_sample_size
 from offpolicy_jax.correction.normalize import normalizer, normalizer_reduction
 from offpolicy_jax.correction.ratios import k3
+from offpolicy_jax.correction.stages import pool
 
-__all__ = ["effective_sample_size", "k3", "normalizer", "normalizer_reduction"]
+__all__ = ["effective_sample_size", "k3", "normalizer", "normalizer_reduction", "pool"]

@@ -150,7 +150,13 @@ class Extreme(MeanParts):
 
 
 def pool(a: Mapping[str, MeanParts], b: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
-    """Pools two dicts of metric parts key by key, each by its type's ``+``."""
+    """Pools two dicts of metric parts (two micro-batches', devices' or chunks') key by key.
+
+    Each part pools by its type's ``+``: a :class:`~offpolicy_jax.MeanParts` adds its
+    numerator and denominator, an :class:`Extreme` keeps the larger maximum or smaller
+    minimum. ``jax.tree.map(jnp.add, a, b)`` would add maxima instead. Both dicts must
+    have the same keys (those of ``a`` are pooled); ``finalize_metrics`` divides out.
+    """
     return {key: a[key] + b[key] for key in a}
 
 
