@@ -72,8 +72,8 @@ def _declared_all(module: str) -> list[str] | None:
 
 
 def _is_public_module(module: str) -> bool:
-    if module in PUBLIC_MODULES:
-        return True
+    if module in PUBLIC_MODULES or "." not in module:
+        return module in PUBLIC_MODULES
     parent, _, name = module.rpartition(".")
     return (
         _is_public_module(parent)
