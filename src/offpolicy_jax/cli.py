@@ -19,9 +19,6 @@ import importlib.util
 import sys
 from typing import NoReturn
 
-# Public: main (the command line in-process). The rest serves the subcommands' modules.
-__all__ = ["main"]
-
 PROG = "offpolicy-jax"
 
 #: The top-level modules each subcommand imports, by the extra that installs them.
