@@ -392,18 +392,6 @@ def test_untruncated_row_weights_are_the_full_ratio():
     np.testing.assert_allclose(loss2, -(2.0 + 2) / 3, rtol=1e-6)
 
 
-def test_old_row_names_still_work():
-    from offpolicy_jax.demo.experiment import DemoConfig
-
-    cfg = DemoConfig(algorithms=("reference", "decoupled_tis", "decoupled_mis", "reinforce_is"))
-    assert cfg.algorithms == (
-        "ppo:no-mismatch",
-        "decoupled_ppo+tis2",
-        "decoupled_ppo+mis",
-        "reinforce_is+mis",
-    )
-
-
 def test_collapsed_means_fell_and_did_not_recover():
     from offpolicy_jax.demo import report
 
@@ -429,7 +417,7 @@ def test_row_overrides_name_any_loss_config_field():
         algorithm="decoupled_ppo", correction=train.MIS, clip_eps=0.1, aggregation="token_mean"
     )
     assert r.name == "decoupled_ppo+mis/clip_eps=0.1/aggregation=token_mean" and r.mismatch
-    assert train.row("decoupled_tis/clip_eps=0.3").loss.correction == opj.VanillaTIS(clip=2.0)
+    assert train.row("decoupled_ppo+tis2/clip_eps=0.3").loss.correction == opj.VanillaTIS(clip=2.0)
     with pytest.raises(ValueError, match="'clip_epss' is not a LossConfig field"):
         train.row("ppo/clip_epss=0.1")
     with pytest.raises(ValueError, match="clip_eps"):
@@ -653,7 +641,7 @@ def test_replay_rows_and_the_routing_replay_flag():
     assert not train.row("decoupled_ppo+tis2").routing_replay
     with pytest.raises(ValueError, match="nothing to replay"):
         train.row("ppo:no-mismatch+replay")
-    assert cli._with_replay("decoupled_tis/gspo") == "decoupled_ppo+tis2+replay/gspo"
+    assert cli._with_replay("decoupled_ppo+tis2/gspo") == "decoupled_ppo+tis2+replay/gspo"
     assert cli._with_replay("ppo:no-mismatch") == "ppo:no-mismatch"
     assert cli._with_replay("ppo+replay") == "ppo+replay"
 
