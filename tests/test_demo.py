@@ -21,6 +21,7 @@ pytest.importorskip("matplotlib")
 
 from run_once import shared_folder
 
+from offpolicy_jax import cli as command_line
 from offpolicy_jax.demo import cli, engine, task, train
 from offpolicy_jax.demo.experiment import PRESETS
 from offpolicy_jax.demo.model import round_mantissa
@@ -43,7 +44,7 @@ def run_cli(out: Path, *flags: str) -> subprocess.CompletedProcess:
         [
             sys.executable,
             "-m",
-            "offpolicy_jax.demo.cli",
+            "offpolicy_jax",
             "demo",
             "--tiny",
             "--no-progress",
@@ -240,7 +241,7 @@ BAD = {
 @pytest.mark.parametrize("argv", list(BAD.values()), ids=list(BAD))
 def test_bad_input_is_one_line_and_exit_2(argv, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        cli.main(argv + (["--out", str(tmp_path / "o")] if argv[:1] == ["demo"] else []))
+        command_line.main(argv + (["--out", str(tmp_path / "o")] if argv[:1] == ["demo"] else []))
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("offpolicy-jax: error: ") and err.count("\n") == 1, err
@@ -251,7 +252,7 @@ def test_unwritable_output_dir(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(SystemExit) as e:
-        cli.main(["demo", "--tiny", "--out", str(blocker / "out")])
+        command_line.main(["demo", "--tiny", "--out", str(blocker / "out")])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("offpolicy-jax: error: cannot write to output directory")
@@ -260,7 +261,7 @@ def test_unwritable_output_dir(tmp_path, capsys):
 
 def test_console_entry_point_bad_input_has_no_traceback():
     script = Path(sys.executable).with_name("offpolicy-jax")  # installed by pip install -e .
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "offpolicy_jax.demo.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "offpolicy_jax"]
     proc = subprocess.run(
         [*command, "demo", "--algorithms", "nope"],
         capture_output=True,
@@ -355,7 +356,7 @@ def test_version(capsys):
     import offpolicy_jax
 
     with pytest.raises(SystemExit) as e:
-        cli.main(["--version"])
+        command_line.main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"offpolicy-jax {offpolicy_jax.__version__}"
 
@@ -391,18 +392,6 @@ def test_untruncated_row_weights_are_the_full_ratio():
     np.testing.assert_allclose(loss2, -(2.0 + 2) / 3, rtol=1e-6)
 
 
-def test_old_row_names_still_work():
-    from offpolicy_jax.demo.experiment import DemoConfig
-
-    cfg = DemoConfig(algorithms=("reference", "decoupled_tis", "decoupled_mis", "reinforce_is"))
-    assert cfg.algorithms == (
-        "ppo:no-mismatch",
-        "decoupled_ppo+tis2",
-        "decoupled_ppo+mis",
-        "reinforce_is+mis",
-    )
-
-
 def test_collapsed_means_fell_and_did_not_recover():
     from offpolicy_jax.demo import report
 
@@ -428,7 +417,7 @@ def test_row_overrides_name_any_loss_config_field():
         algorithm="decoupled_ppo", correction=train.MIS, clip_eps=0.1, aggregation="token_mean"
     )
     assert r.name == "decoupled_ppo+mis/clip_eps=0.1/aggregation=token_mean" and r.mismatch
-    assert train.row("decoupled_tis/clip_eps=0.3").loss.correction == opj.VanillaTIS(clip=2.0)
+    assert train.row("decoupled_ppo+tis2/clip_eps=0.3").loss.correction == opj.VanillaTIS(clip=2.0)
     with pytest.raises(ValueError, match="'clip_epss' is not a LossConfig field"):
         train.row("ppo/clip_epss=0.1")
     with pytest.raises(ValueError, match="clip_eps"):
@@ -652,7 +641,7 @@ def test_replay_rows_and_the_routing_replay_flag():
     assert not train.row("decoupled_ppo+tis2").routing_replay
     with pytest.raises(ValueError, match="nothing to replay"):
         train.row("ppo:no-mismatch+replay")
-    assert cli._with_replay("decoupled_tis/gspo") == "decoupled_ppo+tis2+replay/gspo"
+    assert cli._with_replay("decoupled_ppo+tis2/gspo") == "decoupled_ppo+tis2+replay/gspo"
     assert cli._with_replay("ppo:no-mismatch") == "ppo:no-mismatch"
     assert cli._with_replay("ppo+replay") == "ppo+replay"
 

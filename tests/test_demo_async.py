@@ -176,7 +176,7 @@ def test_async_preset_and_prox_only_run_from_the_command_line(tmp_path):
         command = [
             sys.executable,
             "-m",
-            "offpolicy_jax.demo.cli",
+            "offpolicy_jax",
             "demo",
             "--tiny",
             "--no-progress",

@@ -14,7 +14,7 @@ pytest.importorskip("matplotlib")
 from run_once import shared_folder  # noqa: E402
 
 import offpolicy_jax as opj  # noqa: E402
-from offpolicy_jax.demo import cli  # noqa: E402
+from offpolicy_jax import cli  # noqa: E402
 from offpolicy_jax.diagnose import (  # noqa: E402
     WHAT_IFS,
     DiagnoseError,
@@ -449,7 +449,7 @@ def _demo_dump(out, *flags):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
     dumps = out / "dumps"
-    argv = [sys.executable, "-m", "offpolicy_jax.demo.cli", "demo", "--tiny", "--no-progress"]
+    argv = [sys.executable, "-m", "offpolicy_jax", "demo", "--tiny", "--no-progress"]
     argv += ["--out", str(out / "demo"), "--dump-logprobs", str(dumps), *flags]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -256,7 +256,7 @@ def test_int64_token_ids_beyond_int32_raise_instead_of_wrapping():
 def _diagnose_cli(argv, capsys):
     pytest.importorskip("pyarrow")
     pytest.importorskip("matplotlib")
-    from offpolicy_jax.demo import cli
+    from offpolicy_jax import cli
 
     try:
         status = cli.main([*argv, "--no-progress"])
@@ -447,7 +447,7 @@ def _peak_rss_script() -> str:
     worker's own peak (4.6 GiB late in a full suite run) instead of diagnose's."""
     return (
         "import sys\n"
-        "from offpolicy_jax.demo import cli\n"
+        "from offpolicy_jax import cli\n"
         "status = cli.main(sys.argv[1:])\n"
         "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')]\n"
         "print('RSS_KB', hwm[0].split()[1])\n"
@@ -462,7 +462,7 @@ def test_peak_rss_probe_ignores_the_parent_processes_memory():
     import sys
 
     ballast = np.ones(512 * 1024 * 1024 // 8)  # 512 MiB touched in this process
-    script = _peak_rss_script().replace("from offpolicy_jax.demo import cli", "")
+    script = _peak_rss_script().replace("from offpolicy_jax import cli", "")
     script = script.replace("status = cli.main(sys.argv[1:])", "status = 0")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

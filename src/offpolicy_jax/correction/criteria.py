@@ -45,7 +45,6 @@ from offpolicy_jax._messages import close_match, shown
 LOG_RATIO_CLAMP = 20.0  # S, as ratios.LOG_RATIO_CLAMP (verl's SAFETY_BOUND)
 
 ESTIMATORS = ("k1", "k2", "k3")
-AGGREGATES = ("token", "seq_sum", "seq_mean", "seq_max")
 KL_CRITERIA: tuple[str, ...] = (
     "token_k1",
     "token_k2",

@@ -4,7 +4,7 @@ Every metric is a per-token value, or a per-sequence value broadcast to its
 tokens, reduced over a *population* (a float mask) with the caller's reduction:
 ``"sequence"`` = mean over the population's non-empty sequences of their masked
 means, ``"token"`` = token-weighted mean. They are returned as
-:class:`~offpolicy_jax._reduce.MeanParts` so that micro-batches and devices pool
+:class:`~offpolicy_jax.reduction.MeanParts` so that micro-batches and devices pool
 exactly; :func:`finalize` divides them out.
 
 :class:`MismatchMetrics` is the §4 metric group as a pipeline stage
@@ -28,20 +28,6 @@ from offpolicy_jax.correction.stages import Decision, Stage
 from offpolicy_jax.reduction import MeanParts
 
 _E2S_M1 = math.expm1(2 * LOG_RATIO_CLAMP)
-
-MISMATCH_METRIC_KEYS: tuple[str, ...] = (
-    "mis_training_log_ppl",
-    "mis_training_ppl",
-    "mis_rollout_log_ppl",
-    "mis_rollout_ppl",
-    "mis_kl",
-    "mis_k3_kl",
-    "mis_log_ppl_diff",
-    "mis_log_ppl_abs_diff",
-    "mis_ppl_ratio",
-    "mis_chi2_token",
-    "mis_chi2_seq",
-)
 
 
 @dataclasses.dataclass(frozen=True)

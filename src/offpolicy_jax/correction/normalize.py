@@ -19,11 +19,20 @@ MIN_NORMALIZER = 1e-8
 
 
 def normalizer_reduction(level: str) -> str:
-    """How ``μ`` averages: per token at the per-token levels (token, minpro), per
-    sequence otherwise (D4)."""
+    """How the batch normaliser ``μ`` averages the kept weights at an IS ``level``.
+
+    Per token (``"token"``) at the per-token levels (``"token"``, ``"minpro"``), per
+    sequence (``"sequence"``) at the others (docs/semantics.md §3.6, D4): ``μ`` is the
+    ``mis_is_ratio_mean_after_tis_rs`` of that reduction.
+    """
     return "token" if level in ("token", "minpro") else "sequence"
 
 
 def normalizer(mean_weight: jax.Array) -> jax.Array:
-    """``μ``: the mean kept weight, or 1 when it is not above :data:`MIN_NORMALIZER`."""
+    """The batch normaliser ``μ`` from the mean kept weight (docs/semantics.md §3.6).
+
+    ``tis_batch_normalize`` divides the weights by ``μ``: the mean kept weight itself,
+    or 1 when it is not above :data:`MIN_NORMALIZER` (1e-8; the weights are then left
+    unchanged). Pool the mean over micro-batches or chunks first, then take ``μ``.
+    """
     return jnp.where(mean_weight > MIN_NORMALIZER, mean_weight, 1.0)

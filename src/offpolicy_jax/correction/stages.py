@@ -2,7 +2,7 @@
 
 Every rule of the correction (the TIS weight at its level and bound mode, rejection
 sampling, the veto, any further rejection criterion, the mismatch metric group) is a
-:class:`Stage`: it declares the per-token :class:`~offpolicy_jax._reduce.Column` s it
+:class:`Stage`: it declares the per-token :class:`~offpolicy_jax.reduction.Column` s it
 needs (``columns``) and turns their per-sequence sums into a :class:`Decision` (a keep
 mask, bounded weights, metrics). :func:`run` executes a list of stages:
 
@@ -183,8 +183,14 @@ def batch_extreme(layout, per_seq: jax.Array, count: jax.Array, kind: str) -> Ex
 
 
 def pool(a: Mapping[str, MeanParts], b: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
-    """Pools two dicts of metric parts key by key, each by its type's ``+``
-    (:func:`~offpolicy_jax.pool_metric_parts` is the public form)."""
+    """Pools two dicts of metric parts (two micro-batches', devices' or chunks') key by key
+    (:func:`~offpolicy_jax.pool_metric_parts` is the public form).
+
+    Each part pools by its type's ``+``: a :class:`~offpolicy_jax.MeanParts` adds its
+    numerator and denominator, an :class:`Extreme` keeps the larger maximum or smaller
+    minimum. ``jax.tree.map(jnp.add, a, b)`` would add maxima instead. Both dicts must
+    have the same keys (those of ``a`` are pooled); ``finalize_metrics`` divides out.
+    """
     return {key: a[key] + b[key] for key in a}
 
 

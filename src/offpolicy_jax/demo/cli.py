@@ -354,7 +354,7 @@ def _write_results(history: History, args: argparse.Namespace, out: Path, comman
 def _with_replay(name: str) -> str:
     """``name`` with routing replay: ``+replay`` after its base row (rows without mismatch
     and rows that already replay are kept)."""
-    from offpolicy_jax.demo.train import REPLAY_SUFFIX, resolve, row
+    from offpolicy_jax.demo.train import REPLAY_SUFFIX, row
 
     try:
         algo = row(name)
@@ -362,7 +362,7 @@ def _with_replay(name: str) -> str:
         return name  # DemoConfig reports the unknown row
     if not algo.mismatch or algo.routing_replay:
         return name
-    base, sep, rest = resolve(name).partition("/")
+    base, sep, rest = name.partition("/")
     return base + REPLAY_SUFFIX + sep + rest
 
 
@@ -407,14 +407,3 @@ def write_dumps(history, directory: Path, command: str = "") -> list[Path]:
     }
     (directory / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
     return written
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``offpolicy-jax ARGV...`` (kept here for older callers; see :mod:`offpolicy_jax.cli`)."""
-    from offpolicy_jax.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -43,8 +43,7 @@ class DemoConfig:
     dump_steps: tuple[int, ...] = ()
 
     def __post_init__(self):
-        # Older row names (``reference``, ``decoupled_tis``, ...) name the same rows.
-        object.__setattr__(self, "algorithms", tuple(train.resolve(a) for a in self.algorithms))
+        object.__setattr__(self, "algorithms", tuple(self.algorithms))
         if self.steps < 1:
             raise ValueError(f"steps must be a positive integer, got {self.steps}")
         if self.seeds < 1:

@@ -201,21 +201,6 @@ def needs_old_pass(loss: opj.LossConfig) -> bool:
     return loss.algorithm in ("ppo", "decoupled_ppo") and not loss.approximates_old
 
 
-#: Names of earlier versions of the demo, still accepted (``--algorithms reference,...``).
-ALIASES = {
-    "reference": "ppo:no-mismatch",
-    "decoupled_tis": "decoupled_ppo+tis2",
-    "decoupled_mis": "decoupled_ppo+mis",
-    "reinforce_is": "reinforce_is+mis",
-}
-
-
-def resolve(name: str) -> str:
-    """The row name for ``name`` or one of its older :data:`ALIASES` (overrides kept)."""
-    base, sep, rest = name.partition("/")
-    return ALIASES.get(base, base) + sep + rest
-
-
 #: The ``LossConfig`` field a bare override names: ``ROW/gspo`` = ``ROW/policy_loss=gspo``.
 DEFAULT_OVERRIDE = "policy_loss"
 
@@ -223,7 +208,7 @@ DEFAULT_OVERRIDE = "policy_loss"
 def row(name: str) -> Algorithm:
     """The row called ``name``: ``ROW[/field=value]...``.
 
-    ``ROW`` is a row of :data:`ALGORITHMS` (or an alias), optionally followed by
+    ``ROW`` is a row of :data:`ALGORITHMS`, optionally followed by
     ``+replay`` (routing replay, R3: the trainer reuses the engine's expert choices;
     ``ppo+replay``, ``decoupled_ppo+tis2+replay``); each ``/field=value`` replaces
     one field of its ``opj.LossConfig`` (the value is read as a YAML scalar:
@@ -237,7 +222,7 @@ def row(name: str) -> Algorithm:
     """
     import yaml
 
-    base, *overrides = resolve(name).split("/")
+    base, *overrides = name.split("/")
     replay = base.endswith(REPLAY_SUFFIX) and base.removesuffix(REPLAY_SUFFIX) in ALGORITHMS
     if replay:
         base = base.removesuffix(REPLAY_SUFFIX)

@@ -21,7 +21,7 @@ key pools (:func:`population`):
 * ``max`` / ``min``: a rule's ``P_max`` / ``P_min`` (``mis_rs_<criterion>_*``,
   ``mis_seq_logprob_error_*``) and the ratio's ``mis_is_ratio_{min,max}_before_bound``
   and ``mis_is_ratio_batch_{min,max}_final`` are batch extremes (their parts are
-  :class:`offpolicy_jax.correction.stages.Extreme`, :func:`extreme_kinds`), not means: the max / min over the
+  :class:`offpolicy_jax.rules.Extreme`, :func:`extreme_kinds`), not means: the max / min over the
   chunks that hold a valid sequence (a chunk without one reports 0, which must not
   win), 0 when no chunk does;
 * ``batch``: ``mis_ess`` and ``mis_batch_norm_factor``, functions of batch-wide sums,
@@ -30,7 +30,7 @@ key pools (:func:`population`):
 Batch normalisation (``tis_batch_normalize``) divides by a *global* ``μ``, so the
 chunks run without it and ``μ`` is applied once to the pooled mean (§3.6): it is the
 pooled ``mis_is_ratio_mean_after_tis_rs`` (taken in the normaliser's own reduction),
-through :func:`offpolicy_jax.correction.normalize.normalizer`. Refused: mask-mode TIS (its
+through :func:`offpolicy_jax.correction.normalizer`. Refused: mask-mode TIS (its
 ``mis_tis_weight_after_bound`` averages over a population no output reveals) and
 M2PO (``m2po_tau``: its cut-off is a function of the whole batch).
 """
@@ -49,9 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import offpolicy_jax as opj
-from offpolicy_jax.correction import criteria, ratios
-from offpolicy_jax.correction.normalize import normalizer, normalizer_reduction
-from offpolicy_jax.correction.stages import Extreme
+from offpolicy_jax import correction
+from offpolicy_jax.reduction import MeshAxes, layout
 
 # Symmetric log bins for a log-ratio δ: |δ| < 1e-6 is the centre bin, then 20 bins per
 # decade up to |δ| = 100 (the last bins hold everything beyond), mirrored for δ < 0.
@@ -199,20 +198,26 @@ METRICS_ONLY = opj.CorrectionConfig(probability_metrics=True)
 @functools.cache
 def extreme_kinds(config: opj.CorrectionConfig) -> dict[str, str]:
     """The metric keys of ``config`` that are batch extremes, with ``"max"`` / ``"min"``:
-    the :class:`~offpolicy_jax.correction.stages.Extreme` parts of the correction (read from the
+    the :class:`~offpolicy_jax.rules.Extreme` parts of the correction (read from the
     types its metric parts have, without computing anything)."""
-    from offpolicy_jax import reduction
-    from offpolicy_jax.correction import compute as correction
+    # The keys that need per-token versions or rewrite the rollout log-probs add no batch
+    # extreme to a dump without versions; the chain of the other keys is the config's.
+    chain = opj.rules.from_config(
+        dataclasses.replace(
+            config,
+            max_weight_staleness=None,
+            mask_offpolicy_in_partial_rollout=False,
+            nonfinite_rollout="reject",
+        )
+    )
 
     def parts(old, rollout, mask):
-        layout = reduction.layout(reduction.MeshAxes(), None, None, old.shape)
-        return correction.correction_parts(
-            old, rollout, mask, config, reduction="sequence", layout=layout
-        )[2]
+        rows = layout(MeshAxes(), None, None, old.shape)
+        return chain.parts(old, rollout, mask, reduction="sequence", layout=rows)[2]
 
     x = jax.ShapeDtypeStruct((1, 2), jnp.float32)
     shapes = jax.eval_shape(parts, x, x, x)
-    return {key: p.kind for key, p in shapes.items() if isinstance(p, Extreme)}
+    return {key: p.kind for key, p in shapes.items() if isinstance(p, opj.rules.Extreme)}
 
 
 def population(key: str, config: opj.CorrectionConfig) -> str:
@@ -277,7 +282,7 @@ def _k3_stats(delta, mask, use, n_valid):
     token terms and a histogram of each sequence's mean k3 (a robust statistic beside
     the mean, which a few tokens at e^20 can carry alone)."""
     b, t = delta.shape
-    k3 = jnp.where(use, ratios.k3(delta) * jnp.where(use, mask, 0.0), 0.0)
+    k3 = jnp.where(use, correction.k3(delta) * jnp.where(use, mask, 0.0), 0.0)
     seq_mean = jnp.where(n_valid > 0, jnp.sum(k3, -1) / jnp.where(n_valid > 0, n_valid, 1.0), 0.0)
     seq_hist = (
         jnp.zeros(N_K3_BINS, jnp.float32)
@@ -309,7 +314,7 @@ def _config_stats(old, rollout, mask, config, reduction, n_valid):
         "sum_w2": jnp.sum(jnp.where(kept, jnp.square(res.weights), 0.0)),
     }
     if config.use_tis and config.tis_batch_normalize:
-        how: Any = normalizer_reduction(config.tis_level)  # "token" or "sequence"
+        how: Any = correction.normalizer_reduction(config.tis_level)  # "token" or "sequence"
         if how != reduction:  # μ averages in its own reduction (§3.6, D4)
             other = opj.compute_correction(old, rollout, mask, stripped, reduction=how)
             entry["mu_mean"] = other.metrics["mis_is_ratio_mean_after_tis_rs"]
@@ -608,7 +613,7 @@ class Accumulator:
         """``mis_ess`` of the whole dump from its pooled sums (invariant to the normaliser μ)."""
         extra = self.extra[name]
         return float(
-            criteria.effective_sample_size(
+            correction.effective_sample_size(
                 jnp.float32(extra.get("sum_w", 0.0)),
                 jnp.float32(extra.get("sum_w2", 0.0)),
                 jnp.float32(extra.get("kept_tokens", 0.0)),
@@ -625,12 +630,12 @@ class Accumulator:
         result["mis_ess"] = self._ess(name)
         mu = 1.0
         if config.tis_batch_normalize:
-            if normalizer_reduction(config.tis_level) == self.reduction:
+            if correction.normalizer_reduction(config.tis_level) == self.reduction:
                 mean_w = result["mis_is_ratio_mean_after_tis_rs"]
             else:
                 extra = self.extra[name]
                 mean_w = extra["mu_num"] / extra["mu_den"] if extra.get("mu_den") else 0.0
-            mu = float(normalizer(jnp.float32(mean_w)))
+            mu = float(correction.normalizer(jnp.float32(mean_w)))
             for key in ("mean", "min", "max", "batch_min", "batch_max"):
                 result[f"mis_is_ratio_{key}_final"] /= mu
         result["mis_batch_norm_factor"] = mu

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from offpolicy_jax import vcpo
+from offpolicy_jax import ess_learning_rate_scale
 from offpolicy_jax.reduction import MeanParts
 
 __all__ = ["ScaleByESSState", "scale_by_ess"]
@@ -74,8 +74,13 @@ def scale_by_ess(
       ValueError: an unknown ``scaling_rule`` or a non-positive ``base_ess_ratio``
         (at construction); ``update`` called without ``ess`` (at trace time).
     """
-    vcpo.check_scaling_rule(scaling_rule)
-    vcpo.check_base_ess_ratio(base_ess_ratio)
+    # The factor's own checks, run now (a ValueError naming the argument) without computing.
+    jax.eval_shape(
+        lambda ess: ess_learning_rate_scale(
+            ess, base_ess_ratio=base_ess_ratio, scaling_rule=scaling_rule
+        ),
+        jax.ShapeDtypeStruct((), jnp.float32),
+    )
 
     def init_fn(params):
         del params
@@ -90,7 +95,7 @@ def scale_by_ess(
             )
         if not isinstance(ess, MeanParts) and jnp.ndim(ess) != 0:
             raise ValueError(f"scale_by_ess: ess must be a scalar, got shape {jnp.shape(ess)}")
-        scale = vcpo.ess_learning_rate_scale(
+        scale = ess_learning_rate_scale(
             ess, base_ess_ratio=base_ess_ratio, scaling_rule=scaling_rule
         )
 

@@ -59,6 +59,16 @@ from offpolicy_jax.config.loss import LossConfig
 from offpolicy_jax.correction import criteria
 from offpolicy_jax.losses import registry
 
+__all__ = [
+    "LEGACY_KEYS",
+    "VERL_KEYS",
+    "VERL_LEGACY_VERSIONS",
+    "VERL_PRESETS",
+    "VERL_VERSION",
+    "correction_from_verl",
+    "loss_from_verl",
+]
+
 VERL_VERSION = "verl main after v0.7.0 (RolloutCorrectionConfig of commit 97eac90, 2026-01-14, on)"
 """The verl release whose ``rollout_correction`` keys the readers follow."""
 VERL_LEGACY_VERSIONS = "verl v0.6.1 and v0.7.0"
@@ -82,7 +92,6 @@ LEGACY_KEYS: tuple[str, ...] = (
     "use_policy_gradient",
 )
 """Keys of :data:`VERL_LEGACY_VERSIONS` that later verl dropped, read all the same."""
-LOSS_ONLY_KEYS = ("bypass_mode", "loss_type", "use_policy_gradient")
 IS_LEVELS = ("token", "sequence")
 # verl v0.6.1 / v0.7.0's rollout_rs: one aggregation level of the ratio π_old / π_rollout.
 LEGACY_RS_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")

@@ -10,4 +10,10 @@ The public names are re-exported by :mod:`offpolicy_jax`.
 
 # The built-in surrogates register themselves on import: importing the package fills
 # the registry, so a name is found wherever the registry is reachable.
-from offpolicy_jax.losses import builtins as _builtins  # noqa: E402, F401
+from offpolicy_jax.losses import builtins as _builtins  # noqa: F401
+from offpolicy_jax.losses.registry import SurrogateInput, SurrogateTerms, register_surrogate
+from offpolicy_jax.losses.surrogates import PPOTerms, ppo_surrogate
+
+# The entry points (policy_loss and its kin) import the config layer, which imports this
+# package: they are exported by offpolicy_jax, above both.
+__all__ = ["PPOTerms", "SurrogateInput", "SurrogateTerms", "ppo_surrogate", "register_surrogate"]
