@@ -296,6 +296,29 @@ def monitoring_metrics(o, b, m, reduction: str) -> dict[str, float]:
 # --------------------------------------------------------------------------------------
 
 
+def _batch_extreme(values: np.ndarray, population: np.ndarray, kind: str) -> float:
+    """The batch min or max of ``values`` over ``population > 0`` (0 if empty)."""
+    x = values[np.broadcast_to(population > 0, values.shape)]
+    return float((x.min() if kind == "min" else x.max()) if x.size else 0.0)
+
+
+def _tails_before_bound(lam, m, mode: str, lower: float, upper: float, reduction: str):
+    """Both tails of the ratio before any bound or clamp: the batch extremes of
+    ``exp(min(λ, 50))`` over the valid tokens and, where the mode bounds, the shares of
+    valid tokens with the unclamped ratio below ``L`` / above ``U``."""
+    ratio = np.exp(np.minimum(lam, 50.0))
+    out = {
+        "mis_is_ratio_min_before_bound": _batch_extreme(ratio, m, "min"),
+        "mis_is_ratio_max_before_bound": _batch_extreme(ratio, m, "max"),
+    }
+    if mode != "none":
+        for side, outside in (("low", ratio < lower), ("high", ratio > upper)):
+            out[f"mis_is_ratio_fraction_{side}_before_bound"] = reduce_metric(
+                outside.astype(np.float64), m, reduction
+            )
+    return out
+
+
 def _apply_mode(rho, mode: str, lower: float, upper: float):
     """§3.2: bound the raw weights ``ρ``; returns ``(w, keep, fractions)``.
 
@@ -422,8 +445,10 @@ def _correction_core(
             tis_level = rejection_sampling["level"]  # batch normalisation's reduction
         else:
             # 1. weights before bound
-            rho = clamped_exp(aggregate_level(delta, m_valid, tis_level))
+            lam = aggregate_level(delta, m_valid, tis_level)
+            rho = clamped_exp(lam)
             metrics["mis_tis_weight_before_bound"] = reduce_metric(rho, m_valid, reduction)
+            metrics.update(_tails_before_bound(lam, m_valid, tis_mode, lower, upper, reduction))
 
             # 2. mode
             w, keep_mode, fractions = _apply_mode(rho, tis_mode, lower, upper)
@@ -472,6 +497,11 @@ def _correction_core(
 
         # 5. mean of the bounded weights over the final mask
         metrics["mis_is_ratio_mean_after_tis_rs"] = reduce_metric(w, m_final, reduction)
+        if rejection_sampling is None and tis_mode != "none":
+            for side, outside in (("low", w < lower), ("high", w > upper)):
+                metrics[f"mis_is_ratio_fraction_{side}_final"] = reduce_metric(
+                    outside.astype(np.float64), m_final, reduction
+                )
 
         # 6. batch normalisation
         mu = 1.0
@@ -486,6 +516,7 @@ def _correction_core(
             metrics[f"mis_is_ratio_{kind}_final"] = reduce_metric(
                 _seq_broadcast(ext, m.shape), m_final, reduction
             )
+            metrics[f"mis_is_ratio_batch_{kind}_final"] = _batch_extreme(w, m_final, kind)
         metrics["mis_ess"] = rules_ref.ess(w, m_final)
         return np.where(m_final > 0, w, 0.0), m_final, metrics
 
