@@ -1,0 +1,85 @@
+"""The binary (Bernoulli) KL between two probabilities of one sampled token: KPop's statistic.
+
+KPop (Guo et al., Ant Group, 2026, https://ringtech.notion.site/kpop) treats the sampled
+token as a Bernoulli event, this token against the rest of the vocabulary, and compares
+the trainer's probability ``p`` of it with the engine's ``q``:
+
+    D_B(p‖q) = p·log(p/q) + (1 − p)·log((1 − p)/(1 − q)),
+
+which is ``≥ 0``, ``0`` iff ``p = q``, and (unlike the ratio ``p / q``) tight for
+confident tokens and loose for rare ones. The home systems (verl ``rollout_rs:
+"binary_kl"``, AReaL's ``kpop`` rejection, prime-rl's ``kpop`` loss) clamp both
+probabilities to ``[ε, 1 − ε]`` (``ε = 1e-6``) in float32 so the complement terms stay
+finite; a token is kept when both directions are within the threshold φ.
+
+This module holds the formula only; the rule, the loss and the metrics that use it live
+beside the other rules and losses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+__all__ = ["BINARY_KL_EPS", "binary_kl", "bidirectional_binary_kl"]
+
+BINARY_KL_EPS = 1e-6
+"""ε of the home systems' clamp of both probabilities to ``[ε, 1 − ε]``."""
+
+
+def _clamped_logs(logp: jax.Array, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(log p, p, log(1 − p))`` of ``p = clip(e^logp, ε, 1 − ε)``, in float32.
+
+    The clamp is applied to the log-probability (the same set of values, without
+    rounding ``e^logp`` first), and ``log(1 − p)`` is taken as ``log(−expm1(log p))``,
+    exact where ``p`` is within a few ulp of 1.
+    """
+    low = jnp.float32(math.log(eps))
+    high = jnp.float32(math.log1p(-eps))
+    log_p = jnp.clip(logp.astype(jnp.float32), low, high)
+    return log_p, jnp.exp(log_p), jnp.log(-jnp.expm1(log_p))
+
+
+def binary_kl(logp: ArrayLike, logq: ArrayLike, *, eps: float = BINARY_KL_EPS) -> jax.Array:
+    """``D_B(p‖q)`` per token from log-probabilities, clamped to ``≥ 0``.
+
+    ``D_B(p‖q) = p·(log p − log q) + (1 − p)·(log(1 − p) − log(1 − q))`` with
+    ``p = clip(e^logp, ε, 1 − ε)`` and ``q = clip(e^logq, ε, 1 − ε)`` in float32.
+    Float32 cancellation can leave the two terms a few ulp below zero (``−4.5e-8``);
+    the divergence is never negative, so the result is ``max(·, 0)``.
+
+    Args:
+      logp: ``[...]`` log-probability of the sampled token under the first policy.
+      logq: ``[...]`` the same token's log-probability under the second policy
+        (broadcastable with ``logp``).
+      eps: the clamp ``ε`` of both probabilities, in ``(0, 0.5)``.
+
+    Returns:
+      ``[...]`` float32 divergence (garbage where an input is not a log-probability:
+      mask the result with ``jnp.where``).
+    """
+    if not 0.0 < eps < 0.5:
+        raise ValueError(f"binary_kl: eps must be in (0, 0.5), got {eps!r}")
+    log_p, p, log_1mp = _clamped_logs(jnp.asarray(logp), eps)
+    log_q, _, log_1mq = _clamped_logs(jnp.asarray(logq), eps)
+    value = p * (log_p - log_q) + (1.0 - p) * (log_1mp - log_1mq)
+    return jnp.maximum(value, 0.0)
+
+
+def bidirectional_binary_kl(
+    logp: ArrayLike, logq: ArrayLike, *, eps: float = BINARY_KL_EPS
+) -> jax.Array:
+    """``max(D_B(p‖q), D_B(q‖p))`` per token: KPop keeps a token when this is within φ.
+
+    Args:
+      logp: ``[...]`` log-probability of the sampled token under the trainer.
+      logq: ``[...]`` its log-probability under the engine (broadcastable).
+      eps: the probability clamp ``ε`` (:data:`BINARY_KL_EPS`).
+
+    Returns:
+      ``[...]`` float32, ``≥ 0``.
+    """
+    return jnp.maximum(binary_kl(logp, logq, eps=eps), binary_kl(logq, logp, eps=eps))
