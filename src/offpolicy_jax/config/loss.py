@@ -212,6 +212,7 @@ class LossConfig:
     clip_cov_ub = _Hyperparameter[float | None]()
     kl_cov_ratio = _Hyperparameter[float | None]()
     ppo_kl_coef = _Hyperparameter[float | None]()
+    beta2 = _Hyperparameter[float | None]()
     # The clip range's resolved upper ε (``clip_eps_high`` or ``clip_eps``).
     upper_clip_eps = _Hyperparameter[float]()
 

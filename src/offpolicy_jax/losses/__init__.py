@@ -11,6 +11,7 @@ The public names are re-exported by :mod:`offpolicy_jax`.
 # The built-in surrogates register themselves on import: importing the package fills
 # the registry, so a name is found wherever the registry is reachable.
 from offpolicy_jax.losses import builtins as _builtins  # noqa: F401
+from offpolicy_jax.losses import oapl as _oapl  # noqa: F401
 from offpolicy_jax.losses.registry import SurrogateInput, SurrogateTerms, register_surrogate
 from offpolicy_jax.losses.surrogates import PPOTerms, ppo_surrogate
 
