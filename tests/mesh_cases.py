@@ -268,6 +268,8 @@ _SURROGATE_HYPER: dict[str, dict] = {
     # random choice, sharded == unsharded included).
     "clip_cov": dict(clip_eps=0.05, clip_cov_ratio=1.0, clip_cov_lb=0.02, clip_cov_ub=5.0),
     "kl_cov": dict(kl_cov_ratio=0.15, ppo_kl_coef=0.5),
+    # β₂ large enough that the sequence log-ratio moves the residual on the test batches.
+    "oapl": dict(beta2=0.05),
 }
 # The PRNG key of every loss call (policy_loss(key=...)): clip_cov draws its tokens with it.
 KEY_SEED = 7
@@ -370,6 +372,14 @@ def _surrogate_losses() -> dict[str, tuple[opj.LossConfig, str]]:
             "row_mean",
             None,
             dict(positive_example_nll_weight=0.05, kl_coef=0.02, kl_estimator="k3"),
+        ),
+        # OAPL's own setting: the inference engine's log-probs, each sequence once.
+        "bypass_oapl_rejection_sequence_mean": (
+            "bypass_ppo",
+            "oapl",
+            "sequence_mean",
+            _BYPASS_REJECTION,
+            {},
         ),
         "bypass_dro_kl_k2_entropy_sequence_sum_norm": (
             "bypass_ppo",

@@ -17,6 +17,7 @@ MODULES = [
     "offpolicy_jax.logprobs.sampling_support",
     "offpolicy_jax.losses.surrogates",
     "offpolicy_jax.vcpo",
+    "offpolicy_jax.losses.oapl",
     "offpolicy_jax.integrations.optax",
 ]
 

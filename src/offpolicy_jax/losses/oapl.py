@@ -123,7 +123,7 @@ def oapl_advantages(
     """OAPL's optimal advantages ``Â*_i = r_i − V̂*(x)`` of one prompt's group (paper Eq. 2).
 
     ``V̂*(x) = β₁·ln((1/G)·Σ_i exp(r_i/β₁))`` over the group's counted completions (the
-    last axis), computed as a shifted log-sum-exp so that large ``r/β₁`` stay finite.
+    last axis), computed about the group's largest ``r/β₁`` so that large ``r/β₁`` stay finite.
     ``β₁ → 0`` gives ``max_i r_i``, ``β₁ → ∞`` the mean reward. Pass the result as the
     advantages of the ``oapl`` surrogate, broadcast over each completion's tokens.
 
@@ -149,7 +149,9 @@ def oapl_advantages(
     z = jnp.where(counted, r / beta1, -jnp.inf)
     shift = jnp.max(z, axis=-1, keepdims=True)
     shift = jnp.where(jnp.isfinite(shift), shift, 0.0)
-    total = jnp.sum(jnp.where(counted, jnp.exp(z - shift), 0.0), axis=-1, keepdims=True)
-    n = jnp.sum(counted, axis=-1, keepdims=True)
-    log_mean = shift + jnp.log(jnp.maximum(total, 1e-30)) - jnp.log(jnp.maximum(n, 1))
+    # ln mean exp(z) = shift + ln(1 + mean(expm1(z − shift))): the mean of expm1 keeps
+    # the small differences a large β₁ leaves (exp rounds them to 1, V̂* to the max).
+    excess = jnp.sum(jnp.where(counted, jnp.expm1(z - shift), 0.0), axis=-1, keepdims=True)
+    n = jnp.maximum(jnp.sum(counted, axis=-1, keepdims=True), 1)
+    log_mean = shift + jnp.log1p(excess / n)
     return jnp.where(counted, r - beta1 * log_mean, 0.0)
