@@ -17,6 +17,7 @@ from offpolicy_jax.correction.ratios import METRIC_LOG_CAP
 from offpolicy_jax.interop.packing import PackedSequences, pack_sequences, unpack_sequences
 from offpolicy_jax.logprobs.sampling_support import support_from_csr
 from offpolicy_jax.logprobs.token import token_logprobs, token_logprobs_from_hidden
+from offpolicy_jax.losses.oapl import oapl_advantages
 from offpolicy_jax.losses.policy_loss import (
     LossParts,
     PolicyLossTerms,
@@ -57,6 +58,7 @@ __all__ = [
     "correct",
     "ess_learning_rate_scale",
     "finalize_metrics",
+    "oapl_advantages",
     "opob_advantages",
     "opob_baseline",
     "pack_sequences",

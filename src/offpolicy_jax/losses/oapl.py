@@ -136,9 +136,8 @@ def oapl_advantages(
       ``[..., G]`` float32 ``Â*``, 0 where a completion does not count; no gradient.
 
     Examples:
-      >>> import jax.numpy as jnp
-      >>> from offpolicy_jax.losses.oapl import oapl_advantages
-      >>> a = oapl_advantages(jnp.array([1.0, 0.0, 0.0, 1.0]))
+      >>> import jax.numpy as jnp, offpolicy_jax as opj
+      >>> a = opj.oapl_advantages(jnp.array([1.0, 0.0, 0.0, 1.0]))
       >>> round(float(a[0]), 4)  # 1 − ln((2e + 2)/4)
       0.3799
     """
