@@ -52,6 +52,7 @@ HYPERPARAMETERS = {
     # candidates on the benchmark batch (whose advantages and log-probs are small).
     "clip_cov": dict(clip_cov_lb=0.01),
     "kl_cov": {},
+    "oapl": {},  # the paper's β₂ = 1e-3
 }
 
 
@@ -59,7 +60,7 @@ def config(policy_loss: str) -> opj.LossConfig:
     base = workloads.reference_loss_config()
     fields = {**base.__dict__, "policy_loss": policy_loss}
     fields.update(HYPERPARAMETERS[policy_loss])
-    if policy_loss == "gmpo":
+    if policy_loss in ("gmpo", "oapl"):  # each sequence once: their papers' mean
         fields["aggregation"] = "sequence_mean"
     return opj.LossConfig(**fields)
 

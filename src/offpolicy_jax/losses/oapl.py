@@ -143,7 +143,11 @@ def oapl_advantages(
     """
     beta1 = _coefficient("oapl_advantages", "beta1", beta1)
     r = jax.lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
-    counted = jnp.ones(r.shape, bool) if where is None else jnp.broadcast_to(where, r.shape)
+    counted = (
+        jnp.ones(r.shape, bool)
+        if where is None
+        else jnp.broadcast_to(jnp.asarray(where, bool), r.shape)
+    )
     counted = counted & jnp.isfinite(r)
     z = jnp.where(counted, r / beta1, -jnp.inf)
     shift = jnp.max(z, axis=-1, keepdims=True)
