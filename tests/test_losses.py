@@ -547,6 +547,13 @@ def test_the_loss_entry_points_show_their_real_signature(entry, returns):
     hints = typing.get_type_hints(entry)  # every annotation resolves, as autodoc needs
     assert set(hints) == {*_ENTRY_POSITIONAL, *_ENTRY_KEYWORDS, "return"}
     assert entry.__doc__ and entry.__module__ == "offpolicy_jax.losses.policy_loss"
+    # jax.jit reads the signature to find a static argument by name
+    lp = jnp.log(jnp.array([[0.5, 0.4, 0.9], [0.3, 0.2, 0.7]]))
+    args = (lp, lp, None, jnp.array([1.0, -1.0]), jnp.ones((2, 3), bool))
+    cfg = opj.LossConfig(algorithm="ppo")
+    jitted = jax.jit(entry, static_argnames=("config", "num_segments"))
+    got, want = jitted(*args, config=cfg), entry(*args, cfg)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
     with pytest.raises(TypeError, match="segment_idz"):
         entry(np.zeros((1, 2)), None, None, np.zeros(1), np.ones((1, 2)), opj.LossConfig(),
               segment_idz=None)  # fmt: skip
