@@ -75,3 +75,43 @@ def test_the_counter_counts_code_not_docstrings_or_comments(tmp_path):
 def test_no_function_is_longer_than_a_screen(path):
     long = [(n, line, k) for n, line, k in function_lengths(path) if k > MAX_LINES]
     assert not long, f"functions over {MAX_LINES} lines of code in {path.name}: {long}"
+
+
+# The core's data types and the plan the config resolves into: every field has a type a
+# checker can follow (``LossConfig.params`` is a config's, typed per surrogate through its
+# hyperparameter attributes).
+TYPED = [
+    *sorted((PACKAGE / "losses").glob("*.py")),
+    *sorted((PACKAGE / "correction").glob("*.py")),
+    *sorted((PACKAGE / "reduction").glob("*.py")),
+    PACKAGE / "config" / "plan.py",
+]
+
+
+def any_fields(path: pathlib.Path) -> list[str]:
+    """``Class.field`` of every class-body annotation in ``path`` that mentions ``Any``
+    (``ClassVar`` declarations aside)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+                    continue
+                names = {n.id for n in ast.walk(item.annotation) if isinstance(n, ast.Name)}
+                if "Any" in names and "ClassVar" not in names:
+                    out.append(f"{node.name}.{item.target.id}")
+    return out
+
+
+def test_the_any_finder_finds_an_any_field(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text(
+        "class A:\n    x: Any\n    y: int | None\n    z: ClassVar[dict[str, Any]]\n"
+        "    w: Mapping[str, Any] | None = None\n"
+    )
+    assert any_fields(sample) == ["A.x", "A.w"]
+
+
+@pytest.mark.parametrize("path", TYPED, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_core_data_types_have_no_any_field(path):
+    assert any_fields(path) == []

@@ -213,6 +213,92 @@ def test_ppo_and_bypass_equal_policy_loss(entry, algorithm):
     _assert_same_loss(_loss_and_grad(composed, logp), _loss_and_grad(configured, logp))
 
 
+def _plans_of(monkeypatch, call):
+    """The plans the objectives hand the loss pipeline during ``call()``; a config
+    resolved on the way fails the call."""
+    from offpolicy_jax.losses import entries
+    from offpolicy_jax.losses import policy_loss as pipeline
+
+    plans = []
+
+    def recording(inputs, plan):
+        plans.append(plan)
+        return pipeline.loss_terms(inputs, plan)
+
+    def refuse(config):
+        raise AssertionError(f"an objective resolved a config: {config}")
+
+    monkeypatch.setattr(entries, "loss_terms", recording)
+    monkeypatch.setattr(pipeline, "resolve", refuse)
+    call()
+    return plans
+
+
+def test_objectives_build_the_plan_their_config_resolves_to(monkeypatch):
+    from offpolicy_jax.config.plan import resolve
+
+    logp, old, rollout, adv, mask = _batch(5)
+    _, build = CASES["mis"]
+    cases = [
+        (
+            lambda: objectives.decoupled_ppo(
+                logp, old, rollout, adv, mask, correction=build(),
+                surrogate=objectives.ppo_clip(clip_eps=0.25, dual_clip_c=3.0),
+                aggregation="token_mean", rejected_in_denominator=True,
+            ),
+            opj.LossConfig(
+                algorithm="decoupled_ppo", correction=build(), clip_eps=0.25, dual_clip_c=3.0,
+                aggregation="token_mean", rejected_in_denominator=True,
+            ),
+        ),
+        (
+            lambda: objectives.ppo(
+                logp, old, adv, mask, surrogate=objectives.surrogate("gspo", clip_eps=3e-4),
+                aggregation="sequence_sum_norm", loss_scale_factor=8,
+            ),
+            opj.LossConfig(
+                algorithm="ppo", policy_loss="gspo", clip_eps=3e-4,
+                aggregation="sequence_sum_norm", loss_scale_factor=8,
+            ),
+        ),
+        (
+            lambda: objectives.bypass_ppo(logp, rollout, adv, mask, metric_reduction="token"),
+            opj.LossConfig(algorithm="bypass_ppo", metric_reduction="token"),
+        ),
+    ]  # fmt: skip
+    for call, config in cases:
+        (plan,) = _plans_of(monkeypatch, call)
+        monkeypatch.undo()
+        assert plan == resolve(config)
+    assert plan.reports_ois is False and plan.needs_rollout is True
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (
+            lambda b: objectives.ppo(b[1], b[1], b[3], b[4], aggregation="sequence_meen"),
+            r"objectives\.ppo\.aggregation must be one of .* \(did you mean 'sequence_mean'\?\)",
+        ),
+        (
+            lambda b: objectives.bypass_ppo(b[1], b[2], b[3], b[4], loss_scale_factor=4.0),
+            r"objectives\.bypass_ppo\.loss_scale_factor only applies to "
+            r"aggregation='sequence_sum_norm'",
+        ),
+        (
+            lambda b: objectives.decoupled_ppo(
+                *b, correction=rules.chain(), rejected_in_denominator="yes"
+            ),
+            r"objectives\.decoupled_ppo\.rejected_in_denominator must be true or false",
+        ),
+    ],
+)
+def test_an_objective_names_its_own_bad_argument(call, match):
+    batch = _batch()
+    with pytest.raises(ValueError, match=match):
+        call(batch)
+
+
 def test_correct_matches_a_numpy_reference():
     # truncate at 2, token RS in [0.5, 2], veto at 1e-4, batch normalised per token
     _, old, rollout, _, mask = _batch(5)

@@ -497,3 +497,74 @@ def test_the_plan_resolves_the_metrics_only_correction(config, mismatch):
     assert (plan.policy_loss, plan.params) == (config.policy_loss, config.params)
     with pytest.raises(TypeError, match=r"config must be a LossConfig, got dict"):
         resolve({"algorithm": "ppo"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        opj.LossConfig(algorithm="ppo"),
+        opj.LossConfig(algorithm="ppo", get_mismatch_metrics=True),
+        opj.LossConfig(algorithm="ppo", correction=opj.CorrectionConfig()),
+        opj.LossConfig(algorithm="bypass_ppo"),
+        opj.LossConfig(
+            algorithm="bypass_ppo",
+            correction=opj.CorrectionConfig(use_tis=True, tis_mode="none", use_rs=True),
+        ),
+        opj.LossConfig(algorithm="decoupled_ppo", correction=opj.VanillaTIS()),
+        opj.LossConfig(algorithm="decoupled_ppo", correction=opj.CorrectionConfig.preset("mis")),
+        opj.LossConfig(algorithm="reinforce_is", correction=opj.CorrectionConfig.preset("mis")),
+        opj.LossConfig(
+            algorithm="decoupled_ppo",
+            correction=opj.VanillaTIS(),
+            prox_logp_method="loglinear",
+        ),
+    ],
+    ids=lambda c: f"{c.algorithm}-{type(c.correction).__name__}-{c.get_mismatch_metrics}",
+)
+def test_the_plan_derives_what_the_loss_reads_of_the_config(config):
+    from offpolicy_jax.config.plan import resolve
+    from offpolicy_jax.losses.algorithms import ALGORITHMS
+
+    plan = resolve(config)
+    wants_rollout = config.correction is not None or config.get_mismatch_metrics
+    assert plan.reports_ois == wants_rollout
+    assert plan.needs_rollout == (ALGORITHMS[config.algorithm].needs_rollout or wants_rollout)
+    assert plan.approximates_old == config.approximates_old
+    assert (plan.aggregation, plan.metric_reduction) == (
+        config.aggregation,
+        config.metric_reduction,
+    )
+
+
+def test_the_config_and_the_objectives_validate_the_aggregation_alike():
+    from offpolicy_jax.losses.plan import check_aggregation
+
+    settings = check_aggregation(
+        "X",
+        aggregation="sequence_sum_norm",
+        loss_scale_factor="16",  # a numeric string reads as its number, as in YAML
+        rejected_in_denominator=True,
+        metric_reduction="token",
+    )
+    assert settings == ("sequence_sum_norm", 16.0, True, "token")
+    config = opj.LossConfig(
+        aggregation="sequence_sum_norm",
+        loss_scale_factor="16",
+        rejected_in_denominator=True,
+        metric_reduction="token",
+    )
+    assert (
+        config.aggregation,
+        config.loss_scale_factor,
+        config.rejected_in_denominator,
+        config.metric_reduction,
+    ) == tuple(settings)
+    for bad, match in [
+        ({"aggregation": "token_meen"}, r"LossConfig\.aggregation must be one of"),
+        ({"loss_scale_factor": 2.0}, r"LossConfig\.loss_scale_factor only applies"),
+        ({"loss_scale_factor": -1.0, "aggregation": "sequence_sum_norm"}, r"must be > 0"),
+        ({"loss_scale_factor": 1e-46, "aggregation": "sequence_sum_norm"}, "loss_scale_factor"),
+        ({"metric_reduction": "row"}, r"LossConfig\.metric_reduction must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            opj.LossConfig(**bad)

@@ -3,8 +3,13 @@ stop-gradient IS weights; empty batches; garbage; micro-batch pooling; D5, D8b, 
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib
+import inspect
 import itertools
+import pathlib
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -505,3 +510,62 @@ def test_abs_diff_metric_sums_over_the_final_mask():
     final = np.asarray(opj.compute_correction(old, rollout, mask, MIS).mask)
     expected = np.mean((diff * final).sum(-1) / final.sum(-1))  # sequence-mean metric
     np.testing.assert_allclose(metrics["train_rollout_logprob_abs_diff"], expected, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- one signature
+
+_ENTRY_POSITIONAL = ("logp", "old_logp", "rollout_logp", "advantages", "mask", "config")
+_ENTRY_KEYWORDS = (  # keyword-only, each None by default
+    "axis_names",
+    "correction_result",
+    "segment_ids",
+    "num_segments",
+    "ref_logp",
+    "entropy",
+    "versions",
+    "current_version",
+    "key",
+    "rewards",
+)
+
+
+@pytest.mark.parametrize(
+    ("entry", "returns"),
+    [
+        (opj.policy_loss, "tuple[jax.Array, dict[str, jax.Array]]"),
+        (opj.policy_loss_parts, "tuple[MeanParts, dict[str, MeanParts | jax.Array]]"),
+        (opj.policy_loss_terms, "PolicyLossTerms"),
+    ],
+)
+def test_the_loss_entry_points_show_their_real_signature(entry, returns):
+    signature = inspect.signature(entry)  # what autodoc and help() show
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    want = [(name, positional, inspect.Parameter.empty) for name in _ENTRY_POSITIONAL]
+    want += [(name, inspect.Parameter.KEYWORD_ONLY, None) for name in _ENTRY_KEYWORDS]
+    assert [(p.name, p.kind, p.default) for p in signature.parameters.values()] == want
+    assert signature.return_annotation == returns
+    hints = typing.get_type_hints(entry)  # every annotation resolves, as autodoc needs
+    assert set(hints) == {*_ENTRY_POSITIONAL, *_ENTRY_KEYWORDS, "return"}
+    assert entry.__doc__ and entry.__module__ == "offpolicy_jax.losses.policy_loss"
+    # jax.jit reads the signature to find a static argument by name
+    lp = jnp.log(jnp.array([[0.5, 0.4, 0.9], [0.3, 0.2, 0.7]]))
+    args = (lp, lp, None, jnp.array([1.0, -1.0]), jnp.ones((2, 3), bool))
+    cfg = opj.LossConfig(algorithm="ppo")
+    jitted = jax.jit(entry, static_argnames=("config", "num_segments"))
+    got, want = jitted(*args, config=cfg), entry(*args, cfg)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want))
+    with pytest.raises(TypeError, match="segment_idz"):
+        entry(np.zeros((1, 2)), None, None, np.zeros(1), np.ones((1, 2)), opj.LossConfig(),
+              segment_idz=None)  # fmt: skip
+
+
+def test_the_loss_entry_points_declare_their_parameters_once():
+    module = importlib.import_module("offpolicy_jax.losses.policy_loss")
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    declaring = [
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        and any(a.arg == "current_version" for a in node.args.kwonlyargs)
+    ]
+    assert declaring == ["_terms"]

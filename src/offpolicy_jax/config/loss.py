@@ -26,6 +26,7 @@ from offpolicy_jax.config import _formats
 from offpolicy_jax.config.correction import Correction, CorrectionConfig, VanillaTIS
 from offpolicy_jax.losses import registry
 from offpolicy_jax.losses.algorithms import ALGORITHMS as ALGORITHM_SPECS
+from offpolicy_jax.losses.plan import AGGREGATIONS, METRIC_REDUCTIONS, check_aggregation
 
 __all__ = [
     "AGGREGATIONS",
@@ -37,16 +38,7 @@ __all__ = [
 ]
 
 ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_SPECS)
-AGGREGATIONS: tuple[str, ...] = (
-    "sequence_mean",
-    "token_mean",
-    "sequence_sum",
-    "sequence_sum_norm",
-    "token_sum",
-    "row_mean",
-)
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-METRIC_REDUCTIONS: tuple[str, ...] = ("sequence", "token")
 PROX_LOGP_METHODS: tuple[str, ...] = ("recompute", "loglinear", "linear", "metrics")
 
 _T = TypeVar("_T")
@@ -244,16 +236,20 @@ class LossConfig:
         owner = "LossConfig"
         set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731 (frozen)
         set_("algorithm", check_choice(owner, "algorithm", self.algorithm, ALGORITHMS))
-        set_("aggregation", check_choice(owner, "aggregation", self.aggregation, AGGREGATIONS))
-        set_(
-            "metric_reduction",
-            check_choice(owner, "metric_reduction", self.metric_reduction, METRIC_REDUCTIONS),
+        # The aggregation settings are the core's (the objectives validate them alike).
+        aggregation = check_aggregation(
+            owner,
+            aggregation=self.aggregation,
+            loss_scale_factor=self.loss_scale_factor,
+            rejected_in_denominator=self.rejected_in_denominator,
+            metric_reduction=self.metric_reduction,
         )
-        for key in ("rejected_in_denominator", "get_mismatch_metrics", "kl_off_policy"):
+        for key, value in aggregation._asdict().items():
+            set_(key, value)
+        for key in ("get_mismatch_metrics", "kl_off_policy"):
             set_(key, check_bool(owner, key, getattr(self, key)))
-        for key in ("opsm_delta", "loss_scale_factor"):
-            set_(key, check_number(owner, key, getattr(self, key), optional=True))
-            check_positive(owner, key, getattr(self, key))
+        set_("opsm_delta", check_number(owner, "opsm_delta", self.opsm_delta, optional=True))
+        check_positive(owner, "opsm_delta", self.opsm_delta)
         set_("kl_estimator", check_choice(owner, "kl_estimator", self.kl_estimator, KL_ESTIMATORS))
         for key in ("kl_coef", "entropy_coef", "positive_example_nll_weight"):
             set_(key, check_number(owner, key, getattr(self, key), optional=False))
@@ -261,13 +257,8 @@ class LossConfig:
             if getattr(self, key) < 0:
                 raise ValueError(f"{owner}.{key} must be >= 0, got {shown(getattr(self, key))}")
         coefficients = ("kl_coef", "entropy_coef", "positive_example_nll_weight")
-        for key in (*coefficients, "opsm_delta", "loss_scale_factor"):
+        for key in (*coefficients, "opsm_delta"):
             check_f32_coefficient(owner, key, getattr(self, key))
-        if self.loss_scale_factor is not None and self.aggregation != "sequence_sum_norm":
-            raise ValueError(
-                f"{owner}.loss_scale_factor only applies to aggregation='sequence_sum_norm', "
-                f"not {shown(self.aggregation)}; leave it None"
-            )
         self._check_surrogate(hyperparameters)
         self._check_correction()
         self._check_proximal()

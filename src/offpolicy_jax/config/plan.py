@@ -1,71 +1,25 @@
 """What a :class:`~offpolicy_jax.LossConfig` resolves to: the loss pipeline's plan.
 
-:func:`resolve` turns a validated config into a :class:`LossPlan` once per trace (the
-config is a static argument, so under ``jax.jit`` this runs when the function is
-traced): the algorithm as data, the surrogate and its hyperparameters, the correction
-and the metrics-only correction beside it, the aggregation and the regularisers. The
-loss pipeline's private functions receive the plan, not the config, and nothing is
-derived from the config again inside them.
+:func:`resolve` turns a validated config into a
+:class:`~offpolicy_jax.losses.plan.LossPlan` once per trace (the config is a static
+argument, so under ``jax.jit`` this runs when the function is traced): the algorithm as
+data, the surrogate and its hyperparameters, the correction and the metrics-only
+correction beside it, the aggregation and the regularisers. The plan is the core's own
+description of a loss, the one :mod:`offpolicy_jax.objectives` build from their
+arguments; the loss pipeline receives the plan, not the config, and nothing is derived
+from the config again inside it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal
 
-from offpolicy_jax.config.correction import Correction, CorrectionConfig
+from offpolicy_jax.config.correction import CorrectionConfig
 from offpolicy_jax.config.loss import LossConfig
 from offpolicy_jax.losses.algorithms import ALGORITHMS, Algorithm
+from offpolicy_jax.losses.plan import LossPlan
 
 __all__ = ["LossPlan", "resolve"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LossPlan:
-    """The loss pipeline's settings, resolved from a :class:`LossConfig`.
-
-    Attributes:
-      algorithm: the algorithm as data (ratio denominator, IS numerator, weighting).
-      policy_loss: the registered surrogate's name; ``params`` its hyperparameters.
-      correction: the correction that reweights and rejects, or None (no correction,
-        or a metrics-only ``CorrectionConfig``).
-      mismatch_metrics: the metrics-only correction that reports the §4 metrics beside
-        the loss, or None (not asked for, or reported by ``correction`` itself).
-      reports_ois: the ``ois`` metric is reported (a correction or mismatch metrics).
-      needs_rollout: ``rollout_logp`` is required.
-      approximates_old: π_old is approximated (``old_logp`` is not needed).
-      versions_key: the config key that reads ``versions`` (for errors), or None.
-      nonfinite_rollout: the correction's ``nonfinite_rollout`` (``"reject"`` without a
-        ``CorrectionConfig``): how the loss reads a non-finite ``π_rollout``.
-      The rest: the :class:`LossConfig` fields of the same names.
-    """
-
-    algorithm: Algorithm
-    policy_loss: str
-    params: object
-    correction: Correction
-    mismatch_metrics: CorrectionConfig | None
-    reports_ois: bool
-    needs_rollout: bool
-    approximates_old: bool
-    versions_key: str | None
-    nonfinite_rollout: Literal["reject", "neutral"]
-    prox_logp_method: str
-    aggregation: str
-    loss_scale_factor: float | None
-    rejected_in_denominator: bool
-    metric_reduction: Literal["sequence", "token"]
-    opsm_delta: float | None
-    kl_coef: float
-    kl_estimator: str
-    kl_off_policy: bool
-    entropy_coef: float
-    positive_example_nll_weight: float
-
-    @property
-    def reweights(self) -> bool:
-        """Whether the correction produces importance weights (not metrics only)."""
-        return self.correction is not None
 
 
 def _versions_key(config: LossConfig) -> str | None:
@@ -108,23 +62,19 @@ def resolve(config: LossConfig) -> LossPlan:
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a LossConfig, got {type(config).__name__}")
     algorithm = ALGORITHMS[config.algorithm]
-    wants_rollout = config.correction is not None or config.get_mismatch_metrics
     return LossPlan(
         algorithm=algorithm,
         policy_loss=config.policy_loss,
         params=config.params,
         correction=config.correction if config.reweights else None,
-        mismatch_metrics=_mismatch_metrics(config, algorithm),
-        reports_ois=wants_rollout,
-        needs_rollout=algorithm.needs_rollout or wants_rollout,
-        approximates_old=config.approximates_old,
-        versions_key=_versions_key(config),
-        nonfinite_rollout=_nonfinite_rollout(config),
-        prox_logp_method=config.prox_logp_method,
         aggregation=config.aggregation,
         loss_scale_factor=config.loss_scale_factor,
         rejected_in_denominator=config.rejected_in_denominator,
         metric_reduction=config.metric_reduction,
+        mismatch_metrics=_mismatch_metrics(config, algorithm),
+        versions_key=_versions_key(config),
+        nonfinite_rollout=_nonfinite_rollout(config),
+        prox_logp_method=config.prox_logp_method,
         opsm_delta=config.opsm_delta,
         kl_coef=config.kl_coef,
         kl_estimator=config.kl_estimator,

@@ -15,7 +15,7 @@ sequence weight, LUSPO's length) take it through the layout, so packed sequences
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ class LossSettings(Protocol):
     @property
     def policy_loss(self) -> str: ...
     @property
-    def params(self) -> Any: ...
+    def params(self) -> object: ...
     @property
     def kl_off_policy(self) -> bool: ...
     @property

@@ -4,19 +4,21 @@
 of rules (:func:`offpolicy_jax.rules.chain`) or a precomputed
 :class:`~offpolicy_jax.CorrectionResult`, the surrogate as a value
 (:func:`offpolicy_jax.objectives.ppo_clip`, :func:`~offpolicy_jax.objectives.surrogate`)
-and the aggregation by name, and run the one loss pipeline of
-:func:`~offpolicy_jax.policy_loss_parts`: the same parts and metrics as the
-``LossConfig`` that names the same pieces.
+and the aggregation by name. Each builds the :class:`~offpolicy_jax.losses.plan.LossPlan`
+of its arguments (no config) and runs the loss pipeline on it, the one a
+``LossConfig`` resolves into: the config that names the same pieces resolves to an
+equal plan, so :func:`~offpolicy_jax.policy_loss_parts` gives the same parts and metrics.
 """
 
 from __future__ import annotations
 
 import jax
 
-from offpolicy_jax.config import LossConfig
 from offpolicy_jax.correction.chain import Correction
 from offpolicy_jax.correction.compute import CorrectionResult
-from offpolicy_jax.losses.policy_loss import policy_loss_parts
+from offpolicy_jax.losses.algorithms import ALGORITHMS
+from offpolicy_jax.losses.plan import LossPlan, check_aggregation
+from offpolicy_jax.losses.policy_loss import LossInputs, loss_terms
 from offpolicy_jax.losses.surrogate_values import SurrogateSpec, ppo_clip
 from offpolicy_jax.reduction import AxisNames, MeanParts
 
@@ -34,15 +36,40 @@ def _surrogate(surrogate: SurrogateSpec | None) -> SurrogateSpec:
     return surrogate
 
 
-def _config(algorithm: str, correction, surrogate, settings: dict) -> LossConfig:
+def _plan(
+    algorithm: str,
+    correction: Correction | None,
+    surrogate: SurrogateSpec | None,
+    *,
+    aggregation: str,
+    loss_scale_factor: float | None,
+    rejected_in_denominator: bool,
+    metric_reduction: str,
+) -> LossPlan:
+    """The plan of an objective's arguments (validated; errors name the argument)."""
     spec = _surrogate(surrogate)
-    return LossConfig(
-        algorithm=algorithm,
-        correction=correction,
-        policy_loss=spec.name,
-        params=spec.params,
-        **settings,
+    settings = check_aggregation(
+        f"objectives.{algorithm}",
+        aggregation=aggregation,
+        loss_scale_factor=loss_scale_factor,
+        rejected_in_denominator=rejected_in_denominator,
+        metric_reduction=metric_reduction,
     )
+    return LossPlan(
+        ALGORITHMS[algorithm],
+        spec.name,
+        spec.params,
+        correction,
+        aggregation=settings.aggregation,
+        loss_scale_factor=settings.loss_scale_factor,
+        rejected_in_denominator=settings.rejected_in_denominator,
+        metric_reduction=settings.metric_reduction,
+    )
+
+
+def _parts(inputs: LossInputs, plan: LossPlan) -> Parts:
+    terms = loss_terms(inputs, plan)
+    return terms.parts, terms.metrics
 
 
 def decoupled_ppo(
@@ -113,25 +140,27 @@ def decoupled_ppo(
             "correction must be a chain of rules (opj.rules.chain(...)) or a CorrectionResult "
             f"(opj.correct(...)), got {type(correction).__name__}"
         )
-    settings = dict(
+    plan = _plan(
+        "decoupled_ppo",
+        correction,
+        surrogate,
         aggregation=aggregation,
+        loss_scale_factor=loss_scale_factor,
         rejected_in_denominator=rejected_in_denominator,
         metric_reduction=metric_reduction,
-        loss_scale_factor=loss_scale_factor,
     )
-    config = _config("decoupled_ppo", correction, surrogate, settings)
-    return policy_loss_parts(
+    inputs = LossInputs(
         logp,
         old_logp,
         rollout_logp,
         advantages,
         mask,
-        config,
         axis_names=axis_names,
         correction_result=precomputed,
         segment_ids=segment_ids,
         num_segments=num_segments,
     )
+    return _parts(inputs, plan)
 
 
 def ppo(
@@ -165,22 +194,22 @@ def ppo(
     Returns:
       ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
     """
-    settings = dict(
-        aggregation=aggregation,
-        metric_reduction=metric_reduction,
-        loss_scale_factor=loss_scale_factor,
-    )
-    config = _config("ppo", None, surrogate, settings)
-    return policy_loss_parts(
-        logp,
-        old_logp,
-        None,
-        advantages,
-        mask,
-        config,
-        axis_names=axis_names,
-        segment_ids=segment_ids,
-        num_segments=num_segments,
+    return _unweighted(
+        "ppo",
+        LossInputs(
+            logp,
+            old_logp,
+            None,
+            advantages,
+            mask,
+            axis_names=axis_names,
+            segment_ids=segment_ids,
+            num_segments=num_segments,
+        ),
+        surrogate,
+        aggregation,
+        metric_reduction,
+        loss_scale_factor,
     )
 
 
@@ -216,20 +245,42 @@ def bypass_ppo(
     Returns:
       ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
     """
-    settings = dict(
-        aggregation=aggregation,
-        metric_reduction=metric_reduction,
-        loss_scale_factor=loss_scale_factor,
+    return _unweighted(
+        "bypass_ppo",
+        LossInputs(
+            logp,
+            None,
+            rollout_logp,
+            advantages,
+            mask,
+            axis_names=axis_names,
+            segment_ids=segment_ids,
+            num_segments=num_segments,
+        ),
+        surrogate,
+        aggregation,
+        metric_reduction,
+        loss_scale_factor,
     )
-    config = _config("bypass_ppo", None, surrogate, settings)
-    return policy_loss_parts(
-        logp,
+
+
+def _unweighted(
+    algorithm: str,
+    inputs: LossInputs,
+    surrogate: SurrogateSpec | None,
+    aggregation: str,
+    metric_reduction: str,
+    loss_scale_factor: float | None,
+) -> Parts:
+    """:func:`ppo` and :func:`bypass_ppo`: no correction, so nothing is rejected and
+    ``rejected_in_denominator`` does not apply."""
+    plan = _plan(
+        algorithm,
         None,
-        rollout_logp,
-        advantages,
-        mask,
-        config,
-        axis_names=axis_names,
-        segment_ids=segment_ids,
-        num_segments=num_segments,
+        surrogate,
+        aggregation=aggregation,
+        loss_scale_factor=loss_scale_factor,
+        rejected_in_denominator=False,
+        metric_reduction=metric_reduction,
     )
+    return _parts(inputs, plan)

@@ -21,11 +21,13 @@ Decoupled PPO: Hilton et al., "Batch size-invariance for policy optimization"
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+import inspect
+from collections.abc import Callable, Mapping
+from typing import NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax._validation import (
@@ -183,94 +185,105 @@ class PolicyLossTerms:
     metrics: dict[str, MeanParts | jax.Array]
 
 
-def policy_loss_terms(
-    logp: jax.typing.ArrayLike,
-    old_logp: jax.typing.ArrayLike | None,
-    rollout_logp: jax.typing.ArrayLike | None,
-    advantages: jax.typing.ArrayLike,
-    mask: jax.typing.ArrayLike,
+@dataclasses.dataclass(frozen=True)
+class LossInputs:
+    """The arguments of one loss call but its settings: the pipeline's one input type.
+
+    Built by :func:`_terms` from the keyword arguments the entry points share (and
+    by :mod:`offpolicy_jax.objectives` from theirs); the pipeline reads the call's
+    arrays and layout from here only. Fields as the arguments of :func:`policy_loss`;
+    ``axis_names`` and ``num_segments`` are static.
+    """
+
+    logp: ArrayLike
+    old_logp: ArrayLike | None
+    rollout_logp: ArrayLike | None
+    advantages: ArrayLike
+    mask: ArrayLike
+    axis_names: AxisNames = None
+    correction_result: CorrectionResult | None = None
+    segment_ids: ArrayLike | None = None
+    num_segments: int | None = None
+    ref_logp: ArrayLike | None = None
+    entropy: ArrayLike | None = None
+    versions: ArrayLike | None = None
+    current_version: ArrayLike | None = None
+    key: ArrayLike | None = None
+    rewards: ArrayLike | None = None
+
+
+def _terms(
+    logp: ArrayLike,
+    old_logp: ArrayLike | None,
+    rollout_logp: ArrayLike | None,
+    advantages: ArrayLike,
+    mask: ArrayLike,
     config: LossConfig,
     *,
     axis_names: AxisNames = None,
     correction_result: CorrectionResult | None = None,
-    segment_ids: jax.typing.ArrayLike | None = None,
+    segment_ids: ArrayLike | None = None,
     num_segments: int | None = None,
-    ref_logp: jax.typing.ArrayLike | None = None,
-    entropy: jax.typing.ArrayLike | None = None,
-    versions: jax.typing.ArrayLike | None = None,
-    current_version: jax.typing.ArrayLike | None = None,
-    key: jax.typing.ArrayLike | None = None,
-    rewards: jax.typing.ArrayLike | None = None,
+    ref_logp: ArrayLike | None = None,
+    entropy: ArrayLike | None = None,
+    versions: ArrayLike | None = None,
+    current_version: ArrayLike | None = None,
+    key: ArrayLike | None = None,
+    rewards: ArrayLike | None = None,
 ) -> PolicyLossTerms:
-    """:func:`policy_loss` with its per-token terms and its final mask.
-
-    A per-token KL or entropy term over the same post-rejection mask is then a few
-    lines (see the example). Arguments as :func:`policy_loss`.
-
-    Returns:
-      :class:`PolicyLossTerms`.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, offpolicy_jax as opj
-      >>> logp = jnp.log(jnp.array([[0.5, 0.4, 0.9], [0.3, 0.2, 0.7]]))
-      >>> ref_logp = jnp.log(jnp.array([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
-      >>> mask = jnp.array([[1, 1, 0], [1, 1, 1]], bool)
-      >>> cfg = opj.LossConfig(algorithm="ppo")
-      >>> def loss_fn(lp):
-      ...     t = opj.policy_loss_terms(lp, logp, None, jnp.array([1.0, -1.0]), mask, cfg)
-      ...     d = ref_logp - lp  # per-token k3 estimate of KL(π_θ ‖ π_ref)
-      ...     kl = jnp.exp(d) - d - 1
-      ...     kl = opj.aggregate(kl, t.mask, t.denominator_mask, cfg.aggregation)
-      ...     return t.parts.value() + 0.1 * kl.value()
-      >>> round(float(loss_fn(logp)), 4)  # PPO part 0 (ratio 1, advantages ±1) + 0.1 · KL
-      0.0138
-      >>> jax.grad(loss_fn)(logp).shape
-      (2, 3)
-    """
+    """The one signature of :func:`policy_loss`, :func:`policy_loss_parts` and
+    :func:`policy_loss_terms` (documented on :func:`policy_loss`): its arguments as
+    :class:`LossInputs`, the config resolved once per trace into the plan the pipeline
+    reads (never the config itself)."""
     inputs = LossInputs(
         logp,
         old_logp,
         rollout_logp,
         advantages,
         mask,
-        correction_result,
-        segment_ids,
-        ref_logp,
-        entropy,
-        versions,
-        current_version,
-        key,
-        rewards,
+        axis_names=axis_names,
+        correction_result=correction_result,
+        segment_ids=segment_ids,
+        num_segments=num_segments,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        versions=versions,
+        current_version=current_version,
+        key=key,
+        rewards=rewards,
     )
-    return _terms(inputs, config, axis_names, num_segments)
+    return loss_terms(inputs, resolve(config))
 
 
-def _terms(inputs: LossInputs, config: LossConfig, axis_names, num_segments) -> PolicyLossTerms:
-    axes = _reduce.as_mesh_axes(axis_names)
-    # Resolved once per trace: the pipeline below reads the plan, never the config.
-    return _pipeline(inputs, resolve(config), axes, num_segments)
+_Result = TypeVar("_Result")
+_Params = ParamSpec("_Params")
 
 
-class LossInputs(NamedTuple):
-    """The array arguments of :func:`policy_loss`, as one pytree (the internal input type).
+def _takes_arguments_of(
+    arguments: Callable[_Params, PolicyLossTerms],
+) -> Callable[[Callable[[PolicyLossTerms], _Result]], Callable[_Params, _Result]]:
+    """An entry point: ``arguments`` (the shared signature, which computes the terms)
+    followed by a function that turns the :class:`PolicyLossTerms` into its result.
 
-    Built once by each public function from its keyword arguments; the pipeline below
-    reads them from here only. Fields as the arguments of :func:`policy_loss`.
+    The entry point has ``arguments``' parameters (the real signature, for type checkers
+    through the ``ParamSpec`` and for ``inspect`` / autodoc through ``__signature__``)
+    and the finishing function's name, docstring and return type.
     """
 
-    logp: Any
-    old_logp: Any = None
-    rollout_logp: Any = None
-    advantages: Any = None
-    mask: Any = None
-    correction_result: CorrectionResult | None = None
-    segment_ids: Any = None
-    ref_logp: Any = None
-    entropy: Any = None
-    versions: Any = None
-    current_version: Any = None
-    key: Any = None
-    rewards: Any = None
+    def decorate(finish: Callable[[PolicyLossTerms], _Result]) -> Callable[_Params, _Result]:
+        def entry(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+            return finish(arguments(*args, **kwargs))
+
+        # finish's name and docstring; no __wrapped__: the signature is arguments'.
+        for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(entry, name, getattr(finish, name))
+        returns = finish.__annotations__["return"]
+        signature = inspect.signature(arguments).replace(return_annotation=returns)
+        setattr(entry, "__signature__", signature)  # noqa: B010 (not a declared attribute)
+        entry.__annotations__ = {**arguments.__annotations__, "return": returns}
+        return entry
+
+    return decorate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,11 +325,12 @@ class _Batch:
         return {"old": self.old, "rollout": self.rollout, "theta": self.theta_sg}[name]
 
 
-def _prepare(inputs: LossInputs, plan: LossPlan, axes, num_segments) -> _Batch:
+def _prepare(inputs: LossInputs, plan: LossPlan) -> _Batch:
     """Checks the arguments (errors name them) and builds the layout (``num_segments``:
     static, with ``inputs.segment_ids``)."""
     theta, old, rollout, adv, mask = _check_inputs(plan, inputs)
-    layout = _reduce.layout(axes, inputs.segment_ids, num_segments, theta.shape)
+    axes = _reduce.as_mesh_axes(inputs.axis_names)
+    layout = _reduce.layout(axes, inputs.segment_ids, inputs.num_segments, theta.shape)
     if inputs.segment_ids is not None and jnp.shape(inputs.advantages) != theta.shape:
         raise ValueError(
             f"advantages has shape {jnp.shape(inputs.advantages)}; with segment_ids they must "
@@ -672,8 +686,12 @@ def _policy_term(
     return out._replace(columns=columns)
 
 
-def _pipeline(inputs: LossInputs, plan: LossPlan, axes, num_segments) -> PolicyLossTerms:
-    raw = _prepare(inputs, plan, axes, num_segments)
+def loss_terms(inputs: LossInputs, plan: LossPlan) -> PolicyLossTerms:
+    """The loss pipeline: checked inputs, correction, surrogate, regularisers and
+    aggregation, as the plan says. Every entry point ends here: the config's through
+    :func:`~offpolicy_jax.config.plan.resolve`, :mod:`offpolicy_jax.objectives` with
+    the plan of their own arguments."""
+    raw = _prepare(inputs, plan)
     # The correction reads the raw π_rollout (it counts the neutral reads itself);
     # everything after it reads the filled one.
     algo = plan.algorithm
@@ -774,25 +792,38 @@ def _aggregated(
     )
 
 
-def policy_loss_parts(
-    logp: jax.typing.ArrayLike,
-    old_logp: jax.typing.ArrayLike | None,
-    rollout_logp: jax.typing.ArrayLike | None,
-    advantages: jax.typing.ArrayLike,
-    mask: jax.typing.ArrayLike,
-    config: LossConfig,
-    *,
-    axis_names: AxisNames = None,
-    correction_result: CorrectionResult | None = None,
-    segment_ids: jax.typing.ArrayLike | None = None,
-    num_segments: int | None = None,
-    ref_logp: jax.typing.ArrayLike | None = None,
-    entropy: jax.typing.ArrayLike | None = None,
-    versions: jax.typing.ArrayLike | None = None,
-    current_version: jax.typing.ArrayLike | None = None,
-    key: jax.typing.ArrayLike | None = None,
-    rewards: jax.typing.ArrayLike | None = None,
-) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
+@_takes_arguments_of(_terms)
+def policy_loss_terms(terms: PolicyLossTerms) -> PolicyLossTerms:
+    """:func:`policy_loss` with its per-token terms and its final mask.
+
+    A per-token KL or entropy term over the same post-rejection mask is then a few
+    lines (see the example). Arguments as :func:`policy_loss`.
+
+    Returns:
+      :class:`PolicyLossTerms`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, offpolicy_jax as opj
+      >>> logp = jnp.log(jnp.array([[0.5, 0.4, 0.9], [0.3, 0.2, 0.7]]))
+      >>> ref_logp = jnp.log(jnp.array([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+      >>> mask = jnp.array([[1, 1, 0], [1, 1, 1]], bool)
+      >>> cfg = opj.LossConfig(algorithm="ppo")
+      >>> def loss_fn(lp):
+      ...     t = opj.policy_loss_terms(lp, logp, None, jnp.array([1.0, -1.0]), mask, cfg)
+      ...     d = ref_logp - lp  # per-token k3 estimate of KL(π_θ ‖ π_ref)
+      ...     kl = jnp.exp(d) - d - 1
+      ...     kl = opj.aggregate(kl, t.mask, t.denominator_mask, cfg.aggregation)
+      ...     return t.parts.value() + 0.1 * kl.value()
+      >>> round(float(loss_fn(logp)), 4)  # PPO part 0 (ratio 1, advantages ±1) + 0.1 · KL
+      0.0138
+      >>> jax.grad(loss_fn)(logp).shape
+      (2, 3)
+    """
+    return terms
+
+
+@_takes_arguments_of(_terms)
+def policy_loss_parts(terms: PolicyLossTerms) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
     """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
 
     Pool both over micro-batches with :func:`offpolicy_jax.pool_metric_parts` (the
@@ -818,44 +849,11 @@ def policy_loss_parts(
       >>> float((a + b).value())
       -1.0
     """
-    inputs = LossInputs(
-        logp,
-        old_logp,
-        rollout_logp,
-        advantages,
-        mask,
-        correction_result,
-        segment_ids,
-        ref_logp,
-        entropy,
-        versions,
-        current_version,
-        key,
-        rewards,
-    )
-    terms = _terms(inputs, config, axis_names, num_segments)
     return terms.parts, terms.metrics
 
 
-def policy_loss(
-    logp: jax.typing.ArrayLike,
-    old_logp: jax.typing.ArrayLike | None,
-    rollout_logp: jax.typing.ArrayLike | None,
-    advantages: jax.typing.ArrayLike,
-    mask: jax.typing.ArrayLike,
-    config: LossConfig,
-    *,
-    axis_names: AxisNames = None,
-    correction_result: CorrectionResult | None = None,
-    segment_ids: jax.typing.ArrayLike | None = None,
-    num_segments: int | None = None,
-    ref_logp: jax.typing.ArrayLike | None = None,
-    entropy: jax.typing.ArrayLike | None = None,
-    versions: jax.typing.ArrayLike | None = None,
-    current_version: jax.typing.ArrayLike | None = None,
-    key: jax.typing.ArrayLike | None = None,
-    rewards: jax.typing.ArrayLike | None = None,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+@_takes_arguments_of(_terms)
+def policy_loss(terms: PolicyLossTerms) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Policy-gradient loss with rollout correction (docs/semantics.md §5).
 
     ``ppo``: ``ℓ(θ; π_old)``; ``bypass_ppo``: ``ℓ(θ; π_rollout)``;
@@ -936,21 +934,4 @@ def policy_loss(
       ...     logp).shape
       (2, 3)
     """
-    inputs = LossInputs(
-        logp,
-        old_logp,
-        rollout_logp,
-        advantages,
-        mask,
-        correction_result,
-        segment_ids,
-        ref_logp,
-        entropy,
-        versions,
-        current_version,
-        key,
-        rewards,
-    )
-    terms = _terms(inputs, config, axis_names, num_segments)
-    loss, parts = terms.parts, terms.metrics
-    return loss.value().astype(jnp.float32), metrics.finalize(parts)
+    return terms.parts.value().astype(jnp.float32), metrics.finalize(terms.metrics)

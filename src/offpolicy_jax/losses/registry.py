@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, overload
 
 import jax
 
 from offpolicy_jax._messages import close_match, shown
+from offpolicy_jax.reduction import Column, Rows
 
 __all__ = [
     "NoParams",
@@ -61,7 +62,7 @@ class SurrogateTerms(NamedTuple):
     loss: jax.Array
     clipped: jax.Array | None = None
     clipped_lower: jax.Array | None = None
-    metrics: Mapping[str, Any] | None = None
+    metrics: Mapping[str, Column] | None = None
 
 
 class SurrogateInput(NamedTuple):
@@ -98,7 +99,7 @@ class SurrogateInput(NamedTuple):
     valid: jax.Array
     mask: jax.Array
     weights: jax.Array | None
-    layout: Any
+    layout: Rows
     rollout: jax.Array | None = None
     key: jax.Array | None = None
 
@@ -108,11 +109,21 @@ class NoParams:
     """The hyperparameters of a surrogate that has none."""
 
 
-SurrogateFn = Callable[[SurrogateInput, Any], SurrogateTerms]
+class _Dataclass(Protocol):
+    """Any dataclass (as typeshed's ``DataclassInstance``)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+Params = TypeVar("Params", bound=_Dataclass)
+"""A surrogate's hyperparameters: its registered frozen dataclass."""
+
+SurrogateFn = Callable[[SurrogateInput, Params], SurrogateTerms]
+"""``fn(x, params) -> SurrogateTerms``, generic in the params class it is registered with."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Surrogate:
+class Surrogate(Generic[Params]):
     """A registered surrogate.
 
     Attributes:
@@ -124,8 +135,8 @@ class Surrogate:
     """
 
     name: str
-    fn: SurrogateFn
-    params: type
+    fn: SurrogateFn[Params]
+    params: type[Params]
     applies_weights: bool = False
 
     @property
@@ -133,7 +144,8 @@ class Surrogate:
         return tuple(f.name for f in dataclasses.fields(self.params))
 
 
-_REGISTRY: dict[str, Surrogate] = {}
+# Any: each entry has its own params class.
+_REGISTRY: dict[str, Surrogate[Any]] = {}
 # LossConfig's own field names: a surrogate's hyperparameters become LossConfig keywords,
 # so they may not shadow them (the registry sits below the config and names them itself;
 # the tests check that this list is LossConfig's fields).
@@ -157,13 +169,28 @@ _RESERVED: tuple[str, ...] = (
 )
 
 
+@overload
 def register_surrogate(
     name: str,
     *,
-    params: type = NoParams,
     applies_weights: bool = False,
     replace: bool = False,
-) -> Callable[[SurrogateFn], SurrogateFn]:
+) -> Callable[[SurrogateFn[NoParams]], SurrogateFn[NoParams]]: ...
+@overload
+def register_surrogate(
+    name: str,
+    *,
+    params: type[Params],
+    applies_weights: bool = False,
+    replace: bool = False,
+) -> Callable[[SurrogateFn[Params]], SurrogateFn[Params]]: ...
+def register_surrogate(
+    name: str,
+    *,
+    params: type[Any] = NoParams,
+    applies_weights: bool = False,
+    replace: bool = False,
+) -> Callable[[SurrogateFn[Any]], SurrogateFn[Any]]:
     """Registers a surrogate under ``name`` (a decorator); ``LossConfig(policy_loss=name)``.
 
     Args:
@@ -193,7 +220,7 @@ def register_surrogate(
         )
     _check_params_type(name, params)
 
-    def decorator(fn: SurrogateFn) -> SurrogateFn:
+    def decorator(fn: SurrogateFn[Any]) -> SurrogateFn[Any]:
         if not callable(fn):
             raise TypeError(f"register_surrogate({name!r}) decorates a function, got {fn!r}")
         _REGISTRY[name] = Surrogate(name, fn, params, applies_weights)
@@ -224,7 +251,7 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def lookup(name: Any, owner: str = "LossConfig.policy_loss") -> Surrogate:
+def lookup(name: object, owner: str = "LossConfig.policy_loss") -> Surrogate[Any]:
     """The surrogate registered as ``name``; ``ValueError`` with a did-you-mean hint."""
     if isinstance(name, str) and name in _REGISTRY:
         return _REGISTRY[name]
@@ -252,7 +279,7 @@ def hyperparameter_owners() -> dict[str, tuple[str, ...]]:
 UNIVERSAL_KEYS: tuple[str, ...] = ("clip_eps",)
 
 
-def build_params(name: str, values: Mapping[str, Any], base: Any = None) -> Any:
+def build_params(name: str, values: Mapping[str, object], base: object = None) -> Any:
     """The hyperparameters of surrogate ``name`` from flat ``LossConfig`` keywords.
 
     Args:
@@ -272,7 +299,7 @@ def build_params(name: str, values: Mapping[str, Any], base: Any = None) -> Any:
     """
     entry = lookup(name)
     values = dict(values)
-    start: dict[str, Any] = {}
+    start: dict[str, object] = {}
     if base is not None and type(base) is not entry.params:
         if not dataclasses.is_dataclass(base):
             raise ValueError(f"LossConfig.params must be a surrogate's params, got {shown(base)}")
@@ -281,7 +308,7 @@ def build_params(name: str, values: Mapping[str, Any], base: Any = None) -> Any:
             if value != f.default:
                 values.setdefault(f.name, value)
     elif base is not None:
-        start = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        start = {f.name: getattr(base, f.name) for f in dataclasses.fields(entry.params)}
     own = entry.param_names
     owners = hyperparameter_owners()
     for key, value in values.items():
@@ -309,7 +336,7 @@ def build_params(name: str, values: Mapping[str, Any], base: Any = None) -> Any:
     return entry.params(**start)
 
 
-def _validate_universal(key: str, value: Any) -> None:
+def _validate_universal(key: str, value: object) -> None:
     if value is None:
         return
     for entry in _REGISTRY.values():

@@ -10,15 +10,21 @@ value by its flat keys.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Generic
 
 from offpolicy_jax._messages import shown
 from offpolicy_jax.losses import registry
+from offpolicy_jax.losses.builtins import PPOClip
+from offpolicy_jax.losses.registry import Params
 
 
 @dataclasses.dataclass(frozen=True)
-class SurrogateSpec:
+class SurrogateSpec(Generic[Params]):
     """A registered surrogate and its hyperparameters (frozen, hashable).
+
+    Generic in the params class, so that a type checker sees the hyperparameters of a
+    :func:`ppo_clip` value (``SurrogateSpec[PPOClip]``); :func:`surrogate`, which picks
+    the class by name at run time, gives ``SurrogateSpec[Any]``.
 
     Attributes:
       name: the registered name (``LossConfig.policy_loss``).
@@ -26,10 +32,10 @@ class SurrogateSpec:
     """
 
     name: str
-    params: Any
+    params: Params
 
 
-def surrogate(name: str, **hyperparameters: Any) -> SurrogateSpec:
+def surrogate(name: str, **hyperparameters: Any) -> SurrogateSpec[Any]:
     """The registered surrogate ``name`` with its hyperparameters (others at their defaults).
 
     The built-ins and their hyperparameters are listed in docs/guide/adding_a_loss.md
@@ -68,7 +74,7 @@ def ppo_clip(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     dual_clip_c: float | None = None,
-) -> SurrogateSpec:
+) -> SurrogateSpec[PPOClip]:
     """PPO's clipped surrogate: ``ℓ = max(−r·A, −clip(r, 1 − ε, 1 + ε_high)·A)``, ``r = π_θ / π_d``.
 
     Schulman et al. (2017), "Proximal Policy Optimization Algorithms"; with
