@@ -320,7 +320,8 @@ def kpop(theta, d, adv, valid, *, kpop_threshold, adv_tau, kl_tau):
     """IPO's loss with ``keep`` = ``max(D_B(π_θ‖π_d), D_B(π_d‖π_θ)) ≤ φ`` (KPop; prime-rl's
     ``kpop`` loss type, ``trainer_logprobs`` against ``inference_logprobs``)."""
     t32, d32 = (np.asarray(a, np.float32) for a in (theta, d))
-    ok = np.asarray(valid, bool) & np.isfinite(np.float64(t32) - d32)
+    with np.errstate(invalid="ignore"):
+        ok = np.asarray(valid, bool) & np.isfinite(np.float64(t32) - d32)
     t32, d32 = np.where(ok, t32, np.float32(0)), np.where(ok, d32, np.float32(0))
     divergence = np.maximum(binary_kl(t32, d32), binary_kl(d32, t32))
     masked = divergence > kpop_threshold

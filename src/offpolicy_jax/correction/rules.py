@@ -254,6 +254,10 @@ class AReaLRejection(Stage):
     unbounded ``w``; ``action="clamp"`` keeps every token and clips ``w`` to
     ``[lower or 0, upper]``: all tokens at the token level, the out-of-bounds sequences
     at the sequence level. Its weight replaces the TIS weight (``tis_mode: none``).
+    With ``metric="binary_kl"`` (KPop) the statistic is
+    :func:`~offpolicy_jax.correction.criteria.areal_binary_kl` of ``o`` and ``b``, and a
+    token where AReaL's value is NaN (a probability that rounds to 1) is out of bounds,
+    counted as above ``upper``; at the sequence level it takes its sequence with it.
 
     Metrics (``P = mis_rs_areal``): ``P_filtered_fraction`` (AReaL's
     ``rs_filtered_fraction``: the share of valid tokens masked, or whose weight the clamp
@@ -301,7 +305,8 @@ class AReaLRejection(Stage):
         if c.level == "sequence":
             out = {}
             if c.metric == "binary_kl":  # one undefined token rejects its sequence
-                out["undefined"] = _reduce.count_where(self._statistic(t)[1], t.population)
+                undefined = criteria.areal_binary_kl(t.old, t.rollout)[1]
+                out["undefined"] = _reduce.count_where(undefined, t.population)
             if c.agg == "max":
                 return out | {"agg": _reduce.maximum(self._aggregated_values(t), t.population)}
             if c.metric == "ratio":  # Σ δ m is the pipeline's own sums["delta"]
