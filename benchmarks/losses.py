@@ -5,7 +5,9 @@ benchmark batch (``workloads.make_inputs``), with the reference ``mis.yaml`` cor
 (``decoupled_ppo``) and every metric, once per ``LossConfig.policy_loss``. All variants
 run in the same process, interleaved call by call (so that load hits them alike); each
 is reported as the median time per token and as a ratio to the clipped-PPO baseline
-(``ppo_clip``) of the same run. Target: every surrogate within 1.5x of it.
+(``ppo_clip``) of the same run. Target: every surrogate within 1.5x of it. One case is
+a correction rather than a surrogate: ``areal_kpop``, AReaL's KPop rejection
+(``metric: binary_kl``) under ``ppo_clip``.
 
 Writes ``losses_results.md`` and ``losses_results.json`` beside this file (``--out``
 elsewhere).
@@ -53,10 +55,21 @@ HYPERPARAMETERS = {
     "clip_cov": dict(clip_cov_lb=0.01),
     "kl_cov": {},
     "oapl": {},  # the paper's β₂ = 1e-3
+    "kpop": {},  # prime-rl's defaults (φ = 0.1)
+    # Not a surrogate: AReaL's KPop is its rejection grid's metric (gsm8k_kpop.yaml's
+    # block) in the decoupled loss, timed as ppo_clip with that correction.
+    "areal_kpop": dict(
+        policy_loss="ppo_clip",
+        correction=opj.CorrectionConfig.from_areal({"metric": "binary_kl", "upper": 2.0}),
+        aggregation="token_mean",
+        rejected_in_denominator=True,
+    ),
 }
 
 
 def config(policy_loss: str) -> opj.LossConfig:
+    """The reference config with ``policy_loss`` and its entry of HYPERPARAMETERS (which
+    may replace the surrogate or the correction: a case that is not a surrogate)."""
     base = workloads.reference_loss_config()
     fields = {**base.__dict__, "policy_loss": policy_loss}
     fields.update(HYPERPARAMETERS[policy_loss])

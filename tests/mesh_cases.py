@@ -270,6 +270,8 @@ _SURROGATE_HYPER: dict[str, dict] = {
     "kl_cov": dict(kl_cov_ratio=0.15, ppo_kl_coef=0.5),
     # β₂ large enough that the sequence log-ratio moves the residual on the test batches.
     "oapl": dict(beta2=0.05),
+    # Last, so the aggregation cycle of the cases above stays as it was.
+    "kpop": dict(kpop_threshold=0.01, adv_tau=1.5, kl_tau=0.02),
 }
 # The PRNG key of every loss call (policy_loss(key=...)): clip_cov draws its tokens with it.
 KEY_SEED = 7
@@ -356,6 +358,13 @@ def _surrogate_losses() -> dict[str, tuple[opj.LossConfig, str]]:
             "bypass_ppo",
             "ipo",
             "sequence_sum",
+            _BYPASS_REJECTION,
+            {},
+        ),
+        "bypass_kpop_rejection_token_mean": (
+            "bypass_ppo",
+            "kpop",
+            "token_mean",
             _BYPASS_REJECTION,
             {},
         ),

@@ -287,6 +287,26 @@ def areal_statistic(delta, metric):
         return np.exp(-delta) - 1.0 + delta  # kl_k3: log_ratio = -δ; e^x - 1 - x
 
 
+def areal_binary_kl(o, b):
+    """AReaL's KPop statistic ``max(D_B(o‖b), D_B(b‖o))`` in float64 with its clamp of
+    both probabilities to ``[1e-8, 1 − 1e-8]``, and where AReaL's float32 value is NaN: a
+    probability whose float32 ``exp`` is 1 (the clamp's ``1 − 1e-8`` is 1 in float32, so
+    ``0·log 0``), which fails AReaL's bounds."""
+    eps = 1e-8
+    with np.errstate(all="ignore"):
+        p = np.clip(np.exp(np.asarray(o, np.float64)), eps, 1 - eps)
+        q = np.clip(np.exp(np.asarray(b, np.float64)), eps, 1 - eps)
+
+        def kl(x, y):
+            return x * np.log(x / y) + (1 - x) * (np.log1p(-x) - np.log1p(-y))
+
+        stat = np.maximum(kl(p, q), kl(q, p))
+        undefined = (np.exp(np.asarray(o, np.float32)) >= 1) | (
+            np.exp(np.asarray(b, np.float32)) >= 1
+        )
+    return stat, undefined
+
+
 def areal_rejection(o, b, m, rs, reduction):
     """AReaL's ``apply_rejection_sampling`` (2D padded path), on the valid tokens ``m`` of
     the finite sequences, written from AReaL's code with loops per sequence.
@@ -302,7 +322,12 @@ def areal_rejection(o, b, m, rs, reduction):
     agg, upper, lower = rs["agg"], float(rs["upper"]), rs["lower"]
     valid = m > 0
     delta = np.where(valid, o - b, 0.0)
-    stat_tok = np.where(valid, areal_statistic(delta, metric), 0.0)
+    undefined = np.zeros(m.shape, bool)
+    if metric == "binary_kl":
+        stat_tok, undefined = areal_binary_kl(o, b)
+        stat_tok, undefined = np.where(valid, stat_tok, 0.0), valid & undefined
+    else:
+        stat_tok = np.where(valid, areal_statistic(delta, metric), 0.0)
     w_raw = np.exp(np.clip(delta, -S, S))
     rows, length = m.shape
     if level == "sequence":
@@ -320,11 +345,12 @@ def areal_rejection(o, b, m, rs, reduction):
                 seq_stat[i] = np.exp(a) if metric == "ratio" else a
             geo[i] = (delta[i][valid[i]] * wt).sum() / n if v.size else 0.0
         stat = np.broadcast_to(seq_stat[:, None], m.shape)
+        undefined = np.broadcast_to(undefined.any(-1)[:, None], m.shape)
         if metric == "ratio":
             w_raw = np.broadcast_to(np.exp(np.clip(geo, -S, S))[:, None], m.shape).copy()
     else:
         stat = stat_tok
-    high = stat > upper
+    high = (stat > upper) | undefined
     low = stat < lower if lower is not None else np.zeros(m.shape, bool)
     inside = ~high & ~low
     w_after = w_raw.copy()

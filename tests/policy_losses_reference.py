@@ -242,7 +242,7 @@ def aggregate(per_token, final_mask, denominator_mask, aggregation, scale=None):
 
 # --------------------------------------------------------------------------- prime-rl
 # From prime-rl's src/prime_rl/trainer/rl/loss.py (default_loss_fn, ipo_loss_fn; commit
-# 559b44772) and, for INTELLECT-2, src/zeroband/training/loss.py (commit 35948297f).
+# 559b44772; kpop_loss_fn as its pull request describes it) and, for INTELLECT-2, src/zeroband/training/loss.py (commit 35948297f).
 
 
 class MaskTerms(NamedTuple):
@@ -299,6 +299,35 @@ def ipo(theta, d, adv, valid, *, ipo_threshold, adv_tau, kl_tau):
 
     def masked_fn(gap, _):
         return np.abs(gap) > threshold
+
+    loss, slope, masked, _, _ = _masked_ratio(theta, d, adv, valid, masked_fn, adv_tau, kl_tau)
+    return MaskTerms(loss, lambda c: np.asarray(c, np.float64) * slope, masked)
+
+
+KPOP_EPS = 1e-6  # prime-rl's (and verl's) clamp of both probabilities to [ε, 1 − ε]
+
+
+def binary_kl(log_p, log_q, eps=KPOP_EPS):
+    """``D_B(p‖q) = p·log(p/q) + (1 − p)·log((1 − p)/(1 − q))`` in float64, ``p`` and ``q``
+    the float32 log-probabilities' exact exponentials clamped to ``[ε, 1 − ε]``."""
+    with np.errstate(all="ignore"):
+        p = np.clip(np.exp(np.asarray(log_p, np.float64)), eps, 1 - eps)
+        q = np.clip(np.exp(np.asarray(log_q, np.float64)), eps, 1 - eps)
+        return p * np.log(p / q) + (1 - p) * (np.log1p(-p) - np.log1p(-q))
+
+
+def kpop(theta, d, adv, valid, *, kpop_threshold, adv_tau, kl_tau):
+    """IPO's loss with ``keep`` = ``max(D_B(π_θ‖π_d), D_B(π_d‖π_θ)) ≤ φ`` (KPop; prime-rl's
+    ``kpop`` loss type, ``trainer_logprobs`` against ``inference_logprobs``)."""
+    t32, d32 = (np.asarray(a, np.float32) for a in (theta, d))
+    with np.errstate(invalid="ignore"):
+        ok = np.asarray(valid, bool) & np.isfinite(np.float64(t32) - d32)
+    t32, d32 = np.where(ok, t32, np.float32(0)), np.where(ok, d32, np.float32(0))
+    divergence = np.maximum(binary_kl(t32, d32), binary_kl(d32, t32))
+    masked = divergence > kpop_threshold
+
+    def masked_fn(gap, _):
+        return masked
 
     loss, slope, masked, _, _ = _masked_ratio(theta, d, adv, valid, masked_fn, adv_tau, kl_tau)
     return MaskTerms(loss, lambda c: np.asarray(c, np.float64) * slope, masked)

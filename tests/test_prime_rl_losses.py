@@ -1,4 +1,4 @@
-"""prime-rl's losses (``prime_dppo``, ``ipo``) and INTELLECT-2's ``two_sided_clip``: values,
+"""prime-rl's losses (``prime_dppo``, ``ipo``, ``kpop``) and INTELLECT-2's ``two_sided_clip``: values,
 gradients and masks against the NumPy oracle (ragged, NaN-padded, exactly at the thresholds
 and kinks, both advantage signs), against prime-rl's own normalisation, hypothesis
 properties (padding garbage, jit == eager, pooled == full batch, packed == one per row,
@@ -27,16 +27,28 @@ TERMS_HYPER = {
     "prime_dppo": dict(dppo_mask_low=0.15, dppo_mask_high=0.25, adv_tau=0.8, kl_tau=0.05),
     "ipo": dict(ipo_threshold=0.12, adv_tau=1.3, kl_tau=0.02),
     "two_sided_clip": dict(clip_eps=0.2, clip_eps_high=0.28, delta=2.0),
+    "kpop": dict(kpop_threshold=0.03, adv_tau=1.3, kl_tau=0.02),
 }
 NAMES = tuple(TERMS_HYPER)
-JAX_TERMS = {"prime_dppo": pl.prime_dppo, "ipo": pl.ipo, "two_sided_clip": pl.two_sided_clip}
-NUMPY_TERMS = {"prime_dppo": ref.prime_dppo, "ipo": ref.ipo, "two_sided_clip": ref.two_sided_clip}
+JAX_TERMS = {
+    "prime_dppo": pl.prime_dppo,
+    "ipo": pl.ipo,
+    "two_sided_clip": pl.two_sided_clip,
+    "kpop": pl.kpop,
+}
+NUMPY_TERMS = {
+    "prime_dppo": ref.prime_dppo,
+    "ipo": ref.ipo,
+    "two_sided_clip": ref.two_sided_clip,
+    "kpop": ref.kpop,
+}
 # The same as LossConfig keywords; tight enough that every mask binds on the small
 # log-probs of strategies.py and packing_cases.py.
 CONFIG_HYPER = {
     "prime_dppo": dict(dppo_mask_low=0.05, dppo_mask_high=0.03, adv_tau=0.8, kl_tau=0.05),
     "ipo": dict(ipo_threshold=0.04, adv_tau=1.3, kl_tau=0.02),
     "two_sided_clip": dict(clip_eps=0.2, clip_eps_high=0.1, clamp_log_prob_coef=1.3),
+    "kpop": dict(kpop_threshold=0.003, adv_tau=1.3, kl_tau=0.02),
 }
 
 
@@ -159,7 +171,7 @@ def test_prime_dppo_a_zero_advantage_counts_as_masked_low_side_only_in_is_masked
 def test_masked_tokens_keep_the_kl_term_and_its_gradient():
     theta, d = -0.2, -1.5  # Δp ≈ 0.6: masked by both losses
     x = float(np.float32(theta) - np.float32(d))
-    for name in ("prime_dppo", "ipo"):
+    for name in ("prime_dppo", "ipo", "kpop"):
         value, grad, masks = _one_token(name, theta, d, 1.0, kl_tau=0.3)
         assert masks["masked"]
         np.testing.assert_allclose(value, 0.3 * x * x, rtol=1e-6)
@@ -234,7 +246,7 @@ def _config(name, algorithm="bypass_ppo", **extra):
     )
 
 
-@pytest.mark.parametrize("name", ["prime_dppo", "ipo"])
+@pytest.mark.parametrize("name", ["prime_dppo", "ipo", "kpop"])
 @pytest.mark.parametrize("algorithm", ["bypass_ppo", "ppo"])
 def test_policy_loss_is_prime_rls_loss(name, algorithm):
     """prime-rl's ``compute_loss``: ``Σ ℓ / N`` with N the loss tokens, masked ones included
@@ -283,7 +295,7 @@ def test_bypass_without_rollout_logp_is_a_clear_error():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("name", ["prime_dppo", "ipo"])
+@pytest.mark.parametrize("name", ["prime_dppo", "ipo", "kpop"])
 def test_every_token_masked_gives_zero_without_the_kl_term(name):
     """All tokens outside the trust region (Δp ≈ 0.6) and kl_tau = 0: loss 0, zero gradient,
     every token counted as masked; the tokens stay in the denominator (masked ≠ rejected)."""

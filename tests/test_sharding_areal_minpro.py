@@ -39,6 +39,9 @@ CORRECTIONS = {
         tis_batch_normalize=True,
         rejection_sampling={"level": "sequence", "metric": "kl_k3", "agg": "sum", "upper": 0.6},
     ),
+    "areal_seq_mask_binary_kl_max": opj.CorrectionConfig.from_areal(
+        {"level": "sequence", "metric": "binary_kl", "agg": "max", "upper": 0.2}
+    ),
     "minpro_clip_rs_minpro": opj.CorrectionConfig(
         use_tis=True,
         tis_level="minpro",

@@ -120,8 +120,8 @@ class LossConfig:
         the ratio denominator ``d`` and the IS weights): ``"ppo_clip"`` (default, the
         clipped PPO surrogate: ``clip_eps``, ``clip_eps_high``, ``dual_clip_c``),
         ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"gmpo"``, ``"sapo"``, ``"gpg"``,
-        ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, prime-rl's ``"prime_dppo"`` and
-        ``"ipo"``, INTELLECT-2's ``"two_sided_clip"``, TRL's ``"vespo"`` and ``"luspo"``
+        ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, prime-rl's ``"prime_dppo"``, ``"ipo"``
+        and ``"kpop"``, INTELLECT-2's ``"two_sided_clip"``, TRL's ``"vespo"`` and ``"luspo"``
         or any registered name; formulas and papers in :mod:`offpolicy_jax.losses.policy_losses`.
         ``reinforce_is`` has its own term and takes only the default.
       params: the surrogate's hyperparameters (an instance of its registered params
@@ -194,6 +194,7 @@ class LossConfig:
     dppo_mask_low = _Hyperparameter[float | None]()
     dppo_mask_high = _Hyperparameter[float | None]()
     ipo_threshold = _Hyperparameter[float | None]()
+    kpop_threshold = _Hyperparameter[float | None]()
     clamp_log_prob_coef = _Hyperparameter[float | None]()
     vespo_k_pos = _Hyperparameter[float | None]()
     vespo_lambda_pos = _Hyperparameter[float | None]()

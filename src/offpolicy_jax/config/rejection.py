@@ -27,7 +27,7 @@ __all__ = [
 
 AREAL_LEVELS: tuple[str, ...] = ("token", "sequence")
 AREAL_ACTIONS: tuple[str, ...] = ("mask", "clamp")
-AREAL_METRICS: tuple[str, ...] = ("ratio", "kl_k1", "kl_k2", "kl_k3")
+AREAL_METRICS: tuple[str, ...] = ("ratio", "kl_k1", "kl_k2", "kl_k3", "binary_kl")
 AREAL_AGGS: tuple[str, ...] = ("sum", "mean", "max")
 
 
@@ -46,7 +46,13 @@ class RejectionSamplingConfig:
     * weight ``w_t = exp(δ_t)``; at ``level="sequence"`` with ``metric="ratio"`` the
       geometric mean ``exp(Σ δ m / N)`` of the sequence, whatever ``agg``;
     * statistic per token: ``ratio = e^δ``, ``kl_k1 = δ``, ``kl_k2 = ½δ²``,
-      ``kl_k3 = e^{−δ} − 1 + δ`` (AReaL's ``KLEstimator`` with π_old as ``log_probs``);
+      ``kl_k3 = e^{−δ} − 1 + δ`` (AReaL's ``KLEstimator`` with π_old as ``log_probs``),
+      ``binary_kl = max(D_B(o‖b), D_B(b‖o))`` (KPop, Guo et al. 2026: the Bernoulli KL
+      of the sampled token, AReaL's ``compute_binary_kl_divergence`` with its clamp of
+      both probabilities to ``[1e-8, 1 − 1e-8]``; a probability that rounds to 1 in
+      float32 makes AReaL's value NaN, which its bounds reject, and so does this one;
+      added by AReaL commit ``13353cc6``, whose own ``__post_init__`` still lists only
+      the four metrics above, so this reader accepts what AReaL's loss computes);
       at ``level="sequence"`` its per-sequence ``agg``: for ``ratio`` in log space
       (``sum``: ``exp(Σ δ m)``, ``mean``: ``exp(Σ δ m / N)``, ``max``: ``exp(max δ)``),
       for the KL metrics of the values (``Σ k m``, ``Σ k m / N``, ``max k``); an empty
@@ -59,16 +65,17 @@ class RejectionSamplingConfig:
 
     Validated as AReaL does: ``ValueError`` for a choice outside the grid, ``lower >
     upper``, ``upper ≤ 1`` or ``lower ≤ 0`` with ``metric="ratio"``, ``upper ≤ 0`` with
-    ``kl_k2`` / ``kl_k3``, or ``clamp`` with a KL metric (a bound on a divergence is not
-    a bound on a weight); a ``UserWarning`` when ``agg`` is not ``"mean"`` at the token
-    level (where it is ignored). Bounds must also be normal, finite float32 values (0
+    ``kl_k2`` / ``kl_k3`` / ``binary_kl``, or ``clamp`` with a KL metric (a bound on a
+    divergence is not a bound on a weight); a ``UserWarning`` when ``agg`` is not
+    ``"mean"`` at the token level (where it is ignored). Bounds must also be normal, finite float32 values (0
     allowed for ``kl_k1``), compared as float32.
 
     Attributes:
       level: ``"token"`` (each token judged alone) or ``"sequence"`` (a sequence shares
         one fate).
       action: ``"mask"`` (reject) or ``"clamp"`` (bound the weight).
-      metric: ``"ratio"``, ``"kl_k1"``, ``"kl_k2"`` or ``"kl_k3"``.
+      metric: ``"ratio"``, ``"kl_k1"``, ``"kl_k2"``, ``"kl_k3"`` or ``"binary_kl"``
+        (KPop: ``upper`` is its φ; AReaL's example ``gsm8k_kpop.yaml`` sets 2.0).
       agg: the per-sequence aggregation at ``level="sequence"``: ``"sum"``, ``"mean"``
         or ``"max"``.
       upper: upper bound of the statistic (AReaL's default 5.0).
@@ -77,7 +84,7 @@ class RejectionSamplingConfig:
 
     level: Literal["token", "sequence"] = "token"
     action: Literal["mask", "clamp"] = "mask"
-    metric: Literal["ratio", "kl_k1", "kl_k2", "kl_k3"] = "ratio"
+    metric: Literal["ratio", "kl_k1", "kl_k2", "kl_k3", "binary_kl"] = "ratio"
     agg: Literal["sum", "mean", "max"] = "mean"
     upper: float = 5.0
     lower: float | None = None
@@ -129,7 +136,7 @@ class RejectionSamplingConfig:
             for key in ("upper", "lower"):
                 check_f32_ratio(owner, key, getattr(self, key))
         else:
-            if self.metric in ("kl_k2", "kl_k3") and upper <= 0:
+            if self.metric in ("kl_k2", "kl_k3", "binary_kl") and upper <= 0:
                 raise ValueError(
                     f"{owner}.upper must be > 0 for metric={self.metric!r}, got {shown(upper)}"
                 )

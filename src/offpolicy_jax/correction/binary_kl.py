@@ -61,10 +61,19 @@ def binary_kl(logp: ArrayLike, logq: ArrayLike, *, eps: float = BINARY_KL_EPS) -
       ``[...]`` float32 divergence (garbage where an input is not a log-probability:
       mask the result with ``jnp.where``).
     """
+    _check_eps(eps)
+    return _divergence(_clamped_logs(jnp.asarray(logp), eps), _clamped_logs(jnp.asarray(logq), eps))
+
+
+def _check_eps(eps: float) -> None:
     if not 0.0 < eps < 0.5:
         raise ValueError(f"binary_kl: eps must be in (0, 0.5), got {eps!r}")
-    log_p, p, log_1mp = _clamped_logs(jnp.asarray(logp), eps)
-    log_q, _, log_1mq = _clamped_logs(jnp.asarray(logq), eps)
+
+
+def _divergence(first, second) -> jax.Array:
+    """``max(D_B, 0)`` of two :func:`_clamped_logs` triples."""
+    log_p, p, log_1mp = first
+    log_q, _, log_1mq = second
     value = p * (log_p - log_q) + (1.0 - p) * (log_1mp - log_1mq)
     return jnp.maximum(value, 0.0)
 
@@ -82,4 +91,9 @@ def bidirectional_binary_kl(
     Returns:
       ``[...]`` float32, ``≥ 0``.
     """
-    return jnp.maximum(binary_kl(logp, logq, eps=eps), binary_kl(logq, logp, eps=eps))
+    _check_eps(eps)
+    # Each probability's clamped logs once, for both directions (the same values as two
+    # binary_kl calls, half the transcendentals).
+    p = _clamped_logs(jnp.asarray(logp), eps)
+    q = _clamped_logs(jnp.asarray(logq), eps)
+    return jnp.maximum(_divergence(p, q), _divergence(q, p))

@@ -23,8 +23,9 @@ that apply them live in :mod:`offpolicy_jax.correction.rules`.
 * **OPSM** (DeepSeek-AI, 2025, "DeepSeek-V3.2", off-policy sequence masking): in the
   loss, drop a sequence whose advantage is negative and whose mean
   ``log(π_rollout / π_θ)`` exceeds ``δ``.
-* **AReaL's grid** (inclusionAI/AReaL ``RejectionSamplingConfig``): a ratio or
-  ``k1``/``k2``/``k3`` statistic (:func:`areal_statistic`) per token or aggregated per
+* **AReaL's grid** (inclusionAI/AReaL ``RejectionSamplingConfig``): a ratio,
+  ``k1``/``k2``/``k3`` (:func:`areal_statistic`) or KPop's binary-KL statistic
+  (:func:`areal_binary_kl`) per token or aggregated per
   sequence (``sum``/``mean``/``max``), bounded by ``[lower, upper]``, masks the tokens
   out of bounds or clamps their weight.
 * Probability metrics: NeMo-RL's ``token_mult_prob_error`` (``exp(|δ|)``) and
@@ -41,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax._messages import close_match, shown
+from offpolicy_jax.correction.binary_kl import bidirectional_binary_kl
 
 LOG_RATIO_CLAMP = 20.0  # S, as ratios.LOG_RATIO_CLAMP (verl's SAFETY_BOUND)
 
@@ -247,6 +249,37 @@ def areal_statistic(delta: jax.Array, metric: str) -> jax.Array:
     raise ValueError(
         f"unknown AReaL metric {shown(metric)}; must be 'ratio', 'kl_k1', 'kl_k2' or 'kl_k3'"
     )
+
+
+AREAL_BINARY_KL_EPS = 1e-8
+"""ε of AReaL's ``compute_binary_kl_divergence``: both probabilities clamped to ``[ε, 1 − ε]``."""
+
+
+def areal_binary_kl(old: jax.Array, rollout: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """AReaL's KPop statistic (``metric: binary_kl``) and where AReaL's value is NaN.
+
+    inclusionAI/AReaL ``apply_rejection_sampling`` (commit ``13353cc6``):
+    ``max(D_B(o‖b), D_B(b‖o))`` of ``compute_binary_kl_divergence``, which clamps
+    ``p = e^logp`` to ``[1e-8, 1 − 1e-8]``. In float32 ``1 − 1e-8`` rounds to 1, so a
+    probability that rounds to 1 (``logp ≳ −3e-8``, a near-certain token) gives
+    ``0·log 0 = NaN`` there, and NaN fails every bound test: AReaL rejects such a token
+    (and, aggregated, its sequence). This returns the statistic finite
+    (:func:`~offpolicy_jax.correction.binary_kl.bidirectional_binary_kl` with ``ε =
+    1e-8``) and that set of tokens as a flag, so the decision is AReaL's and no NaN
+    reaches a metric.
+
+    Args:
+      old: ``[..., T]`` log π_old (AReaL's ``proximal_logprobs``).
+      rollout: ``[..., T]`` log π_rollout (AReaL's ``old_logprobs``).
+
+    Returns:
+      ``(stat, undefined)``: float32 ``≥ 0`` and bool, ``[..., T]`` (garbage where an
+      input is not a log-probability).
+    """
+    old, rollout = old.astype(jnp.float32), rollout.astype(jnp.float32)
+    stat = bidirectional_binary_kl(old, rollout, eps=AREAL_BINARY_KL_EPS)
+    undefined = (jnp.exp(old) >= 1.0) | (jnp.exp(rollout) >= 1.0)
+    return stat, undefined
 
 
 MULT_PROB_LOG_CAP = 50.0

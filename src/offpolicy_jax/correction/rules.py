@@ -254,6 +254,10 @@ class AReaLRejection(Stage):
     unbounded ``w``; ``action="clamp"`` keeps every token and clips ``w`` to
     ``[lower or 0, upper]``: all tokens at the token level, the out-of-bounds sequences
     at the sequence level. Its weight replaces the TIS weight (``tis_mode: none``).
+    With ``metric="binary_kl"`` (KPop) the statistic is
+    :func:`~offpolicy_jax.correction.criteria.areal_binary_kl` of ``o`` and ``b``, and a
+    token where AReaL's value is NaN (a probability that rounds to 1) is out of bounds,
+    counted as above ``upper``; at the sequence level it takes its sequence with it.
 
     Metrics (``P = mis_rs_areal``): ``P_filtered_fraction`` (AReaL's
     ``rs_filtered_fraction``: the share of valid tokens masked, or whose weight the clamp
@@ -270,17 +274,25 @@ class AReaLRejection(Stage):
     def prefix(self) -> str:
         return "mis_rs_areal"
 
+    def _statistic(self, t) -> tuple[jax.Array, jax.Array | None]:
+        """The per-token statistic, and for ``binary_kl`` where AReaL's is NaN (None
+        otherwise): such a token fails AReaL's bounds, counted here as above ``upper``."""
+        if self.config.metric == "binary_kl":
+            return criteria.areal_binary_kl(t.old, t.rollout)
+        return criteria.areal_statistic(t.delta, self.config.metric), None
+
     def _aggregated_values(self, t) -> jax.Array:
         """What ``agg`` reduces per sequence: ``δ`` for ``ratio`` (log space), else the
         statistic."""
         if self.config.metric == "ratio":
             return t.delta
-        return criteria.areal_statistic(t.delta, self.config.metric)
+        return self._statistic(t)[0]
 
-    def _bounds(self, value):
+    def _bounds(self, value, undefined=None):
         """``(low, high)`` out-of-bounds flags (``low`` None without a lower bound)."""
         c = self.config
-        return (None if c.lower is None else value < c.lower), value > c.upper
+        high = value > c.upper if undefined is None else (value > c.upper) | undefined
+        return (None if c.lower is None else value < c.lower), high
 
     def _clamped(self, weights):
         """``clip(w, lower or 0, upper)`` and whether it moved each weight."""
@@ -291,13 +303,17 @@ class AReaLRejection(Stage):
     def columns(self, t):
         c = self.config
         if c.level == "sequence":
+            out = {}
+            if c.metric == "binary_kl":  # one undefined token rejects its sequence
+                undefined = criteria.areal_binary_kl(t.old, t.rollout)[1]
+                out["undefined"] = _reduce.count_where(undefined, t.population)
             if c.agg == "max":
-                return {"agg": _reduce.maximum(self._aggregated_values(t), t.population)}
+                return out | {"agg": _reduce.maximum(self._aggregated_values(t), t.population)}
             if c.metric == "ratio":  # Σ δ m is the pipeline's own sums["delta"]
-                return {}
-            return {"agg": _reduce.total(self._aggregated_values(t), t.population)}
-        stat = criteria.areal_statistic(t.delta, c.metric)
-        low, high = self._bounds(stat)
+                return out
+            return out | {"agg": _reduce.total(self._aggregated_values(t), t.population)}
+        stat, undefined = self._statistic(t)
+        low, high = self._bounds(stat, undefined)
         out = high if low is None else low | high
         if c.action == "clamp":
             out = self._clamped(ratios.clamped_exp(t.delta))[1]
@@ -325,15 +341,16 @@ class AReaLRejection(Stage):
         c, count, p = self.config, sums["count"], self.prefix
         token_weights = ratios.clamped_exp(t.delta)
         if c.level == "token":
-            value, per_seq = criteria.areal_statistic(t.delta, c.metric), False
+            (value, undefined), per_seq = self._statistic(t), False
             high_ext, low_ext = sums["max"], sums["min"]
             weights = token_weights
         else:
             value, per_seq = self._sequence_value(sums), True
+            undefined = sums["undefined"] > 0 if "undefined" in sums else None
             high_ext = low_ext = _reported(value)
             geometric = ratios.sequence_log_ratio(sums["delta"], count, "geometric")
             weights = ratios.clamped_exp(geometric) if c.metric == "ratio" else token_weights
-        low, high = self._bounds(value)
+        low, high = self._bounds(value, undefined)
         outside = high if low is None else low | high
         weights_per_seq = per_seq and c.metric == "ratio"
         keep, after = None, weights

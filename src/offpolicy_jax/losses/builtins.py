@@ -202,6 +202,17 @@ class IPOMask(PrimeRLCoefficients):
 
 
 @dataclasses.dataclass(frozen=True)
+class KPopMask(PrimeRLCoefficients):
+    """prime-rl's KPop loss: the binary-KL threshold φ (``KPopLossConfig``)."""
+
+    kpop_threshold: float = 0.1
+
+    def __post_init__(self):
+        super().__post_init__()
+        _non_negative(self, "kpop_threshold")
+
+
+@dataclasses.dataclass(frozen=True)
 class TwoSidedClip(ClipRange):
     """INTELLECT-2's clip range and its ratio cap ``δ`` for ``A < 0``
     (``clamp_log_prob_coef``, 4.0 as in the INTELLECT-2 run)."""
@@ -456,6 +467,21 @@ def ipo(x: SurrogateInput, p: IPOMask) -> SurrogateTerms:
         x.advantages,
         x.valid,
         ipo_threshold=p.ipo_threshold,
+        adv_tau=p.adv_tau,
+        kl_tau=p.kl_tau,
+    )
+    return _probability_masks(x, terms)
+
+
+@register_surrogate("kpop", params=KPopMask)
+def kpop(x: SurrogateInput, p: KPopMask) -> SurrogateTerms:
+    """prime-rl's KPop loss, binary-KL mask + KL (:func:`.policy_losses.kpop`)."""
+    terms = pl.kpop(
+        x.logp,
+        x.denominator,
+        x.advantages,
+        x.valid,
+        kpop_threshold=p.kpop_threshold,
         adv_tau=p.adv_tau,
         kl_tau=p.kl_tau,
     )

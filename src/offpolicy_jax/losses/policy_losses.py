@@ -22,6 +22,7 @@ name           per-token loss ``ℓ`` (``x = θ − d``, ``r = e^x``)           
 ``dro``        ``−(A·θ − ½β(θ − d)²)``                                          Kimi k1.5, 2025
 ``prime_dppo`` ``−[kept]·τ_A·A·r + τ_KL·x²``, kept by the sign of ``A`` and Δp  prime-rl (DPPO + KL), 2026
 ``ipo``        same, kept iff ``|Δp| ≤ ipo_threshold``                          prime-rl (IPO), 2026
+``kpop``       same, kept iff ``max(D_B(π_θ‖π_d), D_B(π_d‖π_θ)) ≤ φ``         prime-rl (KPop), 2026
 ``two_sided_clip`` ``ppo_clip`` with ``r`` capped at ``δ`` (bounds ``A < 0``)   INTELLECT-2, 2025
 ``vespo``      ``−sg(φ)·A·θ``, ``φ = W^k·e^{λ(1 − W)}``, ``W = Π_t r_t·w_t``   VESPO, 2026
 ``luspo``      ``L·max(−A·s, −A·clip(s))``, ``L = Σ_t m'``, ``s`` as GSPO      LUSPO, 2026
@@ -46,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from offpolicy_jax.correction.binary_kl import bidirectional_binary_kl
 from offpolicy_jax.correction.ratios import LOG_RATIO_CLAMP
 from offpolicy_jax.losses.registry import SurrogateTerms
 from offpolicy_jax.losses.surrogates import clamp, ppo_surrogate
@@ -666,6 +668,49 @@ def ipo(
     """
     gap = probability_difference(logp, denominator_logp, valid)
     masked = jnp.abs(gap) > ipo_threshold
+    loss = _masked_ratio_loss(logp, denominator_logp, advantages, valid, masked, adv_tau, kl_tau)
+    return ProbabilityMasks(loss, masked)
+
+
+def kpop(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    *,
+    kpop_threshold: float,
+    adv_tau: float,
+    kl_tau: float,
+) -> ProbabilityMasks:
+    """prime-rl's KPop loss: IPO's loss with KPop's binary-KL trust region.
+
+    KPop (Guo et al., Ant Group, 2026, https://ringtech.notion.site/kpop) treats the
+    sampled token as a Bernoulli event (this token against the rest of the vocabulary)
+    and drops its policy term where the binary KL between the trainer's probability
+    ``p = e^θ`` and the denominator's ``q = e^d`` exceeds φ in either direction:
+
+        D_B(p‖q) = p·log(p/q) + (1 − p)·log((1 − p)/(1 − q)),
+        kept  ⟺  D_B(p‖q) ≤ φ  and  D_B(q‖p) ≤ φ,
+
+    with both probabilities clamped to ``[1e-6, 1 − 1e-6]`` in float32
+    (:func:`~offpolicy_jax.correction.binary_kl.bidirectional_binary_kl`); a token
+    exactly at φ is kept. Tight for confident tokens, loose (in ratio terms) for rare
+    ones, where :func:`ipo`'s ``|Δp|`` band is the same width everywhere. The rest is
+    :func:`ipo`'s: ``ℓ = −[kept]·τ_A·A·r + τ_KL·x²``, the unclipped ratio on the kept
+    tokens and the squared-log-ratio term on every token. prime-rl PR 3283 (open,
+    ``kpop_loss_fn`` in ``src/prime_rl/trainer/rl/loss.py``, ``type = "kpop"``), where
+    ``d`` is the inference engine's log-prob: ``algorithm="bypass_ppo"``.
+
+    Args: as :func:`prime_dppo`, with ``kpop_threshold`` (φ ``≥ 0``; prime-rl's and the
+      paper's default 0.1).
+
+    Returns:
+      :class:`ProbabilityMasks` with ``masked = [max(D_B(p‖q), D_B(q‖p)) > φ]``.
+    """
+    theta, d = _sg(logp), _sg(denominator_logp)
+    usable = valid & jnp.isfinite(theta - d)
+    divergence = bidirectional_binary_kl(jnp.where(usable, theta, 0.0), jnp.where(usable, d, 0.0))
+    masked = divergence > kpop_threshold
     loss = _masked_ratio_loss(logp, denominator_logp, advantages, valid, masked, adv_tau, kl_tau)
     return ProbabilityMasks(loss, masked)
 
