@@ -527,3 +527,90 @@ def test_config_defaults_follow_trl():
     assert opj.LossConfig(policy_loss="dppo_kl").divergence_type == "binary_kl"
     assert opj.LossConfig(policy_loss="dppo_kl").divergence_topk == 20
     assert opj.LossConfig(policy_loss="ppo_clip").divergence_type is None
+
+
+# --------------------------------------------------------------------------- diagnose
+
+
+def _topk_dump(tmp_path, data, name="d.npz", **extra):
+    path = tmp_path / name
+    arrays = dict(
+        old_logp=data["logp"],
+        rollout_logp=data["rollout"],
+        mask=data["valid"],
+        topk_ids=data["ids"],
+        topk_old_logp=data["topk"],
+        topk_rollout_logp=data["rollout_topk"],
+    )
+    np.savez(path, **(arrays | extra))
+    return path
+
+
+@pytest.mark.parametrize("reduction", ["sequence", "token"])
+def test_diagnose_reports_the_topk_divergence_of_a_dump(tmp_path, reduction):
+    pytest.importorskip("matplotlib")
+    from offpolicy_jax.diagnose import diagnose
+
+    data = topk_batch(15)
+    path = _topk_dump(tmp_path, data)
+    report = diagnose(str(path), tmp_path / "out", reduction=reduction, chunk_rows=2)
+    got = report["topk_divergence"]
+    cfg = opj.LossConfig(algorithm="bypass_ppo", metric_reduction=reduction)
+    _, want = opj.policy_loss(
+        data["logp"], None, data["rollout"], data["adv"], data["valid"], cfg, topk=_topk(data)
+    )
+    for key in ("mis_topk_tv", "mis_topk_kl"):
+        np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL, err_msg=key)
+    valid = data["valid"]
+    tv = ref.divergence(data["topk"], data["rollout_topk"], valid, "tv")
+    np.testing.assert_allclose(got["topk_tv_above"], (tv[valid] > 0.15).mean(), rtol=1e-6)
+    assert got["topk_k"] == 4 and got["topk_tokens"] == valid.sum()
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "## Top-k divergence" in text and "`mis_topk_kl`" in text
+    # A dump without top-k log-probs reports none.
+    plain = tmp_path / "plain.npz"
+    np.savez(plain, old_logp=data["logp"], rollout_logp=data["rollout"], mask=data["valid"])
+    assert "topk_divergence" not in diagnose(str(plain))
+
+
+def test_diagnose_packed_topk_dump_equals_padded(tmp_path):
+    from offpolicy_jax.diagnose import diagnose
+
+    data = topk_batch(16)
+    packed, _ = _pack(data, len(LENGTHS) // 2)
+    path = tmp_path / "packed.npz"
+    np.savez(
+        path,
+        old_logp=packed["logp"],
+        rollout_logp=packed["rollout"],
+        mask=packed["valid"],
+        segment_ids=packed["segment_ids"],
+        topk_old_logp=packed["topk"],
+        topk_rollout_logp=packed["rollout_topk"],
+    )
+    got = diagnose(str(path))["topk_divergence"]
+    want = diagnose(str(_topk_dump(tmp_path, data)))["topk_divergence"]
+    for key in ("mis_topk_tv", "mis_topk_kl", "topk_tv_above", "topk_kl_above"):
+        np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL, err_msg=key)
+
+
+def test_diagnose_topk_dump_errors_name_the_field(tmp_path):
+    from offpolicy_jax.diagnose import DiagnoseError, diagnose
+
+    data = topk_batch(17)
+    half = tmp_path / "half.npz"
+    np.savez(
+        half,
+        old_logp=data["logp"],
+        rollout_logp=data["rollout"],
+        mask=data["valid"],
+        topk_old_logp=data["topk"],
+    )
+    with pytest.raises(DiagnoseError, match="'topk_old_logp' needs 'topk_rollout_logp'"):
+        diagnose(str(half))
+    bad = _topk_dump(tmp_path, data, "bad.npz", topk_rollout_logp=data["rollout_topk"][:, :3])
+    with pytest.raises(DiagnoseError, match="'topk_rollout_logp' has shape"):
+        diagnose(str(bad))
+    ids = _topk_dump(tmp_path, data, "ids.npz", topk_ids=data["ids"][..., :2])
+    with pytest.raises(DiagnoseError, match="'topk_ids' has shape"):
+        diagnose(str(ids))
