@@ -129,8 +129,8 @@ def topk_logprobs(
     Examples:
       >>> import jax.numpy as jnp, offpolicy_jax as opj
       >>> logits = jnp.log(jnp.array([[[0.5, 0.3, 0.2]]]))
-      >>> jnp.exp(opj.topk_logprobs(logits, jnp.array([[[0, 2]]]))).round(4)
-      Array([[[0.5, 0.2]]], dtype=float32)
+      >>> opj.topk_logprobs(logits, jnp.array([[[0, 2]]])).round(4)  # log 0.5, log 0.2
+      Array([[[-0.6931, -1.6094]]], dtype=float32)
     """
     logits = _token._check_float("logits", logits, "[..., T, V]", 2)
     batch_shape, vocab = logits.shape[:-1], logits.shape[-1]
