@@ -129,8 +129,9 @@ def topk_logprobs(
     Examples:
       >>> import jax.numpy as jnp, offpolicy_jax as opj
       >>> logits = jnp.log(jnp.array([[[0.5, 0.3, 0.2]]]))
-      >>> opj.topk_logprobs(logits, jnp.array([[[0, 2]]])).round(4)  # log 0.5, log 0.2
-      Array([[[-0.6931, -1.6094]]], dtype=float32)
+      >>> logp = opj.topk_logprobs(logits, jnp.array([[[0, 2]]]))  # [1, 1, 2]
+      >>> [round(float(p), 4) for p in jnp.exp(logp).ravel()]
+      [0.5, 0.2]
     """
     logits = _token._check_float("logits", logits, "[..., T, V]", 2)
     batch_shape, vocab = logits.shape[:-1], logits.shape[-1]
