@@ -16,7 +16,7 @@ from offpolicy_jax.correction.criteria import effective_sample_size
 from offpolicy_jax.correction.normalize import normalizer, normalizer_reduction
 from offpolicy_jax.correction.ratios import k3
 from offpolicy_jax.correction.stages import pool
-from offpolicy_jax.correction.topk_divergence import topk_divergence
+from offpolicy_jax.correction.topk_divergence import topk_divergence, topk_divergences
 
 __all__ = [
     "effective_sample_size",
@@ -25,4 +25,5 @@ __all__ = [
     "normalizer_reduction",
     "pool",
     "topk_divergence",
+    "topk_divergences",
 ]

@@ -26,6 +26,8 @@ the support holds nearly all the mass).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
@@ -33,7 +35,14 @@ from jax.typing import ArrayLike
 from offpolicy_jax.logprobs.topk import check_topk
 from offpolicy_jax.reduction import Column, MeanParts, Reduction, count, seq_mean, total
 
-__all__ = ["TOPK_DIVERGENCES", "TOPK_METRICS", "TOPK_REST_FLOOR", "topk_divergence"]
+__all__ = [
+    "TOPK_DIVERGENCES",
+    "TOPK_METRICS",
+    "TOPK_REST_FLOOR",
+    "TopKTerms",
+    "topk_divergence",
+    "topk_divergences",
+]
 
 TOPK_REST_FLOOR = 1e-12
 """The floor of both rest buckets (TRL's ``clamp(min=1e-12)``)."""
@@ -70,6 +79,15 @@ def topk_divergence(
     """
     if divergence not in TOPK_DIVERGENCES:
         raise ValueError(f"divergence must be 'tv' or 'kl', got {divergence!r}")
+    tv, kl = topk_divergences(logp, rollout_logp, valid)
+    return tv if divergence == "tv" else kl
+
+
+def topk_divergences(
+    logp: ArrayLike, rollout_logp: ArrayLike, valid: ArrayLike | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """``(topk_tv, topk_kl)`` per position in one pass over the ``[..., T, K]`` inputs
+    (both share the exponentials); arguments as :func:`topk_divergence`."""
     logp = jnp.asarray(logp, jnp.float32)
     rollout_logp = jnp.asarray(rollout_logp, jnp.float32)
     if logp.shape != rollout_logp.shape or logp.ndim < 2:
@@ -85,17 +103,44 @@ def topk_divergence(
     rollout_logp = jnp.where(keep[..., None], rollout_logp, 0.0)
     pi, mu = jnp.exp(logp), jnp.exp(rollout_logp)
     pi_rest, mu_rest = _rest(pi), _rest(mu)
-    if divergence == "tv":
-        value = 0.5 * (jnp.sum(jnp.abs(pi - mu), axis=-1) + jnp.abs(pi_rest - mu_rest))
-    else:
-        # μ_k = 0 contributes 0 (its −inf log would make 0·inf = NaN).
-        present = mu > 0
-        terms = jnp.where(present, mu * (jnp.where(present, rollout_logp, 0.0) - logp), 0.0)
-        value = jnp.sum(terms, axis=-1) + mu_rest * (jnp.log(mu_rest) - jnp.log(pi_rest))
-        # Float32 rounding of supports whose mass sums to ~1 can leave it a few ulp
-        # below 0; a KL never is (the trust region compares it with δ > 0 alike).
-        value = jnp.maximum(value, 0.0)
-    return jnp.where(keep, value, 0.0)
+    tv = 0.5 * (jnp.sum(jnp.abs(pi - mu), axis=-1) + jnp.abs(pi_rest - mu_rest))
+    # μ_k = 0 contributes 0 (its −inf log would make 0·inf = NaN).
+    present = mu > 0
+    terms = jnp.where(present, mu * (jnp.where(present, rollout_logp, 0.0) - logp), 0.0)
+    kl = jnp.sum(terms, axis=-1) + mu_rest * (jnp.log(mu_rest) - jnp.log(pi_rest))
+    # Float32 rounding of supports whose mass sums to ~1 can leave it a few ulp below 0;
+    # a KL never is (the trust region compares it with δ > 0 alike).
+    kl = jnp.maximum(kl, 0.0)
+    return jnp.where(keep, tv, 0.0), jnp.where(keep, kl, 0.0)
+
+
+class TopKTerms(NamedTuple):
+    """A call's ``topk=`` checked, as a surrogate sees it (``SurrogateInput.topk``).
+
+    Attributes:
+      logp: ``[..., T, K]`` float32 stop-gradient, the trainer's log-probs of the ids.
+      rollout_logp: ``[..., T, K]`` float32 stop-gradient, the engine's.
+      tv: ``[..., T]`` ``topk_tv`` of the two, 0 where not valid.
+      kl: ``[..., T]`` ``topk_kl``, 0 where not valid.
+    """
+
+    logp: jax.Array
+    rollout_logp: jax.Array
+    tv: jax.Array
+    kl: jax.Array
+
+    @property
+    def k(self) -> int:
+        """``K``, the ids per position."""
+        return self.logp.shape[-1]
+
+
+def topk_terms(topk, shape: tuple[int, ...], valid: jax.Array) -> TopKTerms:
+    """:class:`TopKTerms` of a :class:`~offpolicy_jax.TopKLogprobs` checked against the
+    ``[..., T]`` ``shape`` of the sampled tokens (errors name ``topk``)."""
+    logp, rollout = check_topk(topk, shape)
+    tv, kl = topk_divergences(logp, rollout, valid)
+    return TopKTerms(logp, rollout, tv, kl)
 
 
 # --------------------------------------------------------------------------- metrics
@@ -108,19 +153,14 @@ TOPK_COUNT = "mis_topk_count"
 """The per-sequence column counting the tokens both metrics average over (internal)."""
 
 
-def topk_mismatch_columns(topk, shape: tuple[int, ...], mask: jax.Array) -> dict[str, Column]:
+def topk_mismatch_columns(topk: TopKTerms, mask: jax.Array) -> dict[str, Column]:
     """The per-token columns of :data:`TOPK_METRICS` over the valid tokens (``mask > 0``)
-    whose divergences are finite; ``topk`` a :class:`~offpolicy_jax.TopKLogprobs`
-    checked against the ``[..., T]`` ``shape``."""
-    logp, rollout = check_topk(topk, shape)
-    valid = mask > 0
-    tv = topk_divergence(logp, rollout, valid, divergence="tv")
-    kl = topk_divergence(logp, rollout, valid, divergence="kl")
-    finite = valid & jnp.isfinite(tv) & jnp.isfinite(kl)
+    whose divergences are finite."""
+    finite = (mask > 0) & jnp.isfinite(topk.tv) & jnp.isfinite(topk.kl)
     population = jnp.where(finite, mask, 0.0)
     return {
-        "mis_topk_tv": total(jnp.where(finite, tv, 0.0), population),
-        "mis_topk_kl": total(jnp.where(finite, kl, 0.0), population),
+        "mis_topk_tv": total(jnp.where(finite, topk.tv, 0.0), population),
+        "mis_topk_kl": total(jnp.where(finite, topk.kl, 0.0), population),
         TOPK_COUNT: count(population),
     }
 

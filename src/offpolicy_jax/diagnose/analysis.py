@@ -721,9 +721,8 @@ def topk_chunk_stats(old, rollout, mask, topk_old, topk_rollout, *, reduction):
     valid = mask > 0
     ok = ~jnp.any(valid & ~(jnp.isfinite(old) & jnp.isfinite(rollout)), axis=-1, keepdims=True)
     out = {}
-    values = {}
-    for kind in ("tv", "kl"):
-        values[kind] = correction.topk_divergence(topk_old, topk_rollout, valid, divergence=kind)
+    tv, kl = correction.topk_divergences(topk_old, topk_rollout, valid)
+    values = {"tv": tv, "kl": kl}
     use = valid & ok & jnp.isfinite(values["tv"]) & jnp.isfinite(values["kl"])
     weight = jnp.where(use, mask, 0.0)
     count = jnp.sum(weight, axis=-1)

@@ -163,10 +163,10 @@ def topk_logprobs(
 
 
 def check_topk(
-    topk: TopKLogprobs, shape: tuple[int, ...], *, k: int | None = None, owner: str = "topk"
+    topk: TopKLogprobs, shape: tuple[int, ...], *, owner: str = "topk"
 ) -> tuple[jax.Array, jax.Array]:
     """``(logp, rollout_logp)`` of ``topk`` as stop-gradient float32 ``[..., T, K]``,
-    checked against the ``[..., T]`` ``shape`` of the sampled tokens (and ``K == k``)."""
+    checked against the ``[..., T]`` ``shape`` of the sampled tokens."""
     if not isinstance(topk, TopKLogprobs):
         raise TypeError(
             f"{owner} must be an offpolicy_jax.TopKLogprobs(ids, rollout_logp, logp), got "
@@ -187,9 +187,4 @@ def check_topk(
                 f"{owner}.ids ([..., T, K] with [..., T] = {tuple(shape)})"
             )
         arrays.append(jax.lax.stop_gradient(x))
-    if k is not None and ids.shape[-1] != k:
-        raise ValueError(
-            f"{owner} has K = {ids.shape[-1]} ids per position but LossConfig.divergence_topk "
-            f"is {k}; pass the engine's top-{k} or set divergence_topk={ids.shape[-1]}"
-        )
     return arrays[0], arrays[1]

@@ -30,7 +30,6 @@ from offpolicy_jax._checks import (
     check_positive,
     f32,
 )
-from offpolicy_jax.logprobs.topk import check_topk
 from offpolicy_jax.losses import covariance as cov
 from offpolicy_jax.losses import policy_losses as pl
 from offpolicy_jax.losses.registry import (
@@ -449,15 +448,18 @@ def _dppo(x: SurrogateInput, p: DPPOTrustRegion, divergence: str) -> SurrogateTe
                 "needs topk=TopKLogprobs(ids, rollout_logp, logp): the engine's top-k ids and "
                 "log-probs and the trainer's log-probs on them"
             )
-        topk_logp, topk_rollout = check_topk(x.topk, x.logp.shape, k=p.divergence_topk)
-        return pl.dppo_topk(
+        if x.topk.k != p.divergence_topk:
+            raise ValueError(
+                f"topk has K = {x.topk.k} ids per position but LossConfig.divergence_topk is "
+                f"{p.divergence_topk}; pass the engine's top-{p.divergence_topk} or set "
+                f"divergence_topk={x.topk.k}"
+            )
+        return pl.dppo_divergence_region(
             x.logp,
             x.denominator,
             x.advantages,
             x.valid,
-            topk_logp,
-            topk_rollout,
-            divergence=divergence,
+            x.topk.tv if divergence == "tv" else x.topk.kl,
             clip_eps=p.clip_eps,
             clip_eps_high=p.upper_clip_eps,
             ratio_cap=p.dppo_ratio_cap,

@@ -43,8 +43,10 @@ from offpolicy_jax.correction.compute import CorrectionResult, correction_parts
 from offpolicy_jax.correction.ratios import metric_exp
 from offpolicy_jax.correction.topk_divergence import (
     TOPK_COUNT,
+    TopKTerms,
     topk_mismatch_columns,
     topk_mismatch_means,
+    topk_terms,
 )
 from offpolicy_jax.logprobs.topk import TopKLogprobs
 from offpolicy_jax.losses import builtins as _objective
@@ -311,7 +313,7 @@ class _Batch:
     proximal: Mapping[str, MeanParts] = dataclasses.field(default_factory=dict)
     key: jax.Array | None = None
     rewards: jax.Array | None = None
-    topk: TopKLogprobs | None = None
+    topk: TopKTerms | None = None
 
     @property
     def theta_sg(self) -> jax.Array:
@@ -380,7 +382,8 @@ def _prepare(inputs: LossInputs, plan: LossPlan, axes, num_segments) -> _Batch:
         plan.metric_reduction,
         key=_check_key(inputs.key),
         rewards=rewards,
-        topk=inputs.topk,
+        # Both divergences once, for the metrics and a top-k trust region alike.
+        topk=None if inputs.topk is None else topk_terms(inputs.topk, theta.shape, valid),
     )
     if versions is None:
         return b
@@ -734,7 +737,7 @@ def _pipeline(inputs: LossInputs, plan: LossPlan, axes, num_segments) -> PolicyL
         columns["pg_loss"] = _reduce.total(pg_per_token, c.mask)
     columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
     if b.topk is not None:
-        columns |= topk_mismatch_columns(b.topk, b.theta.shape, b.mask)
+        columns |= topk_mismatch_columns(b.topk, b.mask)
     columns["loss"] = _reduce.total(per_token, c.mask)
     sums = b.layout.reduce(columns)
     return _aggregated(b, plan, per_token, c, sums, policy.own_metrics)

@@ -431,9 +431,35 @@ def dppo_topk(
     Returns:
       :class:`SurrogateTerms`.
     """
-    theta, old, ratio = _dppo_inputs(logp, denominator_logp, valid)
     d = topk_divergence(_sg(topk_logp), _sg(topk_rollout_logp), valid, divergence=divergence)
+    return dppo_divergence_region(
+        logp,
+        denominator_logp,
+        advantages,
+        valid,
+        d,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        ratio_cap=ratio_cap,
+    )
+
+
+def dppo_divergence_region(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    divergence: jax.Array,
+    *,
+    clip_eps: float,
+    clip_eps_high: float,
+    ratio_cap: float | None,
+) -> SurrogateTerms:
+    """:func:`dppo_topk` with the per-token divergence ``D`` (``[..., T]``, stop-gradient)
+    given: the region and the loss of any divergence estimate."""
+    theta, old, ratio = _dppo_inputs(logp, denominator_logp, valid)
     p, q = jnp.exp(theta), jnp.exp(old)
+    d = _sg(divergence)
     inside = _dppo_region(d, p, q, _sg(advantages) > 0, clip_eps, clip_eps_high)
     return _dppo_terms(logp, advantages, valid, ratio, inside, ratio_cap)
 

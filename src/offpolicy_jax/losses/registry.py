@@ -89,9 +89,11 @@ class SurrogateInput(NamedTuple):
         trainer with the inference engine themselves.
       key: the ``key=`` PRNG key of the call (None if not passed): for surrogates
         that choose tokens at random; the library draws no randomness of its own.
-      topk: the ``topk=`` :class:`~offpolicy_jax.TopKLogprobs` of the call (None if
-        not passed): the engine's top-k ids and both policies' log-probs on them, for
-        surrogates whose trust region is taken over that support (DPPO's top-k).
+      topk: the call's ``topk=`` (None if not passed), checked: a
+        :class:`~offpolicy_jax.correction.topk_divergence.TopKTerms` with both policies'
+        log-probs on the engine's top-k ids (``[..., T, K]``, stop-gradient) and their
+        per-token ``tv`` / ``kl`` (DPPO's top-k divergences), for surrogates whose trust
+        region is taken over that support.
     """
 
     logp: jax.Array
