@@ -2,7 +2,9 @@
 
 Forward + backward of :func:`offpolicy_jax.policy_loss` under ``jax.jit`` on the
 benchmark batch (``workloads.make_inputs``), with the reference ``mis.yaml`` correction
-(``decoupled_ppo``) and every metric, once per ``LossConfig.policy_loss``. All variants
+(``decoupled_ppo``) and every metric, once per ``LossConfig.policy_loss`` (and for DPPO's
+top-k trust region, ``dppo_topk_tv`` / ``dppo_topk_kl``, with the engine's top-20
+log-probs of ``workloads.make_topk_inputs``). All variants
 run in the same process, interleaved call by call (so that load hits them alike); each
 is reported as the median time per token and as a ratio to the clipped-PPO baseline
 (``ppo_clip``) of the same run. Target: every surrogate within 1.5x of it. One case is
@@ -64,15 +66,26 @@ HYPERPARAMETERS = {
         aggregation="token_mean",
         rejected_in_denominator=True,
     ),
+    # DPPO's top-k trust region (TRL's divergence_type) on the engine's top-20 log-probs.
+    "dppo_topk_tv": dict(
+        policy_loss="dppo_tv", clip_eps_high=0.28, divergence_type="topk_tv", divergence_topk=20
+    ),
+    "dppo_topk_kl": dict(
+        policy_loss="dppo_kl", clip_eps_high=0.28, divergence_type="topk_kl", divergence_topk=20
+    ),
 }
+"""Case name -> LossConfig keywords; a case named otherwise than its loss names the
+``policy_loss`` itself."""
 
 
-def config(policy_loss: str) -> opj.LossConfig:
-    """The reference config with ``policy_loss`` and its entry of HYPERPARAMETERS (which
-    may replace the surrogate or the correction: a case that is not a surrogate)."""
+def config(name: str) -> opj.LossConfig:
+    """The reference config with the case's entry of HYPERPARAMETERS (which may replace
+    the surrogate or the correction: a case that is not a surrogate); a case named
+    otherwise than its loss names the ``policy_loss`` itself."""
     base = workloads.reference_loss_config()
-    fields = {**base.__dict__, "policy_loss": policy_loss}
-    fields.update(HYPERPARAMETERS[policy_loss])
+    fields = {**base.__dict__, "policy_loss": name}
+    fields.update(HYPERPARAMETERS[name])
+    policy_loss = fields["policy_loss"]
     if policy_loss in ("gmpo", "oapl"):  # each sequence once: their papers' mean
         fields["aggregation"] = "sequence_mean"
     return opj.LossConfig(**fields)
@@ -86,20 +99,23 @@ def timed(fn) -> float:
 
 def run(batch: int, length: int, repeats: int, warmup: int) -> dict:
     host = workloads.make_inputs(batch, length)
-    args = tuple(jnp.asarray(host[k]) for k in workloads.LOSS_INPUTS)
-    compiled = {
-        name: jax.jit(workloads.loss_step(config(name), key=jax.random.key(0)))
-        .lower(*args)
-        .compile()
-        for name in HYPERPARAMETERS
-    }
-    for fn in compiled.values():
+    host |= workloads.make_topk_inputs(batch, length)
+    plain = tuple(jnp.asarray(host[k]) for k in workloads.LOSS_INPUTS)
+    with_topk = plain + tuple(jnp.asarray(host[k]) for k in workloads.TOPK_INPUTS)
+    compiled, inputs = {}, {}
+    for name in HYPERPARAMETERS:
+        cfg = config(name)
+        topk = cfg.divergence_type is not None and cfg.divergence_type.startswith("topk_")
+        step = workloads.topk_loss_step if topk else workloads.loss_step
+        inputs[name] = with_topk if topk else plain
+        compiled[name] = jax.jit(step(cfg, key=jax.random.key(0))).lower(*inputs[name]).compile()
+    for name, fn in compiled.items():
         for _ in range(warmup):
-            timed(lambda fn=fn: fn(*args))
+            timed(lambda fn=fn, args=inputs[name]: fn(*args))
     samples = {name: [] for name in compiled}
     for _ in range(repeats):
         for name, fn in compiled.items():
-            samples[name].append(timed(lambda fn=fn: fn(*args)))
+            samples[name].append(timed(lambda fn=fn, args=inputs[name]: fn(*args)))
     tokens = batch * length
     median = {name: statistics.median(times) for name, times in samples.items()}
     base = median["ppo_clip"]

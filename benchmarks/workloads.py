@@ -96,6 +96,28 @@ def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]
     }
 
 
+TOPK = 20
+"""``K`` of the engine's top-k log-probs in the top-k loss cases (TRL's default)."""
+
+
+def make_topk_inputs(batch: int, length: int, k: int = TOPK, seed: int = 1) -> dict:
+    """The engine's top-``k`` support per position for :func:`topk_loss_step`: ``ids``,
+    the engine's log-probs (a Dirichlet draw over the ``k`` ids and the rest of the
+    vocabulary, so they sum below 1) and the trainer's (a little noise away)."""
+    rng = np.random.default_rng(seed)
+    probs = rng.dirichlet(np.full(k + 1, 0.5), (batch, length))[..., :k]
+    rollout = np.log(np.maximum(probs, 1e-30))
+    trainer = rollout + rng.normal(0.0, 0.05, rollout.shape)
+    return {
+        "topk_ids": rng.integers(0, 32768, (batch, length, k)).astype(np.int32),
+        "topk_rollout_logp": rollout.astype(np.float32),
+        "topk_logp": np.minimum(trainer, 0.0).astype(np.float32),
+    }
+
+
+TOPK_INPUTS = ("topk_ids", "topk_rollout_logp", "topk_logp")
+
+
 # Token counts that are odd or prime, each beside the nearest multiple of 128: time per
 # token must stay within 1.25x of it (a 7x cliff at T = 131071 was found once).
 RAGGED_SIZES = "8x131071,8x131072,64x8191,64x8192,256x4093,256x4096"
@@ -133,6 +155,23 @@ def loss_step(config: opj.LossConfig, key: jax.Array | None = None) -> Callable:
     def step(logp, old_logp, rollout_logp, advantages, mask):
         def loss(lp):
             return opj.policy_loss(lp, old_logp, rollout_logp, advantages, mask, config, key=key)
+
+        return jax.value_and_grad(loss, has_aux=True)(logp)
+
+    return step
+
+
+def topk_loss_step(config: opj.LossConfig, key: jax.Array | None = None) -> Callable:
+    """:func:`loss_step` for a loss whose trust region takes the engine's top-k log-probs:
+    three more arguments, :data:`TOPK_INPUTS` (from :func:`make_topk_inputs`)."""
+
+    def step(logp, old_logp, rollout_logp, advantages, mask, ids, topk_rollout, topk_logp):
+        topk = opj.TopKLogprobs(ids, topk_rollout, topk_logp)
+
+        def loss(lp):
+            return opj.policy_loss(
+                lp, old_logp, rollout_logp, advantages, mask, config, key=key, topk=topk
+            )
 
         return jax.value_and_grad(loss, has_aux=True)(logp)
 

@@ -526,6 +526,7 @@ _ENTRY_KEYWORDS = (  # keyword-only, each None by default
     "current_version",
     "key",
     "rewards",
+    "topk",
 )
 
 

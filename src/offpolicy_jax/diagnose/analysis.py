@@ -462,6 +462,9 @@ class Accumulator:
         self.k3_sum = 0.0
         self.k3_top: list[tuple] = []
         self.seq_k3_hist = np.zeros(N_K3_BINS)
+        # Top-k divergence sums (dumps that carry top-k log-probs): key -> [num, den].
+        self.topk: dict[str, list[float]] = {}
+        self.topk_k: int | None = None
         self._counter = 0  # heap tie-breaker
 
     def add(self, chunk) -> None:
@@ -485,6 +488,36 @@ class Accumulator:
             more = chunk_stats(*arrays, configs=configs, **kwargs)["configs"]
             stats["configs"].update(jax.device_get(more))
         self._pool(stats, chunk, b)
+        if getattr(chunk, "topk_old", None) is not None:
+            self._pool_topk(chunk, rows, cols)
+
+    def _pool_topk(self, chunk, rows: int, cols: int) -> None:
+        """Pools the top-k divergences of a chunk that carries top-k log-probs."""
+        b, t = chunk.old.shape
+        k = chunk.topk_old.shape[-1]
+        self.topk_k = k if self.topk_k in (None, k) else -1  # -1: K differs across files
+
+        def pad(a):
+            return np.pad(a, ((0, rows - b), (0, cols - t)) + ((0, 0),) * (a.ndim - 2))
+
+        arrays = (chunk.old, chunk.rollout, chunk.mask, chunk.topk_old, chunk.topk_rollout)
+        stats = jax.device_get(
+            topk_chunk_stats(*(jnp.asarray(pad(a)) for a in arrays), reduction=self.reduction)
+        )
+        for key, (num, den) in stats.items():
+            total = self.topk.setdefault(key, [0.0, 0.0])
+            self.topk[key] = [total[0] + float(num), total[1] + float(den)]
+
+    def topk_metrics(self) -> dict[str, float] | None:
+        """``mis_topk_tv`` / ``mis_topk_kl`` of the dump (as :func:`offpolicy_jax.policy_loss`
+        reports them with ``topk=``) and the shares of tokens beyond DPPO's thresholds;
+        None when no chunk carried top-k log-probs."""
+        if not self.topk:
+            return None
+        out = {key: (num / den if den else 0.0) for key, (num, den) in self.topk.items()}
+        out["topk_tokens"] = self.topk["topk_tv_above"][1]
+        out["topk_k"] = float(self.topk_k or 0)
+        return out
 
     def _coarsen_positions(self) -> None:
         """Doubles the position bucket width, merging the pooled buckets pairwise
@@ -670,6 +703,40 @@ class Accumulator:
             "ess": self._ess(name),
             "mean_weight": metrics.get("mis_is_ratio_mean_final", 0.0),
         }
+
+
+TOPK_THRESHOLDS = {"tv": 0.15, "kl": 0.05}
+"""The DPPO paper's recommended trust-region thresholds δ (TRL's ``epsilon`` guidance)."""
+
+
+@functools.partial(jax.jit, static_argnames=("reduction",))
+def topk_chunk_stats(old, rollout, mask, topk_old, topk_rollout, *, reduction):
+    """``key -> (numerator, denominator)`` of the chunk's top-k divergence means.
+
+    ``mis_topk_tv`` / ``mis_topk_kl`` average over the valid tokens (``mask > 0``, a
+    finite divergence) of the sequences whose log-probs are all finite there, per token
+    or per sequence as ``reduction``; ``topk_{tv,kl}_above`` are the token shares beyond
+    :data:`TOPK_THRESHOLDS`.
+    """
+    valid = mask > 0
+    ok = ~jnp.any(valid & ~(jnp.isfinite(old) & jnp.isfinite(rollout)), axis=-1, keepdims=True)
+    out = {}
+    tv, kl = correction.topk_divergences(topk_old, topk_rollout, valid)
+    values = {"tv": tv, "kl": kl}
+    use = valid & ok & jnp.isfinite(values["tv"]) & jnp.isfinite(values["kl"])
+    weight = jnp.where(use, mask, 0.0)
+    count = jnp.sum(weight, axis=-1)
+    for kind, value in values.items():
+        sums = jnp.sum(jnp.where(use, value, 0.0) * weight, axis=-1)
+        if reduction == "token":
+            out[f"mis_topk_{kind}"] = (jnp.sum(sums), jnp.sum(count))
+        else:
+            seqs = count > 0
+            means = jnp.where(seqs, sums / jnp.where(seqs, count, 1.0), 0.0)
+            out[f"mis_topk_{kind}"] = (jnp.sum(means), jnp.sum(seqs.astype(jnp.float32)))
+        above = jnp.where(use & (value > TOPK_THRESHOLDS[kind]), weight, 0.0)
+        out[f"topk_{kind}_above"] = (jnp.sum(above), jnp.sum(count))
+    return out
 
 
 def run(chunks: Iterable, configs, reduction="sequence", **kwargs) -> Accumulator:

@@ -5,7 +5,10 @@ rollout engine's log-prob ``rollout`` of the same token, and a 0/1 ``mask``:
 
 * ``.npz``: arrays ``old_logp``, ``rollout_logp``, ``mask`` of shape ``[..., T]``, optional
   ``advantages`` and ``segment_ids`` (packed rows: each contiguous run of one segment id
-  in a row is a sequence of its own);
+  in a row is a sequence of its own), and optionally the engine's top-k per position:
+  ``topk_rollout_logp`` (its log-probs of its ``K`` most probable ids) with
+  ``topk_old_logp`` (the trainer's log-probs of the same ids), both ``[..., T, K]``, and
+  ``topk_ids`` (the ids, ``[..., T, K]`` integers; checked for shape, not needed);
 * Parquet / JSONL: one row per sequence with list-valued columns (names configurable).
 
 Every reader yields :class:`Chunk` objects of at most ``rows`` sequences padded to the
@@ -49,7 +52,9 @@ class Chunk:
 
     ``file`` and ``row`` (``[B]``) say where each sequence came from (index into the
     list of input files, row in that file); ``start`` is its first position in that row
-    (non-zero only for packed rows split by ``segment_ids``).
+    (non-zero only for packed rows split by ``segment_ids``). ``topk_old`` and
+    ``topk_rollout`` (``[B, T, K]`` float32, or None) are the trainer's and the engine's
+    log-probs of the engine's top-k ids, where the dump carries them.
     """
 
     old: np.ndarray
@@ -58,6 +63,8 @@ class Chunk:
     file: np.ndarray
     row: np.ndarray
     start: np.ndarray
+    topk_old: np.ndarray | None = None
+    topk_rollout: np.ndarray | None = None
 
 
 def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
@@ -540,6 +547,7 @@ def _npz_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Chun
         keys = [NPZ_KEYS[k] for k in ("old", "rollout", "mask")]
         keys += ["segment_ids"] if "segment_ids" in data.files else []
         loaded = [_npz_array(path, data, key) for key in keys]
+        topk = _npz_topk(path, data)
     arrays, segments = loaded[:3], (loaded[3] if len(loaded) > 3 else None)
     if segments is not None and segments.dtype.kind not in "biu":
         raise DiagnoseError(
@@ -555,20 +563,55 @@ def _npz_chunks(path: Path, rows: int, columns: dict[str, str]) -> Iterator[Chun
         raise DiagnoseError(
             f"{str(path)!r}: 'segment_ids' has shape {segments.shape} but 'old_logp' has {shape}"
         )
+    for name, array in topk.items():
+        if array.ndim != len(shape) + 1 or array.shape[:-1] != shape or array.shape[-1] < 1:
+            raise DiagnoseError(
+                f"{str(path)!r}: {name!r} has shape {array.shape}; expected [..., T, K] with "
+                f"[..., T] = {shape}, the shape of 'old_logp'"
+            )
     if len(shape) == 0 or shape[-1] == 0 or int(np.prod(shape)) == 0:
         return
     t = shape[-1]
     old, rollout, mask = (a.reshape(-1, t) for a in arrays)
+    k_arrays = [topk[k].reshape(-1, t, topk[k].shape[-1]) for k in _TOPK_KEYS if k in topk]
     segments = None if segments is None else segments.reshape(-1, t)
     for lo in range(0, old.shape[0], rows):
         hi = min(lo + rows, old.shape[0])
         with np.errstate(over="ignore"):  # beyond float32 is inf: _check_values names it
-            parts = [a[lo:hi].astype(np.float32) for a in (old, rollout, mask)]
+            parts = [a[lo:hi].astype(np.float32) for a in (old, rollout, mask, *k_arrays)]
         row = np.arange(lo, hi, dtype=np.int64)
         if segments is None:
-            yield Chunk(*parts, file=np.zeros(hi - lo, np.int32), row=row, start=np.zeros_like(row))
+            chunk = Chunk(
+                *parts[:3], file=np.zeros(hi - lo, np.int32), row=row, start=np.zeros_like(row)
+            )
         else:
-            yield _unpack(parts, segments[lo:hi], row)
+            chunk = _unpack(parts[:3], segments[lo:hi], row, parts[3:])
+        if k_arrays and segments is None:
+            chunk.topk_old, chunk.topk_rollout = parts[3], parts[4]
+        yield chunk
+
+
+_TOPK_KEYS = ("topk_old_logp", "topk_rollout_logp")
+
+
+def _npz_topk(path: Path, data) -> dict[str, np.ndarray]:
+    """The optional top-k arrays of an ``.npz`` dump: both log-prob arrays or neither."""
+    present = [k for k in _TOPK_KEYS if k in data.files]
+    if len(present) == 1:
+        other = next(k for k in _TOPK_KEYS if k not in present)
+        raise DiagnoseError(
+            f"{str(path)!r}: {present[0]!r} needs {other!r} too (the trainer's and the "
+            "engine's log-probs of the same top-k ids)"
+        )
+    out = {k: _npz_array(path, data, k) for k in present}
+    if present and "topk_ids" in data.files:
+        ids = _npz_array(path, data, "topk_ids")
+        if ids.shape != out["topk_old_logp"].shape:
+            raise DiagnoseError(
+                f"{str(path)!r}: 'topk_ids' has shape {ids.shape} but 'topk_old_logp' has "
+                f"{out['topk_old_logp'].shape}"
+            )
+    return out
 
 
 def _npz_array(path: Path, data, key: str) -> np.ndarray:
@@ -583,8 +626,11 @@ def _npz_array(path: Path, data, key: str) -> np.ndarray:
     return array
 
 
-def _unpack(parts: list[np.ndarray], segments: np.ndarray, row: np.ndarray) -> Chunk:
-    """Packed rows -> one sequence per contiguous run of a segment id.
+def _unpack(
+    parts: list[np.ndarray], segments: np.ndarray, row: np.ndarray, topk: Sequence = ()
+) -> Chunk:
+    """Packed rows -> one sequence per contiguous run of a segment id (``topk``: the
+    ``[B, T, K]`` top-k log-probs, unpacked alike).
 
     An id ``<= 0`` is padding whatever the mask says, as in the library
     (docs/semantics.md §10): its runs keep no token.
@@ -599,16 +645,19 @@ def _unpack(parts: list[np.ndarray], segments: np.ndarray, row: np.ndarray) -> C
     run_len = np.diff(np.append(starts, b * t))
     pos = np.arange(b * t) - starts[run]
     out = []
-    for part in parts:
-        unpacked = np.zeros((starts.size, int(run_len.max())), np.float32)
-        unpacked[run, pos] = part.ravel()
+    for part in [*parts, *topk]:
+        unpacked = np.zeros((starts.size, int(run_len.max()), *part.shape[2:]), np.float32)
+        unpacked[run, pos] = part.reshape(b * t, *part.shape[2:])
         out.append(unpacked)
-    return Chunk(
-        *out,
+    chunk = Chunk(
+        *out[:3],
         file=np.zeros(starts.size, np.int32),
         row=row[starts // t],
         start=(starts % t).astype(np.int64),
     )
+    if topk:
+        chunk.topk_old, chunk.topk_rollout = out[3], out[4]
+    return chunk
 
 
 # --------------------------------------------------------------------------- writer

@@ -308,6 +308,9 @@ def build(acc: analysis.Accumulator, inputs: list[str]) -> dict:
     tail = heavy_tail(report["token_log_ratio_hist"]["counts"], worst_tokens)
     report["heavy_tail"] = tail
     report["k3_drivers"] = drivers
+    topk = acc.topk_metrics()
+    if topk is not None:
+        report["topk_divergence"] = topk
     report["recommendation"] = recommend(metrics, what_if, tail, drivers)
     return _jsonable(report)
 
@@ -350,6 +353,8 @@ def markdown(report: dict) -> str:
     if "k3_drivers" in report:
         lines += _k3_driver_lines(report["metrics"].get("mis_k3_kl", 0.0), report["k3_drivers"])
     lines += _metric_lines(report)
+    if "topk_divergence" in report:
+        lines += _topk_lines(report["topk_divergence"])
     lines += _what_if_lines(report["what_if"])
     lines += _by_probability_lines(report["by_rollout_prob"])
     lines += _worst_lines(report)
@@ -367,6 +372,33 @@ def _metric_lines(report: dict) -> list[str]:
     ]
     lines += [f"| `{k}` | {_g(v, 6)} |" for k, v in report["metrics"].items()]
     return lines
+
+
+def _topk_lines(topk: dict) -> list[str]:
+    k = int(topk["topk_k"])
+    support = f"top-{k}" if k > 0 else "top-k (K differs across files)"
+    thresholds = analysis.TOPK_THRESHOLDS
+    return [
+        "",
+        "## Top-k divergence (DPPO's trust region)",
+        "",
+        f"Over the engine's {support} ids plus one bucket for the rest of the vocabulary "
+        f"({topk['topk_tokens']:,.0f} valid tokens): the total variation "
+        "½(Σ|π−μ| + |π_rest−μ_rest|) and KL(μ‖π) of the trainer's π from the engine's μ, "
+        'as TRL\'s `DPPOConfig(divergence_type="topk_tv" | "topk_kl")` computes them '
+        "and `policy_loss(..., topk=...)` reports them.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| `mis_topk_tv` | {_g(topk['mis_topk_tv'], 6)} |",
+        f"| `mis_topk_kl` | {_g(topk['mis_topk_kl'], 6)} |",
+        f"| tokens with top-k TV > {thresholds['tv']:g} | {_pct(topk['topk_tv_above'])} |",
+        f"| tokens with top-k KL > {thresholds['kl']:g} | {_pct(topk['topk_kl_above'])} |",
+        "",
+        f"The thresholds are the DPPO paper's recommended δ ({thresholds['tv']:g} for TV, "
+        f"{thresholds['kl']:g} for KL); a DPPO update drops such a token when the policy "
+        "moves further the way its advantage pushes.",
+    ]
 
 
 def _what_if_lines(what_if: dict) -> list[str]:

@@ -43,6 +43,14 @@ from offpolicy_jax.correction import metrics, ratios, rules, stages, staleness
 from offpolicy_jax.correction.chain import Correction
 from offpolicy_jax.correction.compute import CorrectionResult, correction_parts
 from offpolicy_jax.correction.ratios import metric_exp
+from offpolicy_jax.correction.topk_divergence import (
+    TOPK_COUNT,
+    TopKTerms,
+    topk_mismatch_columns,
+    topk_mismatch_means,
+    topk_terms,
+)
+from offpolicy_jax.logprobs.topk import TopKLogprobs
 from offpolicy_jax.losses import builtins as _objective
 from offpolicy_jax.losses import proximal
 from offpolicy_jax.losses.algorithms import ALGORITHMS, Algorithm, Policy
@@ -210,6 +218,7 @@ class LossInputs:
     current_version: ArrayLike | None = None
     key: ArrayLike | None = None
     rewards: ArrayLike | None = None
+    topk: TopKLogprobs | None = None
 
 
 def _terms(
@@ -230,6 +239,7 @@ def _terms(
     current_version: ArrayLike | None = None,
     key: ArrayLike | None = None,
     rewards: ArrayLike | None = None,
+    topk: TopKLogprobs | None = None,
 ) -> PolicyLossTerms:
     """The one signature of :func:`policy_loss`, :func:`policy_loss_parts` and
     :func:`policy_loss_terms` (documented on :func:`policy_loss`): its arguments as
@@ -251,6 +261,7 @@ def _terms(
         current_version=current_version,
         key=key,
         rewards=rewards,
+        topk=topk,
     )
     return loss_terms(inputs, resolve(config))
 
@@ -315,6 +326,7 @@ class _Batch:
     proximal: Mapping[str, MeanParts] = dataclasses.field(default_factory=dict)
     key: jax.Array | None = None
     rewards: jax.Array | None = None
+    topk: TopKTerms | None = None
 
     @property
     def theta_sg(self) -> jax.Array:
@@ -384,6 +396,8 @@ def _prepare(inputs: LossInputs, plan: LossPlan) -> _Batch:
         plan.metric_reduction,
         key=_check_key(inputs.key),
         rewards=rewards,
+        # Both divergences once, for the metrics and a top-k trust region alike.
+        topk=None if inputs.topk is None else topk_terms(inputs.topk, theta.shape, valid),
     )
     if versions is None:
         return b
@@ -673,6 +687,7 @@ def _policy_term(
         b.layout,
         b.rollout,
         b.key,
+        b.topk,
     )
     out = _objective.surrogate_columns(plan, x)
     columns = dict(out.columns)
@@ -739,6 +754,8 @@ def loss_terms(inputs: LossInputs, plan: LossPlan) -> PolicyLossTerms:
     if per_token is not pg_per_token:
         columns["pg_loss"] = _reduce.total(pg_per_token, c.mask)
     columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
+    if b.topk is not None:
+        columns |= topk_mismatch_columns(b.topk, b.mask)
     columns["loss"] = _reduce.total(per_token, c.mask)
     sums = b.layout.reduce(columns)
     return _aggregated(b, plan, per_token, c, sums, policy.own_metrics)
@@ -779,6 +796,8 @@ def _aggregated(
             means[key] = _reduce.seq_mean(jnp.where(ok, sums[key], 0.0), count, reduction)
     if "ois" in sums:
         means["ois"] = _reduce.seq_mean(jnp.where(ok, sums["ois"], 0.0), mask_count, reduction)
+    if TOPK_COUNT in sums:
+        means |= topk_mismatch_means(sums, ok, reduction)
     parts = {**c.parts, **b.proximal, **layout.batch_means(means)}
     final_mask = jnp.where(layout.broadcast(ok), c.mask, 0.0)
     loss_parts = parts.pop("loss")
@@ -914,6 +933,13 @@ def policy_loss(terms: PolicyLossTerms) -> tuple[jax.Array, dict[str, jax.Array]
         term; required when that weight is > 0, else it only adds the ``nll_loss``
         metric. Non-finite at a valid token (with the weight > 0): the sequence is
         rejected, like a non-finite ``logp``.
+      topk: a :class:`~offpolicy_jax.TopKLogprobs`: the engine's top-k ids and
+        log-probs per position ``[..., T, K]`` and the trainer's log-probs on them
+        (:func:`~offpolicy_jax.topk_logprobs`), stop-gradient. Required by
+        ``dppo_tv`` / ``dppo_kl`` with ``divergence_type="topk_tv"`` / ``"topk_kl"``;
+        whenever given, the metrics gain ``mis_topk_tv`` and ``mis_topk_kl`` (the
+        top-k divergences of ``topk.logp`` from ``topk.rollout_logp``, averaged over
+        the valid tokens like ``ois``).
 
     Returns:
       ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing

@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar, overlo
 import jax
 
 from offpolicy_jax._messages import close_match, shown
+from offpolicy_jax.correction.topk_divergence import TopKTerms
 from offpolicy_jax.reduction import Column, Rows
 
 __all__ = [
@@ -90,6 +91,11 @@ class SurrogateInput(NamedTuple):
         trainer with the inference engine themselves.
       key: the ``key=`` PRNG key of the call (None if not passed): for surrogates
         that choose tokens at random; the library draws no randomness of its own.
+      topk: the call's ``topk=`` (None if not passed), checked: a
+        :class:`~offpolicy_jax.correction.topk_divergence.TopKTerms` with both policies'
+        log-probs on the engine's top-k ids (``[..., T, K]``, stop-gradient) and their
+        per-token ``tv`` / ``kl`` (DPPO's top-k divergences), for surrogates whose trust
+        region is taken over that support.
     """
 
     logp: jax.Array
@@ -102,6 +108,7 @@ class SurrogateInput(NamedTuple):
     layout: Rows
     rollout: jax.Array | None = None
     key: jax.Array | None = None
+    topk: TopKTerms | None = None
 
 
 @dataclasses.dataclass(frozen=True)
