@@ -375,7 +375,7 @@ def test_diagnose_recommends_kpop_for_confident_token_flips(tmp_path):
     path = write_dump(tmp_path / "flip.npz", old_logp=old, rollout_logp=rollout, mask=mask)
     report = diagnose(path, tmp_path / "out", chunk_rows=32)
     rec = report["recommendation"]
-    assert rec["name"] == "kpop", rec["reason"]
+    assert (rec["name"], rec["severity"]) == ("kpop", "mild"), rec["reason"]
     config = opj.CorrectionConfig.from_dict(rec["config"])
     assert config.rs_criteria == ("binary_kl:2.0",)
     assert opj.CorrectionConfig.from_yaml(str(tmp_path / "out" / "recommended.yaml")) == config

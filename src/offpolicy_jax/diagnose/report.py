@@ -66,15 +66,17 @@ def recommend(
       ``concentrated``) over a mild bulk (the median sequence's mean k3 below 1e-2) gets
       token TIS at 2 (with the veto where catastrophic tokens exist): the cap bounds
       exactly those tokens, and the rest of the dump needs no sequence-level rejection;
-    * a mismatch that is not negligible, without catastrophic tokens, whose KPop row
-      rejects tokens that the ratio band passes (:func:`kpop_evidence`) gets token TIS 2
-      + KPop (``kpop``): the divergence sits in probability space, in confident tokens,
-      where truncating or banding the ratio does nothing;
     * and a severe mismatch that is *discrete* (``tail``, :func:`heavy_tail`: a few tokens
       carry most of it over an exact bulk, as flipped MoE routes give) gets token TIS at
       2: the cap bounds exactly those tokens, where sequence-level rejection drops every
       sequence holding one (in the demo's router regime geometric RS + veto left a seed
-      unlearned and TIS 2 learned in all; docs/demo_moe.md).
+      unlearned and TIS 2 learned in all; docs/demo_moe.md);
+    * where any of these picks token TIS at 2 and the KPop row rejects tokens that the
+      ratio band passes (:func:`kpop_evidence`): token TIS 2 + KPop (``kpop``). The
+      per-token view is the right one there, and the divergence sits in probability
+      space, in confident tokens, where truncating or banding the ratio does nothing;
+      where the bulk drifted (sequence-level rejection) KPop is left to the what-if
+      table.
     """
     k3 = metrics.get("mis_k3_kl", 0.0)
     veto = what_if.get("veto", {}).get("metrics", {})
@@ -89,11 +91,7 @@ def recommend(
             "token): no correction needed; keep logging the metrics",
             "config": config.to_dict(),
         }
-    kpop = kpop_evidence(what_if)
-    if kpop is not None and kpop["flagged"] and catastrophic == 0:
-        name, severity = "kpop", ("mild" if k3 < SEVERE_K3 else "severe")
-        reason = _kpop_reason(severity, facts, kpop)
-    elif k3 < SEVERE_K3 and catastrophic == 0:
+    if k3 < SEVERE_K3 and catastrophic == 0:
         name = "token_tis"
         reason = (
             f"mild mismatch ({facts}; k3 < {SEVERE_K3:g}, no token with ratio < "
@@ -126,6 +124,9 @@ def recommend(
     else:
         name, reason = _severe(k3, facts, what_if)
         severity = "severe"
+    kpop = kpop_evidence(what_if)
+    if name == "token_tis" and kpop is not None and kpop["flagged"]:
+        name, reason = "kpop", _kpop_reason(severity, facts, kpop)
     config = next(w for w in analysis.WHAT_IFS if w.name == name).build()
     return {"name": name, "severity": severity, "reason": reason, "config": config.to_dict()}
 
