@@ -18,6 +18,8 @@ S = 20.0
 def parse_spec(spec: str):
     """``"seq_max_k2:2.5"`` -> ``(aggregate, estimator, lower, upper)`` on the statistic."""
     name, threshold = spec.split(":")
+    if name == "binary_kl":
+        return name, "token", "binary_kl", None, float(threshold)
     aggregate, estimator = name.rsplit("_", 1)
     if estimator == "k1":
         if "_" in threshold:
@@ -61,6 +63,47 @@ def kl_criterion(delta, m, spec):
     low = stat < lower if lower is not None else np.zeros(m.shape, bool)
     high = stat > upper
     return ~low & ~high, stat, low, high, aggregate != "token"
+
+
+# KPop's clamp [1e-6, 1 - 1e-6] as torch applies it to float32 probabilities: both ends
+# are the float32 numbers nearest 1e-6 and 1 - 1e-6 (1 - 1e-6 is not a float32).
+BINARY_KL_LOW = 9.999999974752427e-07
+BINARY_KL_HIGH = 1.0 - 1.0132789611816406e-06
+
+
+def binary_kl(logp, logq):
+    """``D_B(p‖q) = p log(p/q) + (1 − p) log((1 − p)/(1 − q))`` in float64, the textbook
+    form, with ``p, q = clip(e^log, BINARY_KL_LOW, BINARY_KL_HIGH)``."""
+    p = np.clip(np.exp(np.asarray(logp, np.float64)), BINARY_KL_LOW, BINARY_KL_HIGH)
+    q = np.clip(np.exp(np.asarray(logq, np.float64)), BINARY_KL_LOW, BINARY_KL_HIGH)
+    return p * np.log(p / q) + (1.0 - p) * np.log((1.0 - p) / (1.0 - q))
+
+
+def bidirectional_binary_kl(o, b):
+    """KPop's statistic ``max(D_B(o‖b), D_B(b‖o))`` per token (``≥ 0`` in float64)."""
+    return np.maximum(binary_kl(o, b), binary_kl(b, o))
+
+
+def binary_kl_criterion(o, b, m, threshold):
+    """verl's ``rollout_rs: binary_kl`` over the valid tokens: keep iff stat ``≤ φ``.
+
+    Returns ``(keep, stat, low, high, per_seq)`` as :func:`kl_criterion`."""
+    valid = m > 0
+    with np.errstate(all="ignore"):
+        stat = np.where(
+            valid, bidirectional_binary_kl(np.where(valid, o, -1.0), np.where(valid, b, -1.0)), 0.0
+        )
+    high = stat > threshold
+    return ~high, stat, np.zeros(m.shape, bool), high, False
+
+
+def criterion(o, b, m, spec):
+    """Any ``rs_criteria`` entry: :func:`kl_criterion` or :func:`binary_kl_criterion`."""
+    name, threshold = spec.split(":")
+    if name == "binary_kl":
+        return binary_kl_criterion(o, b, m, float(threshold))
+    valid = m > 0
+    return kl_criterion(np.where(valid, o - b, 0.0), m, spec)
 
 
 def seq_mult_prob_error(delta, m):
@@ -173,10 +216,12 @@ def verl_correction(o, b, m, block):
         for n in block["rollout_rs"].split(","):
             if n.strip() and n.strip() not in names:
                 names.append(n.strip())
-        thr = str(block["rollout_rs_threshold"]).split(",")
+        threshold = block.get("rollout_rs_threshold")
+        thr = "2.0" if threshold is None else str(threshold)  # binary_kl alone: φ = 2
+        thr = thr.split(",")
         thr = thr * len(names) if len(thr) == 1 else thr
         for name, t in zip(names, thr, strict=True):
-            keep = kl_criterion(delta, m, f"{name}:{t.strip()}")[0]
+            keep = criterion(o, b, m, f"{name}:{t.strip()}")[0]
             mask = np.where(keep, mask, 0.0)
     return weights * mask, mask
 
@@ -238,7 +283,7 @@ def apply_rules(
 
     for spec in rs_criteria:
         name, _, estimator, lower, _ = parse_spec(spec)
-        rule_keep, stat, low, high, per_seq = kl_criterion(delta, m, spec)
+        rule_keep, stat, low, high, per_seq = criterion(o, b, m, spec)
         keep &= rule_keep
         record(f"mis_rs_{name}", stat, low, high, rule_keep, per_seq, lower is not None)
 

@@ -309,10 +309,15 @@ KPOP_EPS = 1e-6  # prime-rl's (and verl's) clamp of both probabilities to [ε, 1
 
 def binary_kl(log_p, log_q, eps=KPOP_EPS):
     """``D_B(p‖q) = p·log(p/q) + (1 − p)·log((1 − p)/(1 − q))`` in float64, ``p`` and ``q``
-    the float32 log-probabilities' exact exponentials clamped to ``[ε, 1 − ε]``."""
+    the float32 log-probabilities' exact exponentials clamped to ``[ε, 1 − ε]`` with both
+    ends rounded to float32, as ``torch.clamp`` on a float32 tensor rounds them (where
+    ``1 − ε`` rounds to 1, ``1 − ε`` itself: the finite statistic)."""
+    low, high = float(np.float32(eps)), float(np.float32(1 - eps))
+    if high == 1.0:
+        high = 1 - eps
     with np.errstate(all="ignore"):
-        p = np.clip(np.exp(np.asarray(log_p, np.float64)), eps, 1 - eps)
-        q = np.clip(np.exp(np.asarray(log_q, np.float64)), eps, 1 - eps)
+        p = np.clip(np.exp(np.asarray(log_p, np.float64)), low, high)
+        q = np.clip(np.exp(np.asarray(log_q, np.float64)), low, high)
         return p * np.log(p / q) + (1 - p) * (np.log1p(-p) - np.log1p(-q))
 
 

@@ -588,10 +588,13 @@ _THRESHOLD_PIECES = (
 
 def _verl_rs(options: str, threshold):
     """verl's rollout_rs parsing (rollout_corr_helper: _parse_rollout_rs_thresholds),
-    rewritten from its rules: {option: (lower, upper)}, or ValueError."""
+    rewritten from its rules, with KPop's binary_kl (one upper bound, like k2 / k3):
+    {option: (lower, upper)}, or ValueError."""
     names = list(dict.fromkeys(o.strip() for o in options.split(",") if o.strip()))
-    if not names or any(n not in criteria.KL_CRITERIA for n in names):  # binary_kl: not here
+    if not names or any(n not in (*criteria.KL_CRITERIA, "binary_kl") for n in names):
         raise ValueError("option")
+    if threshold is None and set(names) == {"binary_kl"}:
+        threshold = 2.0  # KPop (verl PR 6800): binary_kl alone defaults to φ = 2
     if threshold is None:
         raise ValueError("threshold")
     if isinstance(threshold, (int, float)):

@@ -30,7 +30,12 @@ RULE_CONFIGS = {
         probability_metrics=True,
         use_tis=True,
         tis_mode="none",
-        rs_criteria=("token_k1:0.4_2.5", "seq_sum_k1:0.3_4.0", "seq_mean_k1:0.8_1.2"),
+        rs_criteria=(
+            "token_k1:0.4_2.5",
+            "seq_sum_k1:0.3_4.0",
+            "seq_mean_k1:0.8_1.2",
+            "binary_kl:0.002",
+        ),
     ),
     "seq_truncate_logprob_m2po": opj.CorrectionConfig(
         probability_metrics=True,

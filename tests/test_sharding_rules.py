@@ -1,6 +1,6 @@
 """The field's rejection rules (docs/semantics.md §8) sharded == unsharded.
 
-On 8 virtual CPU devices (tests/conftest.py): every KL criterion, IcePop, the sequence
+On 8 virtual CPU devices (tests/conftest.py): every KL criterion, KPop's binary KL, IcePop, the sequence
 log-prob error, M2PO (a global decision: bisection with psum'd counts) and OPSM in the
 loss, under ``shard_map`` with the batch and the token axis sharded, with the token axis
 alone sharded over 8 devices, and under ``jit`` with NamedSharding. The batch is
@@ -47,6 +47,7 @@ RULE_CORRECTIONS = {
             "seq_mean_k3:0.3",
             "seq_max_k2:5.0",
             "seq_max_k3:6.0",
+            "binary_kl:0.01",
         ),
         m2po_tau=0.08,
     ),

@@ -166,25 +166,37 @@ def veto(*, threshold: float) -> rejection.Veto:
     return rejection.Veto(_positive("veto", "threshold", threshold))
 
 
-def criterion(name: str, *, threshold: float | str) -> Stage:
-    """A rejection criterion by name: verl's KL criteria or a registered rule.
+def criterion(name: str, *, threshold: float | str | None = None) -> Stage:
+    """A rejection criterion by name: verl's ``rollout_rs`` options or a registered rule.
 
-    verl's ``rollout_rs`` names (``token_k1`` ... ``seq_max_k3``, docs/semantics.md §8):
-    per token ``k1 = −λ``, ``k2 = ½λ²``, ``k3 = e^λ − 1 − λ`` (``λ = clip(δ, −20, 20)``),
-    tested per token or on the per-sequence sum, mean or max; or a name registered with
-    :func:`offpolicy_jax.rules.register_rule`.
+    verl's KL names (``token_k1`` ... ``seq_max_k3``, docs/semantics.md §8): per token
+    ``k1 = −λ``, ``k2 = ½λ²``, ``k3 = e^λ − 1 − λ`` (``λ = clip(δ, −20, 20)``), tested per
+    token or on the per-sequence sum, mean or max; ``"binary_kl"`` (KPop, verl's
+    ``rollout_rs: binary_kl``): keep a token iff ``max(D_B(o‖b), D_B(b‖o)) ≤ φ``, the
+    binary KL of the sampled token's probability under π_old and π_rollout; or a name
+    registered with :func:`offpolicy_jax.rules.register_rule`.
 
     Args:
-      name: the criterion, e.g. ``"seq_max_k2"``.
-      threshold: ``hi`` (k2 / k3: ``stat ≤ hi``; k1: the ratio in ``[1/hi, hi]``), or
-        verl's ``"lo_hi"`` string for k1; a registered rule's own threshold.
+      name: the criterion, e.g. ``"seq_max_k2"`` or ``"binary_kl"``.
+      threshold: ``hi`` (k2 / k3: ``stat ≤ hi``; k1: the ratio in ``[1/hi, hi]``;
+        binary_kl: ``φ > 0``), or verl's ``"lo_hi"`` string for k1; a registered rule's
+        own threshold. None only for ``binary_kl``, whose default is verl's φ = 2.0.
 
     Returns:
-      The rule's stage.
+      The rule's stage; ``criterion(n, threshold=t)`` equals the stage of a
+      :class:`~offpolicy_jax.CorrectionConfig` with ``rs_criteria=("n:t",)``.
 
     Raises:
-      ValueError: an unknown ``name`` or a malformed ``threshold`` (the message names it).
+      ValueError: an unknown ``name``, a missing or malformed ``threshold`` (the message
+        names it).
     """
+    if threshold is None:
+        if name != criteria.BINARY_KL:
+            raise ValueError(
+                f"criterion: threshold is required for {shown(name)} (only 'binary_kl' has "
+                f"a default, {criteria.BINARY_KL_DEFAULT_THRESHOLD!r})"
+            )
+        threshold = criteria.BINARY_KL_DEFAULT_THRESHOLD
     parsed = criteria.parse_spec(f"{name}:{threshold}", "criterion")
     if parsed.aggregate == "rule":
         return criteria.RULES[parsed.name](parsed.hi)  # type: ignore[return-value]

@@ -15,6 +15,10 @@ that apply them live in :mod:`offpolicy_jax.correction.rules`.
   keeps ``lo ≤ exp(stat) ≤ hi`` (bounds on the ratio π_rollout / π_old, or its product /
   geometric mean; a single value ``hi`` means ``[1/hi, hi]``); ``k2`` / ``k3`` keep
   ``stat ≤ hi``. A token stays only if every criterion keeps it.
+* **KPop** (verl ``rollout_rs: binary_kl``): per token ``max(D_B(o‖b), D_B(b‖o))``, the
+  binary KL of the sampled token between π_old and π_rollout in both directions
+  (:func:`offpolicy_jax.correction.binary_kl.bidirectional_binary_kl`); keeps ``stat ≤ φ``
+  (default φ = 2.0, :data:`BINARY_KL_DEFAULT_THRESHOLD`).
 * **Sequence log-prob error** (NeMo-RL ``seq_logprob_error_threshold``): a sequence is
   dropped when ``mean_t exp(|δ_t|) > threshold``.
 * **M2PO** (Zheng et al., 2025, "Prosperity before Collapse: How Far Can Off-Policy RL
@@ -63,6 +67,13 @@ KL_CRITERIA: tuple[str, ...] = (
 """verl's eleven ``rollout_rs`` options (``seq_max_k1`` does not exist: ``max(−λ)`` of a
 ratio bound in both directions is not a trust region)."""
 
+BINARY_KL = "binary_kl"
+BINARY_KL_DEFAULT_THRESHOLD = 2.0
+"""KPop's φ in verl (``rollout_rs: binary_kl`` without a ``rollout_rs_threshold``)."""
+RS_CRITERIA: tuple[str, ...] = (*KL_CRITERIA, BINARY_KL)
+"""Every built-in ``rollout_rs`` option: the KL criteria and KPop's ``binary_kl`` (keep a
+token iff ``max(D_B(o‖b), D_B(b‖o)) ≤ φ``, :mod:`offpolicy_jax.correction.binary_kl`)."""
+
 
 class Criterion(NamedTuple):
     """One parsed KL-estimator criterion.
@@ -71,7 +82,7 @@ class Criterion(NamedTuple):
       name: e.g. ``"seq_max_k2"``.
       aggregate: ``"token"``, ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"``; ``"rule"``
         for a registered rule (:data:`RULES`), whose threshold is ``upper`` / ``hi``.
-      estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+      estimator: ``"k1"``, ``"k2"``, ``"k3"``, or ``"binary_kl"`` (KPop's statistic).
       lower: bound on the statistic (``log lo`` for k1), None for one-sided k2/k3.
       upper: bound on the statistic (``log hi`` for k1).
       lo: the written lower bound (k1: on the ratio), or None.
@@ -105,11 +116,11 @@ RULES: dict[str, Callable[[float], object]] = {}
 
 
 def check_criterion_name(name: object, key: str) -> str:
-    """``name`` if it is one of :data:`KL_CRITERIA` or a registered rule (:data:`RULES`),
+    """``name`` if it is one of :data:`RS_CRITERIA` or a registered rule (:data:`RULES`),
     else ``ValueError`` naming ``key``."""
-    if isinstance(name, str) and (name in KL_CRITERIA or name in RULES):
+    if isinstance(name, str) and (name in RS_CRITERIA or name in RULES):
         return name
-    allowed = (*KL_CRITERIA, *RULES)
+    allowed = (*RS_CRITERIA, *RULES)
     hint = _hint(name, allowed) if isinstance(name, str) else ""
     raise ValueError(
         f"{key}: unknown rejection criterion {shown(name)}{hint}; must be one of {list(allowed)}"
@@ -134,8 +145,11 @@ def _number(text: str, key: str, what: str) -> float:
 def parse_threshold(name: str, threshold: object, key: str) -> Criterion:
     """Parses one criterion's threshold, verl's syntax: ``hi`` or ``"lo_hi"`` (k1 only).
 
+    ``binary_kl`` (KPop) is a per-token criterion with one upper bound φ > 0 on the
+    bidirectional binary KL (estimator ``"binary_kl"``, aggregate ``"token"``).
+
     Args:
-      name: a :data:`KL_CRITERIA` name (already checked).
+      name: a :data:`RS_CRITERIA` name (already checked).
       threshold: a number or a string: ``"2.0"``, ``"0.5_2.0"``.
       key: the config key named in errors.
 
@@ -149,6 +163,8 @@ def parse_threshold(name: str, threshold: object, key: str) -> Criterion:
         )
     text = str(threshold).strip()
     aggregate, estimator = name.rsplit("_", 1)
+    if name == BINARY_KL:
+        aggregate, estimator = "token", BINARY_KL
     if estimator == "k1":
         if "_" in text:
             lo_text, hi_text = text.split("_", 1)

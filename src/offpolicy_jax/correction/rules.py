@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from offpolicy_jax import reduction as _reduce
 from offpolicy_jax.config.rejection import RejectionSamplingConfig
 from offpolicy_jax.correction import criteria, ratios
+from offpolicy_jax.correction.binary_kl import bidirectional_binary_kl
 from offpolicy_jax.correction.criteria import Criterion
 from offpolicy_jax.correction.ratios import METRIC_LOG_CAP
 from offpolicy_jax.correction.stages import (
@@ -68,7 +69,9 @@ class KLCriterion(Stage):
 
     Per token ``k1 = −λ``, ``k2 = ½λ²``, ``k3 = e^λ − 1 − λ`` (``λ = clip(δ, −S, S)``),
     tested per token or as the per-sequence sum, mean or max; keep iff
-    ``lower ≤ stat ≤ upper`` (k1: ``[log lo, log hi]``; k2/k3: ``stat ≤ hi``).
+    ``lower ≤ stat ≤ upper`` (k1: ``[log lo, log hi]``; k2/k3: ``stat ≤ hi``). KPop's
+    ``binary_kl`` (verl PR 6800) is a per-token one: ``stat = max(D_B(o‖b), D_B(b‖o))``
+    (never negative), kept iff ``stat ≤ φ``.
     """
 
     criterion: Criterion
@@ -78,6 +81,10 @@ class KLCriterion(Stage):
         return f"mis_rs_{self.criterion.name}"
 
     def _stat(self, t) -> jax.Array:
+        if self.criterion.estimator == criteria.BINARY_KL:
+            # KPop: a decision, never differentiated (o may be sg(θ), garbage off the mask).
+            stat = bidirectional_binary_kl(t.old, t.rollout)
+            return jax.lax.stop_gradient(stat)
         return criteria.kl_statistic(t.delta, self.criterion.estimator)
 
     def _outside(self, value):
@@ -419,7 +426,7 @@ def register_rule(name: str) -> Callable[[RuleFactory], RuleFactory]:
     """
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"a rule name must be a non-empty string without ':', got {name!r}")
-    if name in criteria.KL_CRITERIA:
+    if name in criteria.RS_CRITERIA:
         raise ValueError(f"{name!r} is a built-in rejection criterion")
 
     def register(factory: RuleFactory) -> RuleFactory:

@@ -24,6 +24,8 @@ verl                            native
 ``rollout_is_batch_normalize``  ``tis_batch_normalize``
 ``rollout_rs: "a,b"``           ``rs_criteria=("a:<thr>", "b:<thr>")``
 ``rollout_rs_threshold``        one threshold for all criteria, or one each
+``rollout_rs: binary_kl``       ``rs_criteria=("binary_kl:<φ>",)`` (KPop, verl
+                                PR 6800; φ = 2.0 without a threshold)
 ``bypass_mode``, ``loss_type``  loss settings: read by ``LossConfig.from_verl``
 =============================== ===============================================
 
@@ -128,6 +130,10 @@ VERL_PRESETS: dict[str, dict[str, Any]] = {
     "decoupled_seq_is": _preset(rollout_is="sequence"),
     "decoupled_token_icepop": _preset(rollout_is="token", rollout_is_threshold="0.5_5.0"),
     "decoupled_seq_is_rs": _preset(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
+    # KPop (verl PR 6800, open): RolloutCorrectionConfig.decoupled_token_kpop(phi=2.0)
+    "decoupled_token_kpop": _preset(
+        rollout_is=None, rollout_rs="binary_kl", rollout_rs_threshold=2.0
+    ),
     "decoupled_geo_rs": _preset(
         rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=_GEO
     ),
@@ -236,7 +242,9 @@ def parse_rs(options: Any, threshold: Any) -> tuple[str, ...]:
     """verl's ``rollout_rs`` / ``rollout_rs_threshold`` -> native ``rs_criteria`` specs.
 
     Options are comma-separated and deduplicated in order; the threshold is one entry
-    shared by all options or one per (deduplicated) option, comma-separated.
+    shared by all options or one per (deduplicated) option, comma-separated. KPop's
+    ``binary_kl`` takes one upper bound φ on ``max(D_B(o‖b), D_B(b‖o))``; a
+    ``rollout_rs: binary_kl`` without a threshold uses φ = 2.0.
     """
     rs_key, thr_key = _key("rollout_rs"), _key("rollout_rs_threshold")
     if not isinstance(options, str):
@@ -260,10 +268,14 @@ def parse_rs(options: Any, threshold: Any) -> tuple[str, ...]:
     if not names:
         raise ValueError(f"{rs_key} must name at least one option, got {shown(options)}")
     if threshold is None:
-        raise ValueError(
-            f"{thr_key} must be explicitly provided when rollout_rs is enabled "
-            f"(rollout_rs={shown(options)})"
-        )
+        if all(name == criteria.BINARY_KL for name in names):
+            threshold = criteria.BINARY_KL_DEFAULT_THRESHOLD  # KPop's φ (verl PR 6800)
+        else:
+            raise ValueError(
+                f"{thr_key} must be explicitly provided when rollout_rs is enabled "
+                f"(rollout_rs={shown(options)}; only 'binary_kl' alone defaults, to "
+                f"{criteria.BINARY_KL_DEFAULT_THRESHOLD!r})"
+            )
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float, str)):
         raise ValueError(f"{thr_key} must be a number or a string, got {shown(threshold)}")
     if isinstance(threshold, str):
