@@ -17,6 +17,7 @@ from offpolicy_jax.correction.ratios import METRIC_LOG_CAP
 from offpolicy_jax.interop.packing import PackedSequences, pack_sequences, unpack_sequences
 from offpolicy_jax.logprobs.sampling_support import support_from_csr
 from offpolicy_jax.logprobs.token import token_logprobs, token_logprobs_from_hidden
+from offpolicy_jax.logprobs.topk import TopKLogprobs, topk_logprobs
 from offpolicy_jax.losses.policy_loss import (
     LossParts,
     PolicyLossTerms,
@@ -51,6 +52,7 @@ __all__ = [
     "RejectionSamplingConfig",
     "SurrogateInput",
     "SurrogateTerms",
+    "TopKLogprobs",
     "VanillaTIS",
     "aggregate",
     "compute_correction",
@@ -70,5 +72,6 @@ __all__ = [
     "support_from_csr",
     "token_logprobs",
     "token_logprobs_from_hidden",
+    "topk_logprobs",
     "unpack_sequences",
 ]

@@ -128,7 +128,9 @@ class LossConfig:
         the ratio denominator ``d`` and the IS weights): ``"ppo_clip"`` (default, the
         clipped PPO surrogate: ``clip_eps``, ``clip_eps_high``, ``dual_clip_c``),
         ``"gspo"``, ``"gspo_token"``, ``"cispo"``, ``"gmpo"``, ``"sapo"``, ``"gpg"``,
-        ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, prime-rl's ``"prime_dppo"`` and
+        ``"dppo_tv"``, ``"dppo_kl"`` (TRL's ``divergence_type`` ``"topk_tv"`` /
+        ``"topk_kl"`` with ``divergence_topk`` take the trust region over the engine's
+        top-k ids, passed as ``topk=``), ``"dro"``, prime-rl's ``"prime_dppo"`` and
         ``"ipo"``, INTELLECT-2's ``"two_sided_clip"``, TRL's ``"vespo"`` and ``"luspo"``
         or any registered name; formulas and papers in :mod:`offpolicy_jax.losses.policy_losses`.
         ``reinforce_is`` has its own term and takes only the default.
@@ -194,6 +196,8 @@ class LossConfig:
     clip_eps_high = _Hyperparameter[float | None]()
     dual_clip_c = _Hyperparameter[float | None]()
     dppo_ratio_cap = _Hyperparameter[float | None]()
+    divergence_type = _Hyperparameter[str | None]()
+    divergence_topk = _Hyperparameter[int | None]()
     tau_pos = _Hyperparameter[float | None]()
     tau_neg = _Hyperparameter[float | None]()
     dro_beta = _Hyperparameter[float | None]()

@@ -16,5 +16,13 @@ from offpolicy_jax.correction.criteria import effective_sample_size
 from offpolicy_jax.correction.normalize import normalizer, normalizer_reduction
 from offpolicy_jax.correction.ratios import k3
 from offpolicy_jax.correction.stages import pool
+from offpolicy_jax.correction.topk_divergence import topk_divergence
 
-__all__ = ["effective_sample_size", "k3", "normalizer", "normalizer_reduction", "pool"]
+__all__ = [
+    "effective_sample_size",
+    "k3",
+    "normalizer",
+    "normalizer_reduction",
+    "pool",
+    "topk_divergence",
+]

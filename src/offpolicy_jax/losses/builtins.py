@@ -22,7 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax._checks import F32, check_f32_coefficient, check_number, check_positive, f32
+from offpolicy_jax._checks import (
+    F32,
+    check_choice,
+    check_f32_coefficient,
+    check_number,
+    check_positive,
+    f32,
+)
+from offpolicy_jax.logprobs.topk import check_topk
 from offpolicy_jax.losses import covariance as cov
 from offpolicy_jax.losses import policy_losses as pl
 from offpolicy_jax.losses.registry import (
@@ -124,13 +132,57 @@ class PPOClip(ClipRange):
 @dataclasses.dataclass(frozen=True)
 class DPPOTrustRegion(ClipRange):
     """DPPO: the trust-region thresholds ``δ`` (``clip_eps``), ``δ_high``
-    (``clip_eps_high``) and the cap ``C`` of the stop-gradient ratio."""
+    (``clip_eps_high``), the cap ``C`` of the stop-gradient ratio, and TRL's
+    ``divergence_type`` / ``divergence_topk``: ``"binary_tv"`` (``dppo_tv``'s default)
+    or ``"topk_tv"`` for ``dppo_tv``, ``"binary_kl"`` (``dppo_kl``'s) or ``"topk_kl"``
+    for ``dppo_kl``; a top-k type takes ``topk=`` with ``K = divergence_topk`` ids."""
 
     dppo_ratio_cap: float = 20.0
+    divergence_type: str = "binary_tv"
+    divergence_topk: int = 20
 
     def __post_init__(self):
         super().__post_init__()
         _number(self, "dppo_ratio_cap", positive=True)
+        allowed = tuple(t for t in DPPO_DIVERGENCE_TYPES if t.endswith("_" + self.family))
+        if self.divergence_type in DPPO_DIVERGENCE_TYPES and self.divergence_type not in allowed:
+            other = self.divergence_type.rsplit("_", 1)[-1]
+            raise ValueError(
+                f"{_OWNER}.divergence_type must be one of {list(allowed)} for policy_loss "
+                f"'dppo_{self.family}', got {self.divergence_type!r} (a divergence of "
+                f"policy_loss 'dppo_{other}')"
+            )
+        check_choice(_OWNER, "divergence_type", self.divergence_type, allowed)
+        k = self.divergence_topk
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            raise ValueError(f"{_OWNER}.divergence_topk must be an int >= 1, got {k!r}")
+        object.__setattr__(self, "divergence_topk", int(k))
+
+    @property
+    def family(self) -> str:
+        """``"tv"`` or ``"kl"``: the divergence the loss is named after."""
+        return "tv"
+
+    @property
+    def uses_topk(self) -> bool:
+        """The trust region is taken over the engine's top-k ids (``topk=``)."""
+        return self.divergence_type.startswith("topk_")
+
+
+DPPO_DIVERGENCE_TYPES: tuple[str, ...] = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
+"""TRL's ``DPPOConfig.divergence_type`` values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DPPOKLTrustRegion(DPPOTrustRegion):
+    """:class:`DPPOTrustRegion` of ``dppo_kl``: ``divergence_type`` ``"binary_kl"`` or
+    ``"topk_kl"``."""
+
+    divergence_type: str = "binary_kl"
+
+    @property
+    def family(self) -> str:
+        return "kl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,6 +442,26 @@ def gpg(x: SurrogateInput, p: NoParams) -> SurrogateTerms:
 
 
 def _dppo(x: SurrogateInput, p: DPPOTrustRegion, divergence: str) -> SurrogateTerms:
+    if p.uses_topk:
+        if x.topk is None:
+            raise ValueError(
+                f"policy_loss 'dppo_{divergence}' with divergence_type={p.divergence_type!r} "
+                "needs topk=TopKLogprobs(ids, rollout_logp, logp): the engine's top-k ids and "
+                "log-probs and the trainer's log-probs on them"
+            )
+        topk_logp, topk_rollout = check_topk(x.topk, x.logp.shape, k=p.divergence_topk)
+        return pl.dppo_topk(
+            x.logp,
+            x.denominator,
+            x.advantages,
+            x.valid,
+            topk_logp,
+            topk_rollout,
+            divergence=divergence,
+            clip_eps=p.clip_eps,
+            clip_eps_high=p.upper_clip_eps,
+            ratio_cap=p.dppo_ratio_cap,
+        )
     return pl.dppo(
         x.logp,
         x.denominator,
@@ -404,13 +476,15 @@ def _dppo(x: SurrogateInput, p: DPPOTrustRegion, divergence: str) -> SurrogateTe
 
 @register_surrogate("dppo_tv", params=DPPOTrustRegion)
 def dppo_tv(x: SurrogateInput, p: DPPOTrustRegion) -> SurrogateTerms:
-    """DPPO with the binary total-variation trust region (:func:`.policy_losses.dppo`)."""
+    """DPPO with the binary total-variation trust region (:func:`.policy_losses.dppo`), or
+    the top-k TV one (``divergence_type="topk_tv"``, :func:`.policy_losses.dppo_topk`)."""
     return _dppo(x, p, "tv")
 
 
-@register_surrogate("dppo_kl", params=DPPOTrustRegion)
-def dppo_kl(x: SurrogateInput, p: DPPOTrustRegion) -> SurrogateTerms:
-    """DPPO with the binary-KL trust region (:func:`.policy_losses.dppo`)."""
+@register_surrogate("dppo_kl", params=DPPOKLTrustRegion)
+def dppo_kl(x: SurrogateInput, p: DPPOKLTrustRegion) -> SurrogateTerms:
+    """DPPO with the binary-KL trust region (:func:`.policy_losses.dppo`), or the top-k
+    KL one (``divergence_type="topk_kl"``, :func:`.policy_losses.dppo_topk`)."""
     return _dppo(x, p, "kl")
 
 

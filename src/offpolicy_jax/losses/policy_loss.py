@@ -41,6 +41,12 @@ from offpolicy_jax.correction import metrics, ratios, rules, stages, staleness
 from offpolicy_jax.correction.chain import Correction
 from offpolicy_jax.correction.compute import CorrectionResult, correction_parts
 from offpolicy_jax.correction.ratios import metric_exp
+from offpolicy_jax.correction.topk_divergence import (
+    TOPK_COUNT,
+    topk_mismatch_columns,
+    topk_mismatch_means,
+)
+from offpolicy_jax.logprobs.topk import TopKLogprobs
 from offpolicy_jax.losses import builtins as _objective
 from offpolicy_jax.losses import proximal
 from offpolicy_jax.losses.algorithms import ALGORITHMS, Algorithm, Policy
@@ -201,6 +207,7 @@ def policy_loss_terms(
     current_version: jax.typing.ArrayLike | None = None,
     key: jax.typing.ArrayLike | None = None,
     rewards: jax.typing.ArrayLike | None = None,
+    topk: TopKLogprobs | None = None,
 ) -> PolicyLossTerms:
     """:func:`policy_loss` with its per-token terms and its final mask.
 
@@ -241,6 +248,7 @@ def policy_loss_terms(
         current_version,
         key,
         rewards,
+        topk,
     )
     return _terms(inputs, config, axis_names, num_segments)
 
@@ -271,6 +279,7 @@ class LossInputs(NamedTuple):
     current_version: Any = None
     key: Any = None
     rewards: Any = None
+    topk: TopKLogprobs | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +311,7 @@ class _Batch:
     proximal: Mapping[str, MeanParts] = dataclasses.field(default_factory=dict)
     key: jax.Array | None = None
     rewards: jax.Array | None = None
+    topk: TopKLogprobs | None = None
 
     @property
     def theta_sg(self) -> jax.Array:
@@ -370,6 +380,7 @@ def _prepare(inputs: LossInputs, plan: LossPlan, axes, num_segments) -> _Batch:
         plan.metric_reduction,
         key=_check_key(inputs.key),
         rewards=rewards,
+        topk=inputs.topk,
     )
     if versions is None:
         return b
@@ -659,6 +670,7 @@ def _policy_term(
         b.layout,
         b.rollout,
         b.key,
+        b.topk,
     )
     out = _objective.surrogate_columns(plan, x)
     columns = dict(out.columns)
@@ -721,6 +733,8 @@ def _pipeline(inputs: LossInputs, plan: LossPlan, axes, num_segments) -> PolicyL
     if per_token is not pg_per_token:
         columns["pg_loss"] = _reduce.total(pg_per_token, c.mask)
     columns |= {k: policy_columns[k] for k in clip_keys if k in policy_columns}
+    if b.topk is not None:
+        columns |= topk_mismatch_columns(b.topk, b.theta.shape, b.mask)
     columns["loss"] = _reduce.total(per_token, c.mask)
     sums = b.layout.reduce(columns)
     return _aggregated(b, plan, per_token, c, sums, policy.own_metrics)
@@ -761,6 +775,8 @@ def _aggregated(
             means[key] = _reduce.seq_mean(jnp.where(ok, sums[key], 0.0), count, reduction)
     if "ois" in sums:
         means["ois"] = _reduce.seq_mean(jnp.where(ok, sums["ois"], 0.0), mask_count, reduction)
+    if TOPK_COUNT in sums:
+        means |= topk_mismatch_means(sums, ok, reduction)
     parts = {**c.parts, **b.proximal, **layout.batch_means(means)}
     final_mask = jnp.where(layout.broadcast(ok), c.mask, 0.0)
     loss_parts = parts.pop("loss")
@@ -792,6 +808,7 @@ def policy_loss_parts(
     current_version: jax.typing.ArrayLike | None = None,
     key: jax.typing.ArrayLike | None = None,
     rewards: jax.typing.ArrayLike | None = None,
+    topk: TopKLogprobs | None = None,
 ) -> tuple[MeanParts, dict[str, MeanParts | jax.Array]]:
     """:func:`policy_loss` as poolable parts: ``(LossParts, metric parts)``.
 
@@ -832,6 +849,7 @@ def policy_loss_parts(
         current_version,
         key,
         rewards,
+        topk,
     )
     terms = _terms(inputs, config, axis_names, num_segments)
     return terms.parts, terms.metrics
@@ -855,6 +873,7 @@ def policy_loss(
     current_version: jax.typing.ArrayLike | None = None,
     key: jax.typing.ArrayLike | None = None,
     rewards: jax.typing.ArrayLike | None = None,
+    topk: TopKLogprobs | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Policy-gradient loss with rollout correction (docs/semantics.md §5).
 
@@ -916,6 +935,13 @@ def policy_loss(
         term; required when that weight is > 0, else it only adds the ``nll_loss``
         metric. Non-finite at a valid token (with the weight > 0): the sequence is
         rejected, like a non-finite ``logp``.
+      topk: a :class:`~offpolicy_jax.TopKLogprobs`: the engine's top-k ids and
+        log-probs per position ``[..., T, K]`` and the trainer's log-probs on them
+        (:func:`~offpolicy_jax.topk_logprobs`), stop-gradient. Required by
+        ``dppo_tv`` / ``dppo_kl`` with ``divergence_type="topk_tv"`` / ``"topk_kl"``;
+        whenever given, the metrics gain ``mis_topk_tv`` and ``mis_topk_kl`` (the
+        top-k divergences of ``topk.logp`` from ``topk.rollout_logp``, averaged over
+        the valid tokens like ``ois``).
 
     Returns:
       ``(loss, metrics)``: a float32 scalar (0, with zero gradients, when nothing
@@ -950,6 +976,7 @@ def policy_loss(
         current_version,
         key,
         rewards,
+        topk,
     )
     terms = _terms(inputs, config, axis_names, num_segments)
     loss, parts = terms.parts, terms.metrics

@@ -29,6 +29,9 @@ name           per-token loss ``ℓ`` (``x = θ − d``, ``r = e^x``)           
 ``kl_cov``     ``−A·r + [top-k covariance]·β·|x|``                              Cui et al. 2025 (KL-Cov)
 =============  ==============================================================  =========================
 
+``dppo_tv`` / ``dppo_kl`` with ``divergence_type="topk_tv"`` / ``"topk_kl"`` (TRL's keys)
+run :func:`dppo_topk`: the same loss, the divergence taken over the engine's top-k ids.
+
 Gradients at kinks follow the PyTorch reference (verl): a clamp passes the full
 gradient on its closed interval, ties between the clipped and unclipped branch give the
 unclipped gradient, and trust-region masks include their boundary. They are written with
@@ -47,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax.correction.ratios import LOG_RATIO_CLAMP
+from offpolicy_jax.correction.topk_divergence import topk_divergence
 from offpolicy_jax.losses.registry import SurrogateTerms
 from offpolicy_jax.losses.surrogates import clamp, ppo_surrogate
 
@@ -346,32 +350,92 @@ def dppo(
     Returns:
       :class:`SurrogateTerms`.
     """
-    advantages = _sg(advantages)
-    theta, old = _sg(logp), _sg(denominator_logp)
-    usable = valid & jnp.isfinite(theta - old)
-    # p and q from θ and d themselves (not from θ − x): the region's boundary is then
-    # decided on the same float32 values as in verl.
-    theta, old = jnp.where(usable, theta, 0.0), jnp.where(usable, old, 0.0)
-    ratio = clamped_ratio(theta - old)
-    weight = ratio if ratio_cap is None else jnp.minimum(ratio, ratio_cap)
+    theta, old, ratio = _dppo_inputs(logp, denominator_logp, valid)
     p, q = jnp.exp(theta), jnp.exp(old)
-    positive = advantages > 0
+    positive = _sg(advantages) > 0
     if divergence == "tv":
         inside = jnp.where(positive, p - q <= clip_eps_high, p - q >= -clip_eps)
     elif divergence == "kl":
         binary_kl = q * (old - theta) + (1 - q) * jnp.log(
             (1.0 - q + DPPO_KL_EPS) / (1.0 - p + DPPO_KL_EPS)
         )
-        inside = jnp.where(
-            positive,
-            (binary_kl <= clip_eps_high) | (p <= q),
-            (binary_kl <= clip_eps) | (p >= q),
-        )
+        inside = _dppo_region(binary_kl, p, q, positive, clip_eps, clip_eps_high)
     else:
         raise ValueError(f"divergence must be 'tv' or 'kl', got {divergence!r}")
-    loss = jnp.where(inside, -advantages * weight * safe_logp(logp, valid), 0.0)
+    return _dppo_terms(logp, advantages, valid, ratio, inside, ratio_cap)
+
+
+def _dppo_inputs(logp, denominator_logp, valid) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(θ, d, r)`` stop-gradient, 0 where not usable, and ``r = exp(clip(θ − d, ±20))``."""
+    theta, old = _sg(logp), _sg(denominator_logp)
+    usable = valid & jnp.isfinite(theta - old)
+    # p and q from θ and d themselves (not from θ − x): the region's boundary is then
+    # decided on the same float32 values as in verl.
+    theta, old = jnp.where(usable, theta, 0.0), jnp.where(usable, old, 0.0)
+    return theta, old, clamped_ratio(theta - old)
+
+
+def _dppo_region(divergence, p, q, positive, clip_eps, clip_eps_high) -> jax.Array:
+    """Inside iff ``D ≤ δ_high ∨ p ≤ q`` (``A > 0``) or ``D ≤ δ ∨ p ≥ q`` (``A ≤ 0``): a
+    token leaves only when the policy moved past ``δ`` the way its advantage pushes."""
+    return jnp.where(
+        positive,
+        (divergence <= clip_eps_high) | (p <= q),
+        (divergence <= clip_eps) | (p >= q),
+    )
+
+
+def _dppo_terms(logp, advantages, valid, ratio, inside, ratio_cap) -> SurrogateTerms:
+    weight = ratio if ratio_cap is None else jnp.minimum(ratio, ratio_cap)
+    loss = jnp.where(inside, -_sg(advantages) * weight * safe_logp(logp, valid), 0.0)
     capped = jnp.zeros_like(inside) if ratio_cap is None else (ratio > ratio_cap) & inside
     return SurrogateTerms(loss, ~inside, capped)
+
+
+def dppo_topk(
+    logp: jax.Array,
+    denominator_logp: jax.Array,
+    advantages: jax.Array,
+    valid: jax.Array,
+    topk_logp: jax.Array,
+    topk_rollout_logp: jax.Array,
+    *,
+    divergence: str,
+    clip_eps: float,
+    clip_eps_high: float,
+    ratio_cap: float | None,
+) -> SurrogateTerms:
+    """Divergence PPO with the top-k TV / KL trust region (arXiv:2602.04879; TRL's DPPO).
+
+    As :func:`dppo`, with the divergence ``D`` estimated over the engine's top-k ids
+    plus a rest bucket (:func:`~offpolicy_jax.correction.topk_divergence.topk_divergence`,
+    ``topk_tv`` or ``topk_kl = KL(μ‖π)``) instead of the sampled token alone; the
+    direction still comes from the sampled token's ``p = π_θ``, ``q = π_d``::
+
+        inside = D ≤ δ_high ∨ p ≤ q   (A > 0)
+        inside = D ≤ δ      ∨ p ≥ q   (A ≤ 0)
+
+    which is TRL's ``DPPOTrainer._compute_divergence_mask`` (``divergence_type="topk_tv"
+    | "topk_kl"``; TRL's ``π_d`` is the rollout policy, ``algorithm="bypass_ppo"`` here).
+    ``ℓ = −A·sg(min(r, C))·log π_θ`` inside, else 0; ``clipped = [outside]``,
+    ``clipped_lower = [r > C] ∧ inside``.
+
+    Args:
+      logp, denominator_logp, advantages, valid: as :func:`dppo`.
+      topk_logp: ``[..., T, K]`` the trainer's log-probs on the engine's top-k ids;
+        stop-gradient.
+      topk_rollout_logp: ``[..., T, K]`` the engine's log-probs on them; stop-gradient.
+      divergence: ``"tv"`` or ``"kl"``.
+      clip_eps, clip_eps_high, ratio_cap: ``δ``, ``δ_high``, ``C`` as :func:`dppo`.
+
+    Returns:
+      :class:`SurrogateTerms`.
+    """
+    theta, old, ratio = _dppo_inputs(logp, denominator_logp, valid)
+    d = topk_divergence(_sg(topk_logp), _sg(topk_rollout_logp), valid, divergence=divergence)
+    p, q = jnp.exp(theta), jnp.exp(old)
+    inside = _dppo_region(d, p, q, _sg(advantages) > 0, clip_eps, clip_eps_high)
+    return _dppo_terms(logp, advantages, valid, ratio, inside, ratio_cap)
 
 
 # --------------------------------------------------------------------------- DRO

@@ -89,6 +89,9 @@ class SurrogateInput(NamedTuple):
         trainer with the inference engine themselves.
       key: the ``key=`` PRNG key of the call (None if not passed): for surrogates
         that choose tokens at random; the library draws no randomness of its own.
+      topk: the ``topk=`` :class:`~offpolicy_jax.TopKLogprobs` of the call (None if
+        not passed): the engine's top-k ids and both policies' log-probs on them, for
+        surrogates whose trust region is taken over that support (DPPO's top-k).
     """
 
     logp: jax.Array
@@ -101,6 +104,7 @@ class SurrogateInput(NamedTuple):
     layout: Any
     rollout: jax.Array | None = None
     key: jax.Array | None = None
+    topk: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
