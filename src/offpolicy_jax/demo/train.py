@@ -1057,7 +1057,9 @@ def _minibatch_updates(plan, params, opt, algo_index, sampler, current, batch):
         updates, opt = plan.tx.update(grads, opt, params)
         return (optax.apply_updates(params, updates), opt), (loss_met, optax.tree.norm(grads))
 
-    batch = jax.tree.map(lambda x: x.reshape((plan.cfg.minibatches, -1) + x.shape[1:]), batch)
+    mbs = plan.cfg.minibatches
+    # Explicit sizes: a -1 cannot be inferred for the empty top-k arrays [B, n, 0].
+    batch = jax.tree.map(lambda x: x.reshape((mbs, len(x) // mbs) + x.shape[1:]), batch)
     (params, opt), (loss_met, grad_norm) = jax.lax.scan(update, (params, opt), batch)
     return params, opt, loss_met, grad_norm
 
