@@ -251,6 +251,7 @@ def _generate(graphdef, params, prompts, key, numerics, active, return_routes, t
         ids, topk_logq = jnp.moveaxis(ids, 0, 1), jnp.moveaxis(topk_logq, 0, 1)
     else:
         logq = out
+        assert isinstance(logq, jax.Array)  # k = 0: the sampled tokens' log-probs alone
         ids = jnp.zeros((len(tokens), n, 0), jnp.int32)
         topk_logq = jnp.zeros((len(tokens), n, 0), jnp.float32)
     routes = None

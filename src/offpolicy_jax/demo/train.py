@@ -248,8 +248,9 @@ def reads_versions(loss: opj.LossConfig) -> bool:
 def topk_of(loss: opj.LossConfig) -> int:
     """The engine's top-k ids per position that ``loss`` reads (DPPO's ``divergence_type``
     ``"topk_tv"`` / ``"topk_kl"``: its ``divergence_topk``), 0 for every other loss."""
-    if str(loss.divergence_type or "").startswith("topk_"):
-        return int(loss.divergence_topk)
+    k = loss.divergence_topk
+    if str(loss.divergence_type or "").startswith("topk_") and k is not None:
+        return int(k)
     return 0
 
 
@@ -583,7 +584,7 @@ def loss_metric_keys(algorithms: Sequence[Algorithm], versions: bool = False) ->
                 lcfg,
                 versions=ver,
                 current_version=None if ver is None else 3,
-                **({"topk": opj.TopKLogprobs(ids, tlp, tlp)} if k else {}),
+                topk=opj.TopKLogprobs(ids, tlp, tlp) if k else None,
             ),
             x,
             a,
@@ -801,7 +802,6 @@ def _branch_loss(
     """One ``lax.switch`` branch: ``lcfg``'s loss and its metrics over ``plan.loss_keys``
     (NaN where ``lcfg`` returns no such key, so that every branch returns the same tree).
     ``topk`` (an ``opj.TopKLogprobs`` or None) reaches only a loss that reads it."""
-    extra = {"topk": topk} if topk_of(lcfg) else {}
     loss, met = opj.policy_loss(
         logp,
         old_logp if needs_old_pass(lcfg) else None,
@@ -810,7 +810,7 @@ def _branch_loss(
         mask,
         lcfg,
         **_version_args(plan, versions, current),
-        **extra,
+        topk=topk if topk_of(lcfg) else None,
     )
     nan = jnp.float32(jnp.nan)
     return loss, {k: jnp.asarray(met.get(k, nan), jnp.float32) for k in plan.loss_keys}
