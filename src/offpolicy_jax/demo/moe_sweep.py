@@ -286,7 +286,7 @@ def table(lines: list[dict]) -> str:
     head = (
         "| # | mismatch | lr | clip | row | collapsed @ half | collapsed @ end "
         "| final reward per seed (peak) | routes differ | mean K3 | max weight "
-        "| tokens with abs(log ρ) > 1 | max grad norm | rejected tokens |"
+        "| tokens with abs(log ρ) > 1 | max grad norm | rejected tokens (mean) |"
     )
     out = [head, "|" + "---|" * 14]
     for line in lines:
@@ -295,6 +295,8 @@ def table(lines: list[dict]) -> str:
         for name, r in end.items():
             # Lines written before the column existed have no "rejected".
             rejected = f"{100 * r['rejected']:.2f}%" if "rejected" in r else "–"
+            if "trust_region_masked" in r:  # DPPO drops tokens in its loss, not a correction
+                rejected = f"{100 * r['trust_region_masked']:.2f}% (trust region)"
             finals = ", ".join(
                 f"{f:.2f} ({p:.2f})" for f, p in zip(r["final"], r["peak"], strict=True)
             )
