@@ -151,7 +151,7 @@ def test_new_rows_train_a_few_steps_finite():
         for key in (*train.STEP_METRICS, "topk_tv", "binary_kl", "binary_kl_above_phi"):
             if key != "staleness_mean":
                 assert np.isfinite(m[key]).all(), (name, key)
-        assert np.isfinite(m["loss/loss"]).all(), name
+        assert np.isfinite(m["loss/pg_loss"]).all(), name
         assert 0.0 <= m["topk_tv"].min() and m["topk_tv"].max() <= 1.0
     assert np.isfinite(history.metrics["bypass_ppo+topk_tv"]["loss/mis_topk_tv"]).all()
 
