@@ -29,7 +29,7 @@ import numpy as np
 
 from offpolicy_jax.demo import report
 from offpolicy_jax.demo.experiment import DemoConfig, History, run
-from offpolicy_jax.demo.train import Mismatch, TrainConfig
+from offpolicy_jax.demo.train import DEMO_TOPK, Mismatch, TrainConfig
 
 ROWS = (
     "ppo:no-mismatch",
@@ -77,20 +77,26 @@ REGIMES = (
 REGIME_STEPS = 100
 
 
-def measure(source: str, severity: float, steps: int = REGIME_STEPS, seeds: int = 3) -> dict:
+def measure(
+    source: str, severity: float, steps: int = REGIME_STEPS, seeds: int = 3, topk: bool = False
+) -> dict:
     """One regime's mismatch over a ``ppo`` run of the routed policy: mean over the
-    steps and seeds, and the last 10% of steps (policies sharpen as they train)."""
+    steps and seeds, and the last 10% of steps (policies sharpen as they train).
+    ``topk``: the engine also returns its top-k, and the means gain KPop's ``binary_kl``
+    and DPPO's ``topk_tv`` (another program, so another float32 draw of the run)."""
+    train = dataclasses.replace(MOE, topk_logprobs=DEMO_TOPK) if topk else MOE
     config = DemoConfig(
         steps=steps,
         seeds=seeds,
         algorithms=("ppo",),
         mismatch=Mismatch(source, severity),
-        train=MOE,
+        train=train,
         chunk=20,
     )
     m = run(config).metrics["ppo"]
     tail = max(1, steps // 10)
     keys = ("route_flip_fraction", "mis_k3_kl", "is_weight_max", "log_ratio_above_1")
+    keys += ("binary_kl", "topk_tv") if topk else ()
     return {
         "mismatch": source,
         "severity": severity,
@@ -111,6 +117,10 @@ def regime_table(lines: list[dict]) -> str:
         "| ppo final reward |",
         "|---|---|---|---|---|---|",
     ]
+    extra = all("topk_tv" in r["mean"] for r in lines)  # lines of a --topk run
+    if extra:
+        out[0] += " KPop binary KL (mean) | top-k TV (mean) |"
+        out[1] += "---|---|"
     for r in lines:
         mean, end = r["mean"], r["end"]
         out.append(
@@ -119,6 +129,8 @@ def regime_table(lines: list[dict]) -> str:
             f"{end['mis_k3_kl']:.2g} | {_big(r['max_weight'])} "
             f"| {100 * mean['log_ratio_above_1']:.2f}% | {r['final_reward']:.2f} |"
         )
+        if extra:
+            out[-1] += f" {mean['binary_kl']:.2g} | {mean['topk_tv']:.2g} |"
     return "\n".join(out)
 
 
@@ -184,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--table", default=None, help="print the table of a finished sweep")
     parser.add_argument("--regimes", default=None, help="measure REGIMES into this file")
+    parser.add_argument(
+        "--topk", action="store_true", help="--regimes: also measure binary_kl and topk_tv"
+    )
     args = parser.parse_args(argv)
     if args.table:
         lines = [json.loads(line) for line in open(args.table)]
@@ -195,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.regimes:
         for source, severity in REGIMES:
-            line = measure(source, severity, seeds=args.seeds)
+            line = measure(source, severity, seeds=args.seeds, topk=args.topk)
             with open(args.regimes, "a") as f:
                 f.write(json.dumps(line) + "\n")
             print(json.dumps(line), flush=True)
