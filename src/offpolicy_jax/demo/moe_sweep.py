@@ -248,7 +248,8 @@ def _mismatch(line: dict) -> str:
 def merge(lines: list[dict]) -> list[dict]:
     """One line per setting (GRID index, steps, seeds): the rows of every run of it, in
     :data:`ROWS` order then first seen (``--rows`` runs add rows to a setting). A row run
-    twice keeps its first line."""
+    twice keeps its first line. Rows of different runs do not share a program: each is
+    its own float32 draw of the setting (the set of rows changes XLA's rounding)."""
     merged: dict[tuple, dict] = {}
     for line in lines:
         key = (line["index"], line["steps"], line["seeds"])
