@@ -72,12 +72,11 @@ BINARY_KL_HIGH = 1.0 - 1.0132789611816406e-06
 
 
 def binary_kl(logp, logq):
-    """``D_B(p‖q) = p log(p/q) + (1 − p) log((1 − p)/(1 − q))`` in float64, with
-    ``p, q = clip(e^log, BINARY_KL_LOW, BINARY_KL_HIGH)``; ``1 − p`` from ``expm1``."""
-    logp = np.clip(np.asarray(logp, np.float64), np.log(BINARY_KL_LOW), np.log(BINARY_KL_HIGH))
-    logq = np.clip(np.asarray(logq, np.float64), np.log(BINARY_KL_LOW), np.log(BINARY_KL_HIGH))
-    p, q = np.exp(logp), np.exp(logq)
-    return p * (logp - logq) + (1.0 - p) * (np.log(-np.expm1(logp)) - np.log(-np.expm1(logq)))
+    """``D_B(p‖q) = p log(p/q) + (1 − p) log((1 − p)/(1 − q))`` in float64, the textbook
+    form, with ``p, q = clip(e^log, BINARY_KL_LOW, BINARY_KL_HIGH)``."""
+    p = np.clip(np.exp(np.asarray(logp, np.float64)), BINARY_KL_LOW, BINARY_KL_HIGH)
+    q = np.clip(np.exp(np.asarray(logq, np.float64)), BINARY_KL_LOW, BINARY_KL_HIGH)
+    return p * np.log(p / q) + (1.0 - p) * np.log((1.0 - p) / (1.0 - q))
 
 
 def bidirectional_binary_kl(o, b):
@@ -91,7 +90,9 @@ def binary_kl_criterion(o, b, m, threshold):
     Returns ``(keep, stat, low, high, per_seq)`` as :func:`kl_criterion`."""
     valid = m > 0
     with np.errstate(all="ignore"):
-        stat = np.where(valid, bidirectional_binary_kl(np.where(valid, o, -1.0), np.where(valid, b, -1.0)), 0.0)
+        stat = np.where(
+            valid, bidirectional_binary_kl(np.where(valid, o, -1.0), np.where(valid, b, -1.0)), 0.0
+        )
     high = stat > threshold
     return ~high, stat, np.zeros(m.shape, bool), high, False
 

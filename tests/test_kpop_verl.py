@@ -350,3 +350,39 @@ def test_bad_verl_input_names_the_key(block, match):
 def test_bad_native_input_names_the_key(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+# ---------------------------------------------------------------- diagnose
+
+
+def _confident_flip_dump(seed=0, batch=64, length=32, share=0.05):
+    """Exact tokens, but a ``share`` of confident tokens (rollout p ≥ 0.9999) whose trainer
+    probability fell to about 0.52-0.6: ratios inside IcePop's [0.5, 5], binary KL > 2."""
+    rng = np.random.default_rng(seed)
+    mask = np.ones((batch, length), bool)
+    rollout = -rng.exponential(1.0, (batch, length))
+    flip = rng.random((batch, length)) < share
+    rollout = np.where(flip, -rng.uniform(0.0, 1e-4, (batch, length)), rollout)
+    old = np.where(flip, np.log(rng.uniform(0.52, 0.6, (batch, length))), rollout)
+    return old.astype(F32), rollout.astype(F32), mask
+
+
+def test_diagnose_recommends_kpop_for_confident_token_flips(tmp_path):
+    pytest.importorskip("pyarrow")
+    from offpolicy_jax.diagnose import diagnose, write_dump
+
+    old, rollout, mask = _confident_flip_dump()
+    path = write_dump(tmp_path / "flip.npz", old_logp=old, rollout_logp=rollout, mask=mask)
+    report = diagnose(path, tmp_path / "out", chunk_rows=32)
+    rec = report["recommendation"]
+    assert (rec["name"], rec["severity"]) == ("kpop", "mild"), rec["reason"]
+    config = opj.CorrectionConfig.from_dict(rec["config"])
+    assert config.rs_criteria == ("binary_kl:2.0",)
+    assert opj.CorrectionConfig.from_yaml(str(tmp_path / "out" / "recommended.yaml")) == config
+    assert report["what_if"]["icepop"]["table"]["zero_weight_share"] == 0.0
+    kpop = report["what_if"]["kpop"]["table"]["rejected_token_share"]
+    assert kpop == pytest.approx(mask[old != rollout].size / mask.size, rel=1e-6)
+    # the same mismatch at ratios outside the band: IcePop sees it, no KPop recommendation
+    far = np.where(old != rollout, np.log(np.float32(0.3)), rollout).astype(F32)
+    path = write_dump(tmp_path / "far.npz", old_logp=far, rollout_logp=rollout, mask=mask)
+    assert diagnose(path, chunk_rows=32)["recommendation"]["name"] != "kpop"

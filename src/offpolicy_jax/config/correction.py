@@ -92,7 +92,9 @@ class CorrectionConfig:
         ``"criterion:threshold"`` with verl's names and threshold syntax, e.g.
         ``("seq_max_k2:2.5", "seq_mean_k3:0.01")``; a token stays only if every
         criterion keeps it. ``k1`` criteria take ``"lo_hi"`` (or ``hi`` for
-        ``[1/hi, hi]``) bounds on π_rollout / π_old, ``k2`` / ``k3`` an upper bound.
+        ``[1/hi, hi]``) bounds on π_rollout / π_old, ``k2`` / ``k3`` an upper bound;
+        ``"binary_kl:φ"`` (KPop, verl's ``rollout_rs: binary_kl``) keeps a token iff
+        ``max(D_B(o‖b), D_B(b‖o)) ≤ φ``, the binary KL of its probability.
       seq_logprob_error_threshold: NeMo-RL's rule: drop a sequence whose mean over its
         tokens of ``exp(|δ|)`` exceeds this (``≥ 1``); ``None`` disables it.
       m2po_tau: M2PO second-moment budget ``τ > 0``: drop the tokens with the largest

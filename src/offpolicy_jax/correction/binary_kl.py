@@ -97,6 +97,10 @@ def bidirectional_binary_kl(
 ) -> jax.Array:
     """``max(D_B(p‖q), D_B(q‖p))`` per token: KPop keeps a token when this is within φ.
 
+    Both directions from one clamp of each probability (``D_B(q‖p)`` reuses the
+    differences of ``D_B(p‖q)`` with the sign flipped): three transcendentals per
+    input, not six; each direction is ``≥ 0`` as in :func:`binary_kl`.
+
     Args:
       logp: ``[...]`` log-probability of the sampled token under the trainer.
       logq: ``[...]`` its log-probability under the engine (broadcastable).
@@ -105,4 +109,11 @@ def bidirectional_binary_kl(
     Returns:
       ``[...]`` float32, ``≥ 0``.
     """
-    return jnp.maximum(binary_kl(logp, logq, eps=eps), binary_kl(logq, logp, eps=eps))
+    if not 0.0 < eps < 0.5:
+        raise ValueError(f"bidirectional_binary_kl: eps must be in (0, 0.5), got {eps!r}")
+    log_p, p, log_1mp = _clamped_logs(jnp.asarray(logp), eps)
+    log_q, q, log_1mq = _clamped_logs(jnp.asarray(logq), eps)
+    d, e = log_p - log_q, log_1mp - log_1mq
+    forward = p * d + (1.0 - p) * e
+    backward = -(q * d + (1.0 - q) * e)
+    return jnp.maximum(jnp.maximum(forward, backward), 0.0)

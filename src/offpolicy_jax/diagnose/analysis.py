@@ -148,6 +148,8 @@ ICEPOP_BOUNDS = (0.5, 5.0)
 # Trust Region Masking example in docs/guide/configuration.md.
 TRM_MAX_K2 = 2.5
 TRM_MEAN_K3 = 0.01
+# KPop (verl rollout_rs "binary_kl"): φ is verl's default (its decoupled_token_kpop preset).
+KPOP_PHI = 2.0
 
 WHAT_IFS: tuple[WhatIf, ...] = (
     WhatIf("token_tis", "token TIS, truncate at 2 (Yao et al.)", _TIS),
@@ -189,6 +191,13 @@ WHAT_IFS: tuple[WhatIf, ...] = (
         f"{TRM_MAX_K2:g} or mean k3 > {TRM_MEAN_K3:g} (verl seq_max_k2,seq_mean_k3; "
         f"{TRM_MEAN_K3:g} is verl's decoupled_k3_rs* preset threshold)",
         (*_TIS, ("rs_criteria", (f"seq_max_k2:{TRM_MAX_K2:g}", f"seq_mean_k3:{TRM_MEAN_K3:g}"))),
+    ),
+    WhatIf(
+        "kpop",
+        "token TIS 2 + KPop: reject tokens whose binary KL between the two probabilities "
+        f"of the sampled token exceeds {KPOP_PHI:g} in either direction (verl rollout_rs "
+        "binary_kl, its default φ)",
+        (*_TIS, ("rs_criteria", (f"binary_kl:{KPOP_PHI:g}",))),
     ),
 )
 

@@ -22,6 +22,30 @@ MAX_REJECTED_SEQ_SHARE = 0.5
 #: this share of the valid tokens (and among the :data:`analysis.K3_TOP` largest): k3
 #: grows as e^δ, so a few tokens at δ = 15 can make the mean of a million exact tokens.
 CONCENTRATED_K3_SHARE = 0.01
+#: KPop is recommended when its rule rejects at least this share of the valid tokens and at
+#: least :data:`KPOP_OVER_BAND` times the share IcePop's ratio band zeroes: then at least
+#: ``1 − 1/KPOP_OVER_BAND`` of the tokens it flags lie inside the band, tokens whose
+#: probability moved far while their ratio stayed within ``[0.5, 5]`` (confident tokens:
+#: ``0.9999 → 0.52`` has ratio 0.52 and binary KL 3.7), which no ratio rule sees.
+KPOP_MIN_SHARE = 1e-3
+KPOP_OVER_BAND = 2.0
+
+
+def kpop_evidence(what_if: dict[str, dict]) -> dict | None:
+    """The shares behind a KPop recommendation, or None when the table lacks the rows.
+
+    ``kpop_share``: valid tokens the ``kpop`` row rejects; ``band_share``: valid tokens
+    the ``icepop`` row's ratio band zeroes; ``flagged``: ``kpop_share ≥``
+    :data:`KPOP_MIN_SHARE` and ``kpop_share ≥`` :data:`KPOP_OVER_BAND` ``· band_share``.
+    """
+    kpop = what_if.get("kpop", {}).get("table")
+    band = what_if.get("icepop", {}).get("table")
+    if not kpop or not band:
+        return None
+    kpop_share = kpop.get("rejected_token_share") or 0.0
+    band_share = band.get("zero_weight_share") or 0.0
+    flagged = kpop_share >= KPOP_MIN_SHARE and kpop_share >= KPOP_OVER_BAND * band_share
+    return {"kpop_share": kpop_share, "band_share": band_share, "flagged": flagged}
 
 
 def recommend(
@@ -46,7 +70,13 @@ def recommend(
       carry most of it over an exact bulk, as flipped MoE routes give) gets token TIS at
       2: the cap bounds exactly those tokens, where sequence-level rejection drops every
       sequence holding one (in the demo's router regime geometric RS + veto left a seed
-      unlearned and TIS 2 learned in all; docs/demo_moe.md).
+      unlearned and TIS 2 learned in all; docs/demo_moe.md);
+    * where any of these picks token TIS at 2 and the KPop row rejects tokens that the
+      ratio band passes (:func:`kpop_evidence`): token TIS 2 + KPop (``kpop``). The
+      per-token view is the right one there, and the divergence sits in probability
+      space, in confident tokens, where truncating or banding the ratio does nothing;
+      where the bulk drifted (sequence-level rejection) KPop is left to the what-if
+      table.
     """
     k3 = metrics.get("mis_k3_kl", 0.0)
     veto = what_if.get("veto", {}).get("metrics", {})
@@ -92,29 +122,46 @@ def recommend(
             "is a mixture of experts, routing replay (R3) removes the cause"
         )
     else:
-        geo = what_if.get("geo_rs_veto", {}).get("table", {})
-        share = geo.get("rejected_seq_share", 1.0)
-        trigger = f"k3 >= {SEVERE_K3:g}" if k3 >= SEVERE_K3 else "catastrophic tokens present"
-        why = (
-            f"severe mismatch ({facts}; {trigger}): token ratios compound over a sequence, "
-            "so sequences that drifted are rejected"
-        )
+        name, reason = _severe(k3, facts, what_if)
         severity = "severe"
-        if share <= MAX_REJECTED_SEQ_SHARE:
-            name = "geo_rs_veto"
-            reason = (
-                f"{why} by their geometric-mean ratio (outside {list(analysis.GEO_BOUNDS)}: "
-                f"{share:.1%} of sequences) and sequences with a catastrophic token are vetoed"
-            )
-        else:
-            name = "mis"
-            reason = (
-                f"{why}; but geometric RS would reject {share:.1%} of the sequences (> "
-                f"{MAX_REJECTED_SEQ_SHARE:.0%}), so the shipped mis.yaml instead rejects "
-                "single tokens outside [0.5, 2] and vetoes catastrophic sequences"
-            )
+    kpop = kpop_evidence(what_if)
+    if name == "token_tis" and kpop is not None and kpop["flagged"]:
+        name, reason = "kpop", _kpop_reason(severity, facts, kpop)
     config = next(w for w in analysis.WHAT_IFS if w.name == name).build()
     return {"name": name, "severity": severity, "reason": reason, "config": config.to_dict()}
+
+
+def _kpop_reason(severity: str, facts: str, kpop: dict) -> str:
+    return (
+        f"{severity} mismatch in probability space ({facts}): KPop's binary KL exceeds "
+        f"{analysis.KPOP_PHI:g} at {kpop['kpop_share']:.2%} of the valid tokens, at least "
+        f"{KPOP_OVER_BAND:g} times the {kpop['band_share']:.2%} that the ratio band "
+        f"{list(analysis.ICEPOP_BOUNDS)} zeroes, so most of them are tokens whose "
+        "probability moved far while their ratio stayed in the band (confident tokens), "
+        "which ratio truncation and IcePop cannot see; token TIS 2 + KPop rejects them"
+    )
+
+
+def _severe(k3: float, facts: str, what_if: dict[str, dict]) -> tuple[str, str]:
+    """The severe rule's row and reason: ``geo_rs_veto``, or ``mis`` when geometric RS
+    would reject more than half of the sequences."""
+    geo = what_if.get("geo_rs_veto", {}).get("table", {})
+    share = geo.get("rejected_seq_share", 1.0)
+    trigger = f"k3 >= {SEVERE_K3:g}" if k3 >= SEVERE_K3 else "catastrophic tokens present"
+    why = (
+        f"severe mismatch ({facts}; {trigger}): token ratios compound over a sequence, "
+        "so sequences that drifted are rejected"
+    )
+    if share <= MAX_REJECTED_SEQ_SHARE:
+        return "geo_rs_veto", (
+            f"{why} by their geometric-mean ratio (outside {list(analysis.GEO_BOUNDS)}: "
+            f"{share:.1%} of sequences) and sequences with a catastrophic token are vetoed"
+        )
+    return "mis", (
+        f"{why}; but geometric RS would reject {share:.1%} of the sequences (> "
+        f"{MAX_REJECTED_SEQ_SHARE:.0%}), so the shipped mis.yaml instead rejects "
+        "single tokens outside [0.5, 2] and vetoes catastrophic sequences"
+    )
 
 
 # --------------------------------------------------------------------------- quantiles

@@ -130,6 +130,10 @@ VERL_PRESETS: dict[str, dict[str, Any]] = {
     "decoupled_seq_is": _preset(rollout_is="sequence"),
     "decoupled_token_icepop": _preset(rollout_is="token", rollout_is_threshold="0.5_5.0"),
     "decoupled_seq_is_rs": _preset(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
+    # KPop (verl PR 6800, open): RolloutCorrectionConfig.decoupled_token_kpop(phi=2.0)
+    "decoupled_token_kpop": _preset(
+        rollout_is=None, rollout_rs="binary_kl", rollout_rs_threshold=2.0
+    ),
     "decoupled_geo_rs": _preset(
         rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=_GEO
     ),
