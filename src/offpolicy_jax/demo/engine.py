@@ -18,6 +18,10 @@ inference server (vLLM, SGLang) differs from the training framework:
   (vLLM, SGLang) run: embeddings, norms, biases, the router and the output head stay
   bfloat16 — the ``fp8`` mismatch.
 
+``generate_topk`` also returns the engine's ``k`` most probable ids at every sampled
+position and its log-probs of them (vLLM's ``SamplingParams(logprobs=k)``), the input of
+DPPO's top-k trust region.
+
 The reported log-prob of each token is log q(token) under the engine's own sampling
 distribution, exactly what an inference server returns. With a sampling mismatch it is
 ``opj.token_logprobs(..., temperature=T, top_p=P)``: the library's sampler-consistent
@@ -28,7 +32,7 @@ drawn from the engine's own nucleus, :func:`_sampling_log_probs`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +111,23 @@ def _sampling_log_probs(logits: Array, temperature: Array, top_p: Array) -> Arra
     return jnp.where(top_p < 1.0, nucleus, logq)
 
 
+class Sample(NamedTuple):
+    """:func:`generate_topk`'s result, ``B`` responses of ``n`` tokens."""
+
+    responses: Array  # [B, n] int32
+    rollout_logp: Array  # [B, n]: the engine's log-prob of each sampled token
+    #: The experts the engine used, ``int32 [n_layers, B, 2n + 1, top_k]``; None unless
+    #: asked for (a routed policy).
+    routes: Array | None
+    #: ``int32 [B, n, k]``: the engine's k most probable ids at each position, in
+    #: decreasing probability; the sampled token replaces the k-th when it is not among
+    #: them (TRL's support ``TopK(μ, k) ∪ {a_t}``).
+    topk_ids: Array
+    #: ``[B, n, k]``: the engine's log-probs of ``topk_ids`` under the distribution it
+    #: sampled from.
+    topk_logp: Array
+
+
 def generate(
     graphdef: nnx.GraphDef,
     params: Any,  # the model's nnx.State, or that pytree as optax.apply_updates returns it
@@ -117,8 +138,8 @@ def generate(
 ) -> tuple[Array, Array]:
     """Sample one response per prompt with the engine's numerics (plain float32
     sampling where ``active`` is false). Returns ``(responses [B, n], rollout_logp [B, n])``."""
-    responses, logq, _ = _generate(graphdef, params, prompts, key, numerics, active, False)
-    return responses, logq
+    out = _generate(graphdef, params, prompts, key, numerics, active, False, 0)
+    return out.responses, out.rollout_logp
 
 
 def generate_routed(
@@ -131,13 +152,49 @@ def generate_routed(
 ) -> tuple[Array, Array, Array]:
     """:func:`generate` for a routed policy: also the experts the engine used for the
     full sequence, ``int32 [n_layers, B, 2n + 1, top_k]`` (what routing replay replays)."""
-    responses, logq, routes = _generate(graphdef, params, prompts, key, numerics, active, True)
-    assert routes is not None
-    return responses, logq, routes
+    out = _generate(graphdef, params, prompts, key, numerics, active, True, 0)
+    assert out.routes is not None
+    return out.responses, out.rollout_logp, out.routes
 
 
-def _generate(graphdef, params, prompts, key, numerics, active, return_routes):
-    """``(responses, rollout_logp, routes or None)``: :func:`generate`'s body."""
+def generate_topk(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    prompts: Array,
+    key: Array,
+    numerics: Numerics,
+    k: int,
+    active: Array | bool = True,
+    return_routes: bool = False,
+) -> Sample:
+    """:func:`generate` (or :func:`generate_routed` with ``return_routes``) that also
+    returns the engine's top-``k`` ids and log-probs per sampled position (``k`` static,
+    at most the vocabulary). The responses and their log-probs are those of
+    :func:`generate` with the same arguments."""
+    vocab = model_vocab(graphdef, params)
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be in [1, {vocab}] (the vocabulary), got {k}")
+    return _generate(graphdef, params, prompts, key, numerics, active, return_routes, topk=k)
+
+
+def model_vocab(graphdef: nnx.GraphDef, params: Any) -> int:
+    """The policy's vocabulary size (its output head's width)."""
+    return nnx.merge(graphdef, params).head.out_features  # type: ignore[attr-defined]
+
+
+def topk_support(logq: Array, tok: Array, k: int) -> tuple[Array, Array]:
+    """``(ids, log-probs)`` ``[..., k]`` of the ``k`` largest entries of ``logq [..., V]``,
+    the sampled ``tok [...]`` in the k-th place when it is not among them."""
+    _, ids = jax.lax.top_k(logq, k)
+    ids = ids.astype(jnp.int32)
+    missing = ~jnp.any(ids == tok[..., None], axis=-1)
+    last = jnp.arange(k) == k - 1
+    ids = jnp.where(missing[..., None] & last, tok[..., None], ids)
+    return ids, jnp.take_along_axis(logq, ids, axis=-1)
+
+
+def _generate(graphdef, params, prompts, key, numerics, active, return_routes, topk) -> Sample:
+    """:func:`generate_topk`'s body (``k = 0``: no top-k, empty ``[B, n, 0]`` arrays)."""
     rnd = quant = None  # model(rnd=None): exact float32
     if numerics.fp8:
         params, rnd, quant = _fp8_numerics(params, numerics.fp8, active)
@@ -184,12 +241,23 @@ def _generate(graphdef, params, prompts, key, numerics, active, return_routes):
             reported = scored[:, 0]
         else:
             reported = jnp.take_along_axis(logq, tok[:, None], axis=-1)[:, 0]
-        return tokens, reported
+        if not topk:  # static: the other settings' programs stay as they were
+            return tokens, reported
+        return tokens, (reported, *topk_support(logq, tok, topk))
 
-    tokens, logq = jax.lax.scan(step, tokens, (jnp.arange(n), jax.random.split(key, n)))
-    if not return_routes:
-        return tokens[:, n + 1 :], logq.T, None
-    # The routes of every position as sampling saw them (causal: a position's route does
-    # not depend on later tokens, so one pass over the finished sequence recomputes them).
-    _, routes, _ = model(tokens, rnd=rnd, quant=quant, routing=routing, return_routes=True)
-    return tokens[:, n + 1 :], logq.T, routes
+    tokens, out = jax.lax.scan(step, tokens, (jnp.arange(n), jax.random.split(key, n)))
+    if topk:
+        logq, ids, topk_logq = out
+        ids, topk_logq = jnp.moveaxis(ids, 0, 1), jnp.moveaxis(topk_logq, 0, 1)
+    else:
+        logq = out
+        assert isinstance(logq, jax.Array)  # k = 0: the sampled tokens' log-probs alone
+        ids = jnp.zeros((len(tokens), n, 0), jnp.int32)
+        topk_logq = jnp.zeros((len(tokens), n, 0), jnp.float32)
+    routes = None
+    if return_routes:
+        # The routes of every position as sampling saw them (causal: a position's route
+        # does not depend on later tokens, so one pass over the finished sequence
+        # recomputes them).
+        _, routes, _ = model(tokens, rnd=rnd, quant=quant, routing=routing, return_routes=True)
+    return Sample(tokens[:, n + 1 :], logq.T, routes, ids, topk_logq)

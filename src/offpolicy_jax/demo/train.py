@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 
 import offpolicy_jax as opj
+from offpolicy_jax.correction import topk_divergence
 from offpolicy_jax.demo import engine, task
 from offpolicy_jax.demo.model import Policy, Routing
 
@@ -109,6 +110,38 @@ GEO_RS_VETO = opj.CorrectionConfig(
     rs_veto_threshold=1e-4,
 )
 
+#: KPop's φ (verl ``rollout_rs: binary_kl``): the KPop paper's and prime-rl's default 0.1,
+#: and verl's default 2.0. A token is kept iff the binary KL of its probability under π_old
+#: and π_rollout is within φ in both directions; at 2.0 that needs near-certain disagreement
+#: (π_old = 0.5 against π_rollout = 0.01 is 1.6), so verl's default rarely masks a token of
+#: this demo (docs/demo_moe.md has the counts).
+KPOP_PHI = 0.1
+KPOP_PHI_VERL = 2.0
+
+
+def _kpop(phi: float) -> opj.CorrectionConfig:
+    """KPop as verl reads it: binary-KL rejection at φ, no importance weight."""
+    return opj.CorrectionConfig.from_verl({"rollout_rs": "binary_kl", "rollout_rs_threshold": phi})
+
+
+#: The engine's top-k for DPPO's top-k trust region: TRL's ``divergence_topk`` default 20,
+#: capped at the demo's vocabulary of 11 tokens, so the "top-k" support is the whole
+#: vocabulary and the row's divergence is the exact one (the rest bucket is empty).
+DEMO_TOPK = min(20, task.VOCAB)
+
+#: TRL's DPPO with the top-k TV trust region (``DPPOConfig(divergence_type="topk_tv")``):
+#: the ratio against the engine's π_rollout (TRL's two-policy setup, ``bypass_ppo``), and
+#: TRL's defaults ``epsilon = epsilon_high = 0.15``, ``clip_ratio_c = 20``.
+DPPO_TOPK_TV = opj.LossConfig(
+    algorithm="bypass_ppo",
+    policy_loss="dppo_tv",
+    clip_eps=0.15,
+    clip_eps_high=0.15,
+    dppo_ratio_cap=20.0,
+    divergence_type="topk_tv",
+    divergence_topk=DEMO_TOPK,
+)
+
 #: A row name ending in this (before any ``/`` override) trains with routing replay.
 REPLAY_SUFFIX = "+replay"
 
@@ -155,6 +188,22 @@ ALGORITHMS: dict[str, Algorithm] = {
             "decoupled_ppo + TIS 2, geometric RS [0.98, 1.02], veto 1e-4",
             opj.LossConfig(algorithm="decoupled_ppo", correction=GEO_RS_VETO),
         ),
+        *(
+            Algorithm(
+                name,
+                f"decoupled_ppo + KPop, binary-KL rejection at φ = {phi:g} (verl)",
+                opj.LossConfig(algorithm="decoupled_ppo", correction=_kpop(phi)),
+            )
+            for name, phi in (
+                ("decoupled_ppo+kpop", KPOP_PHI),
+                (f"decoupled_ppo+kpop{KPOP_PHI_VERL:g}", KPOP_PHI_VERL),
+            )
+        ),
+        Algorithm(
+            "bypass_ppo+topk_tv",
+            f"DPPO, top-{DEMO_TOPK} TV trust region δ = 0.15 against π_rollout (TRL)",
+            DPPO_TOPK_TV,
+        ),
     )
 }
 
@@ -194,6 +243,15 @@ def reads_versions(loss: opj.LossConfig) -> bool:
     correction = loss.correction
     rule = isinstance(correction, opj.CorrectionConfig) and correction.uses_versions
     return rule or loss.approximates_old
+
+
+def topk_of(loss: opj.LossConfig) -> int:
+    """The engine's top-k ids per position that ``loss`` reads (DPPO's ``divergence_type``
+    ``"topk_tv"`` / ``"topk_kl"``: its ``divergence_topk``), 0 for every other loss."""
+    k = loss.divergence_topk
+    if str(loss.divergence_type or "").startswith("topk_") and k is not None:
+        return int(k)
+    return 0
 
 
 def needs_old_pass(loss: opj.LossConfig) -> bool:
@@ -335,6 +393,10 @@ class TrainConfig:
     #: Experts per block (0: the dense FFN) and how many each token is routed to.
     n_experts: int = 0
     top_k: int = 1
+    #: The engine also returns its top-k ids and log-probs per position (0: no), and the
+    #: metrics gain ``topk_tv`` and ``binary_kl`` (π_old against π_rollout). A row whose
+    #: loss reads top-k log-probs turns this on with its own ``divergence_topk``.
+    topk_logprobs: int = 0
 
 
 def make_model(cfg: TrainConfig, seed: int | Array) -> Policy:
@@ -392,6 +454,34 @@ def token_logp_and_routes(
     assert isinstance(out, tuple)  # return_routes=True: (logits, used, own)
     logits, _, own = out
     return _score(logits[:, n : 2 * n].astype(jnp.float32), tokens, n, sampler), own
+
+
+def token_logp_topk(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: Array,
+    n: int,
+    ids: Array,
+    sampler: tuple[Array, Array] | None = None,
+    routing: Routing | None = None,
+    mask: Array | None = None,
+) -> tuple[Array, Array, Array | None]:
+    """:func:`token_logp`, the trainer's log-probs of the engine's top-k ``ids [B, n, k]``
+    from the same logits (``opj.topk_logprobs``, at the sampler's temperature; 0 where
+    ``mask [B, n]`` is 0), and, for a routed policy (``routing`` given), the experts its
+    router picks (:func:`token_logp_and_routes`), else None."""
+    model = nnx.merge(graphdef, params)
+    if routing is not None:
+        out = model(tokens, routing=routing, return_routes=True)
+        assert isinstance(out, tuple)  # return_routes=True: (logits, used, own)
+        logits, _, own = out
+    else:
+        logits, own = model(tokens, routing=Routing()), None
+        assert isinstance(logits, jax.Array)
+    logits = logits[:, n : 2 * n].astype(jnp.float32)
+    temperature = 1.0 if sampler is None else sampler[0]
+    topk = opj.topk_logprobs(logits, ids, temperature=temperature, mask=mask)
+    return _score(logits, tokens, n, sampler), topk, own
 
 
 def _score(logits: Array, tokens: Array, n: int, sampler: tuple[Array, Array] | None) -> Array:
@@ -481,13 +571,26 @@ def loss_metric_keys(algorithms: Sequence[Algorithm], versions: bool = False) ->
     v = jax.ShapeDtypeStruct((2, 3), jnp.int32) if versions else None
     keys: set[str] = set()
     for alg in algorithms:
+        k = topk_of(alg.loss)
+        ids = jax.ShapeDtypeStruct((2, 3, k), jnp.int32)
+        topk_lp = jax.ShapeDtypeStruct((2, 3, k), jnp.float32)
         _, met = jax.eval_shape(
-            lambda lp, adv, ver, lcfg=alg.loss: opj.policy_loss(
-                lp, lp, lp, adv, lp, lcfg, versions=ver, current_version=None if ver is None else 3
+            lambda lp, adv, ver, ids, tlp, lcfg=alg.loss, k=k: opj.policy_loss(
+                lp,
+                lp,
+                lp,
+                adv,
+                lp,
+                lcfg,
+                versions=ver,
+                current_version=None if ver is None else 3,
+                topk=opj.TopKLogprobs(ids, tlp, tlp) if k else None,
             ),
             x,
             a,
             v,
+            ids,
+            topk_lp,
         )
         keys |= set(met)
     return tuple(sorted(keys))
@@ -563,6 +666,9 @@ class _StepPlan:
     #: Distinct rejections (one branch each) and each algorithm's, for ``rejected_fraction``.
     monitors: tuple[opj.CorrectionConfig, ...]
     monitor_index: tuple[int, ...]
+    #: The engine's top-k ids per position (0: none): a row's ``divergence_topk`` or
+    #: ``TrainConfig.topk_logprobs``.
+    topk: int = 0
 
 
 def _skips_old_pass(
@@ -609,6 +715,7 @@ def _step_plan(
         for a in algorithms
     ]
     monitors = tuple(dict.fromkeys(applied))
+    topk = _plan_topk(cfg, algorithms, asynchronous)
     return _StepPlan(
         graphdef=graphdef,
         cfg=cfg,
@@ -625,7 +732,28 @@ def _step_plan(
         replay_rows=tuple(a.routing_replay for a in algorithms),
         monitors=monitors,
         monitor_index=tuple(monitors.index(c) for c in applied),
+        topk=topk,
     )
+
+
+def _plan_topk(cfg: TrainConfig, algorithms: Sequence[Algorithm], asynchronous: bool) -> int:
+    """The one ``k`` the engine's top-k returns for every row (0: none)."""
+    wanted = {topk_of(a.loss) for a in algorithms} | {cfg.topk_logprobs}
+    wanted.discard(0)
+    if len(wanted) > 1:
+        raise ValueError(
+            f"the rows and topk_logprobs ask for different top-k sizes {sorted(wanted)}; the "
+            "engine returns one k per run: give every top-k row the same divergence_topk"
+        )
+    k = wanted.pop() if wanted else 0
+    if k > task.VOCAB or k < 0:
+        raise ValueError(
+            f"divergence_topk / topk_logprobs must be in [1, {task.VOCAB}] (the demo's "
+            f"vocabulary), got {k}"
+        )
+    if k and asynchronous:
+        raise ValueError("top-k log-probs (topk_logprobs, top-k rows) need a synchronous engine")
+    return k
 
 
 def make_train_step(
@@ -669,9 +797,11 @@ def _branch_loss(
     mask,
     versions,
     current,
+    topk,
 ):
     """One ``lax.switch`` branch: ``lcfg``'s loss and its metrics over ``plan.loss_keys``
-    (NaN where ``lcfg`` returns no such key, so that every branch returns the same tree)."""
+    (NaN where ``lcfg`` returns no such key, so that every branch returns the same tree).
+    ``topk`` (an ``opj.TopKLogprobs`` or None) reaches only a loss that reads it."""
     loss, met = opj.policy_loss(
         logp,
         old_logp if needs_old_pass(lcfg) else None,
@@ -680,6 +810,7 @@ def _branch_loss(
         mask,
         lcfg,
         **_version_args(plan, versions, current),
+        topk=topk if topk_of(lcfg) else None,
     )
     nan = jnp.float32(jnp.nan)
     return loss, {k: jnp.asarray(met.get(k, nan), jnp.float32) for k in plan.loss_keys}
@@ -706,16 +837,26 @@ def _minibatch_loss(
     mask: Array,
     routes: Array,
     versions: Array,
+    topk_ids: Array,
+    topk_rollout_logp: Array,
 ):
     """``(loss, loss metrics)`` of this run's algorithm on one minibatch, at ``params``."""
     # Minibatches split the leading axis: routes travel batch-major, [B, n_layers, L, k].
     route = _routing(plan, algo_index, jnp.moveaxis(routes, 0, 1) if plan.routed else None)
-    logp = token_logp(plan.graphdef, params, tokens, plan.cfg.prompt_len, sampler, route)
+    n, topk = plan.cfg.prompt_len, None
+    if plan.topk:
+        # The trust region compares the current policy with the engine (TRL's DPPO), so the
+        # trainer's top-k log-probs come from this forward pass, without gradient.
+        logp, topk_logp, _ = token_logp_topk(
+            plan.graphdef, params, tokens, n, topk_ids, sampler, route, mask
+        )
+        topk = opj.TopKLogprobs(topk_ids, topk_rollout_logp, jax.lax.stop_gradient(topk_logp))
+    else:
+        logp = token_logp(plan.graphdef, params, tokens, n, sampler, route)
     losses = [functools.partial(_branch_loss, plan, c) for c in plan.loss_configs]
     loss_index = jnp.array(plan.loss_index, jnp.int32)
-    return jax.lax.switch(
-        loss_index[algo_index], losses, logp, old_logp, rollout_logp, adv, mask, versions, current
-    )
+    operands = (logp, old_logp, rollout_logp, adv, mask, versions, current, topk)
+    return jax.lax.switch(loss_index[algo_index], losses, *operands)
 
 
 def _dropped_fraction(correction, old_logp, rollout_logp, mask, version_args) -> Array:
@@ -756,6 +897,27 @@ def _diagnostics(old_logp: Array, rollout_logp: Array, mask: Array) -> dict[str,
     }
 
 
+#: KPop's statistic as a monitor: the bidirectional binary KL of π_old and π_rollout per
+#: token, its mean and the share above KPop's φ (``mis_rs_binary_kl_*``). Metrics only.
+_KPOP_MONITOR = _kpop(KPOP_PHI)
+
+
+def _kpop_topk_diagnostics(old_logp, rollout_logp, scored, rollout) -> dict[str, Array]:
+    """With the engine's top-k: ``binary_kl`` (the mean of KPop's bidirectional binary KL),
+    ``binary_kl_above_phi`` (the share above :data:`KPOP_PHI`) and ``topk_tv`` (the mean
+    top-k TV of π_old from π_rollout, DPPO's divergence), over every sampled token."""
+    res = opj.compute_correction(
+        old_logp, rollout_logp, scored.mask, _KPOP_MONITOR, reduction="token"
+    )
+    valid = scored.mask > 0
+    tv = topk_divergence(scored.old_topk, rollout.topk_logp, valid, divergence="tv")
+    return {
+        "binary_kl": res.metrics["mis_rs_binary_kl_mean"],
+        "binary_kl_above_phi": res.metrics["mis_rs_binary_kl_fraction_high"],
+        "topk_tv": jnp.sum(jnp.where(valid, tv, 0.0)) / jnp.maximum(jnp.sum(valid), 1),
+    }
+
+
 class _Rollout(NamedTuple):
     """One step's batch as the engine returns it (B = prompts_per_step · group_size)."""
 
@@ -765,6 +927,9 @@ class _Rollout(NamedTuple):
     #: The engine's experts, ``[n_layers, B, 2n + 1, top_k]``; empty for a dense policy.
     routes: Array
     versions: Array  # [B, n] int32: the policy version that sampled each token
+    #: The engine's top-k ids and log-probs ``[B, n, k]`` (``k = plan.topk``; 0: empty).
+    topk_ids: Array
+    topk_logp: Array
 
 
 def _ring_slot(plan: _StepPlan, step: Array) -> Array | int:
@@ -797,6 +962,21 @@ def _sample_batch(plan, state, key, k_prompt, k_sample, mismatched) -> _Rollout:
             cfg.group_size,
             mismatched,
         )
+    elif plan.topk:
+        sample = engine.generate_topk(
+            plan.graphdef,
+            engine_params,
+            prompts,
+            k_sample,
+            plan.numerics,
+            plan.topk,
+            mismatched,
+            return_routes=plan.routed,
+        )
+        routes = routes if sample.routes is None else sample.routes
+        return _Rollout(
+            prompts, sample.responses, sample.rollout_logp, routes, versions, *sample[3:]
+        )
     elif plan.routed:
         responses, rollout_logp, routes = engine.generate_routed(
             plan.graphdef, engine_params, prompts, k_sample, plan.numerics, mismatched
@@ -805,7 +985,10 @@ def _sample_batch(plan, state, key, k_prompt, k_sample, mismatched) -> _Rollout:
         responses, rollout_logp = engine.generate(
             plan.graphdef, engine_params, prompts, k_sample, plan.numerics, active=mismatched
         )
-    return _Rollout(prompts, responses, rollout_logp, routes, versions)
+    empty = jnp.zeros((len(prompts), n, 0), jnp.int32)
+    return _Rollout(
+        prompts, responses, rollout_logp, routes, versions, empty, empty.astype(jnp.float32)
+    )
 
 
 def _trainer_sampler(plan: _StepPlan, mismatched: Array) -> tuple[Array, Array] | None:
@@ -819,25 +1002,37 @@ def _trainer_sampler(plan: _StepPlan, mismatched: Array) -> tuple[Array, Array] 
     )
 
 
-def _old_logp(plan, params, algo_index, tokens, rollout, sampler) -> tuple[Array, Array]:
-    """``(old_logp, route_flip_fraction)``: the trainer's π_old of the sampled tokens at the
-    current weights (stop-gradient), and how many routing decisions differ from the
-    engine's (NaN for a dense policy)."""
+def _route_flips(routes: Array, own: Array, n: int) -> Array:
+    """The share of routing decisions whose set of experts differs, at the positions whose
+    outputs score the response tokens (n .. 2n - 1), in any layer."""
+    differ = jnp.any(jnp.sort(routes, -1) != jnp.sort(own, -1), -1)[:, :, n : 2 * n]
+    return jnp.mean(differ.astype(jnp.float32))
+
+
+def _old_logp(plan, params, algo_index, tokens, rollout, sampler) -> tuple[Array, Array, Array]:
+    """``(old_logp, route_flip_fraction, old_topk)``: the trainer's π_old of the sampled
+    tokens at the current weights (stop-gradient), how many routing decisions differ from
+    the engine's (NaN for a dense policy), and π_old of the engine's top-k ids
+    ``[B, n, plan.topk]`` (empty without top-k)."""
     n = plan.cfg.prompt_len
+    if plan.topk:
+        routing = _routing(plan, algo_index, rollout.routes)
+        old_logp, old_topk, own = jax.lax.stop_gradient(
+            token_logp_topk(plan.graphdef, params, tokens, n, rollout.topk_ids, sampler, routing)
+        )
+        flips = jnp.float32(jnp.nan) if own is None else _route_flips(rollout.routes, own, n)
+        return old_logp, flips, old_topk
     if plan.routed:
         old_logp, own = token_logp_and_routes(
             plan.graphdef, params, tokens, n, sampler, _routing(plan, algo_index, rollout.routes)
         )
         old_logp = jax.lax.stop_gradient(old_logp)
-        # A decision differs when the set of experts differs, at the positions whose
-        # outputs score the response tokens (n .. 2n - 1), in any layer.
-        differ = jnp.any(jnp.sort(rollout.routes, -1) != jnp.sort(own, -1), -1)[:, :, n : 2 * n]
-        return old_logp, jnp.mean(differ.astype(jnp.float32))
+        return old_logp, _route_flips(rollout.routes, own, n), rollout.topk_logp
     if plan.skip_old:
         # A placeholder no loss reads (needs_old_pass).
-        return rollout.rollout_logp, jnp.float32(jnp.nan)
+        return rollout.rollout_logp, jnp.float32(jnp.nan), rollout.topk_logp
     old_logp = jax.lax.stop_gradient(token_logp(plan.graphdef, params, tokens, n, sampler))
-    return old_logp, jnp.float32(jnp.nan)
+    return old_logp, jnp.float32(jnp.nan), rollout.topk_logp
 
 
 def _train_mask(mask: Array, old_logp: Array, rollout_logp: Array, sampler) -> Array:
@@ -862,7 +1057,9 @@ def _minibatch_updates(plan, params, opt, algo_index, sampler, current, batch):
         updates, opt = plan.tx.update(grads, opt, params)
         return (optax.apply_updates(params, updates), opt), (loss_met, optax.tree.norm(grads))
 
-    batch = jax.tree.map(lambda x: x.reshape((plan.cfg.minibatches, -1) + x.shape[1:]), batch)
+    mbs = plan.cfg.minibatches
+    # Explicit sizes: a -1 cannot be inferred for the empty top-k arrays [B, n, 0].
+    batch = jax.tree.map(lambda x: x.reshape((mbs, len(x) // mbs) + x.shape[1:]), batch)
     (params, opt), (loss_met, grad_norm) = jax.lax.scan(update, (params, opt), batch)
     return params, opt, loss_met, grad_norm
 
@@ -887,15 +1084,16 @@ class _Scored(NamedTuple):
     flips: Array  # route_flip_fraction (NaN for a dense policy)
     mask: Array  # [B, n] every sampled token
     train_mask: Array  # [B, n] the tokens trained on
+    old_topk: Array  # [B, n, k] π_old of the engine's top-k ids (k = 0: none)
 
 
 def _score_batch(plan, params, algo_index, rollout: _Rollout, sampler) -> _Scored:
     """The trainer's log-probs of the engine's rollout, and the tokens it trains on."""
     tokens = task.join(rollout.prompts, rollout.responses)
-    old_logp, flips = _old_logp(plan, params, algo_index, tokens, rollout, sampler)
+    old_logp, flips, old_topk = _old_logp(plan, params, algo_index, tokens, rollout, sampler)
     mask = jnp.ones_like(old_logp)
     train_mask = _train_mask(mask, old_logp, rollout.rollout_logp, sampler)
-    return _Scored(tokens, old_logp, flips, mask, train_mask)
+    return _Scored(tokens, old_logp, flips, mask, train_mask, old_topk)
 
 
 def _step_metrics(plan, algo_index, current, rollout, scored, rewards, trained) -> dict:
@@ -920,6 +1118,8 @@ def _step_metrics(plan, algo_index, current, rollout, scored, rewards, trained) 
         "route_flip_fraction": scored.flips,
         **{f"loss/{k}": v.mean() for k, v in loss_met.items()},
     }
+    if plan.topk:
+        metrics |= _kpop_topk_diagnostics(old_logp, rollout_logp, scored, rollout)
     if plan.skip_old:
         # No π_old was computed: the monitors of π_old / π_rollout have nothing to read.
         for k in ("rejected_fraction", *DIAGNOSTIC_KEYS):
@@ -945,6 +1145,8 @@ def _train_step(plan: _StepPlan, state, key, algo_index, mismatched):
         scored.train_mask,
         routes,
         rollout.versions,
+        rollout.topk_ids,
+        rollout.topk_logp,
     )
     params, opt, *trained = _minibatch_updates(
         plan, params, state["opt"], algo_index, sampler, current, batch
