@@ -54,7 +54,8 @@ TOPK_DIVERGENCES: tuple[str, ...] = ("tv", "kl")
 _PARTIAL_SUMS = 4
 """Partial sums per position of :func:`_sums_over_k`: ``K`` float32 additions in one chain
 lose about twice the precision of XLA's vectorised ``jnp.sum`` (the rest buckets
-``1 − Σ_k p_k`` cancel); four interleaved chains, then added, keep it at that level."""
+``1 − Σ_k p_k`` cancel); four chains of consecutive terms, then added, keep it at that
+level."""
 
 
 @jax.custom_jvp
