@@ -111,13 +111,13 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run(batch: int, length: int, repeats: int, warmup: int) -> dict:
+def run(batch: int, length: int, repeats: int, warmup: int, cases=CASES) -> dict:
     host = workloads.make_inputs(batch, length)
     host |= workloads.make_topk_inputs(batch, length)
     plain = tuple(jnp.asarray(host[k]) for k in workloads.LOSS_INPUTS)
     with_topk = plain + tuple(jnp.asarray(host[k]) for k in workloads.TOPK_INPUTS)
     compiled, inputs = {}, {}
-    for name in HYPERPARAMETERS:
+    for name in cases:
         cfg = config(name)
         topk = cfg.divergence_type is not None and cfg.divergence_type.startswith("topk_")
         step = workloads.topk_loss_step if topk else workloads.loss_step
@@ -142,7 +142,7 @@ def run(batch: int, length: int, repeats: int, warmup: int) -> dict:
 
 
 def markdown(report: dict) -> str:
-    names = list(CASES)
+    names = list(report["cases"])
     lines = [
         "# Policy losses: forward + backward time per token",
         "",
@@ -184,10 +184,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=pathlib.Path, default=HERE)
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help="comma-separated case names (default: all); ppo_clip, the baseline, always runs",
+    )
     args = parser.parse_args(argv)
+    cases = ("ppo_clip",) + tuple(
+        c for c in dict.fromkeys(args.cases.split(",")) if c and c != "ppo_clip"
+    )
+    unknown = [c for c in cases if c not in HYPERPARAMETERS]
+    if unknown:
+        parser.error(f"unknown --cases {unknown}; choose from {', '.join(CASES)}")
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
     load = [os.getloadavg()[0]]  # the machine may be shared: the ratios are the measure
-    results = [run(b, t, args.repeats, args.warmup) for b, t in sizes]
+    results = [run(b, t, args.repeats, args.warmup, cases) for b, t in sizes]
     load.append(os.getloadavg()[0])
     report = {
         "command": "python -m benchmarks.losses "
@@ -198,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "cases": list(cases),
         "cpus": os.cpu_count(),
         "load_1min": {"before": load[0], "after": load[1]},
         "results": results,
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(report)
     (args.out / "losses_results.md").write_text(text)
     print(text)
-    worst = max(r["ratio_to_ppo_clip"][n] for r in results for n in CASES)
+    worst = max(r["ratio_to_ppo_clip"][n] for r in results for n in cases)
     return 0 if np.isfinite(worst) else 1
 
 

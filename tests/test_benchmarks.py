@@ -252,3 +252,30 @@ def test_packing_benchmark_reports_the_paired_ratio(tmp_path):
     assert row["paired_ratio"] > 0 and len(row["paired_quartiles"]) == 2
     assert row["packed"]["compile_s"] > 0 and row["packed"]["temp_mb"] is not None
     assert "packed / padded, paired" in (tmp_path / "packing_results.md").read_text()
+
+
+def test_loss_benchmark_runs_only_the_chosen_cases_beside_ppo_clip(tmp_path):
+    from benchmarks import losses
+
+    assert (
+        losses.main(
+            ["--sizes", "2x8", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)]
+            + ["--cases", "dppo_topk_tv,dppo_topk_kl"]
+        )
+        == 0
+    )
+    report = json.loads((tmp_path / "losses_results.json").read_text())
+    assert report["cases"] == ["ppo_clip", "dppo_topk_tv", "dppo_topk_kl"]
+    (result,) = report["results"]
+    assert set(result["ratio_to_ppo_clip"]) == set(report["cases"])
+    assert result["ratio_to_ppo_clip"]["ppo_clip"] == 1.0
+    assert "`dppo_topk_kl`" in (tmp_path / "losses_results.md").read_text()
+
+
+def test_loss_benchmark_names_an_unknown_case(capsys):
+    from benchmarks import losses
+
+    with pytest.raises(SystemExit) as exit_info:
+        losses.main(["--cases", "ppo_clip,no_such_loss"])
+    assert exit_info.value.code == 2
+    assert "unknown --cases ['no_such_loss']" in capsys.readouterr().err
