@@ -2,8 +2,8 @@
 
 A layout reduces a dict of :class:`~offpolicy_jax.reduction.columns.Column` s to
 per-sequence values in one go (:meth:`Rows.reduce`, the columns stacked into one
-``jnp.sum`` and one ``jnp.min``: :mod:`~offpolicy_jax.reduction.plain`), ``psum``-s them over
-context-parallel mesh axes, broadcasts per-sequence values back to tokens, and sums
+``jnp.sum`` and one ``jnp.min``: :mod:`~offpolicy_jax.reduction.plain`), ``psum``-s them
+over context-parallel mesh axes, broadcasts per-sequence values back to tokens, and sums
 per-sequence terms over the batch (:meth:`Rows.batch_means`) with one ``psum`` of
 scalars over the data-parallel axes. Only per-sequence values ever cross devices.
 The packed layout (:class:`~offpolicy_jax.reduction.segments.Packed`) is the same
