@@ -1,7 +1,7 @@
 """One reduction path: packed rows of any layout exact, long rows within float32 rounding.
 
-Every backend runs the same reductions (one sum / min / max per column of a row; one
-scatter per op and one gather for packed rows). These tests pin what that path must
+Every backend runs the same reductions (a row's columns stacked into one sum and one
+min; one scatter per op and one gather for packed rows). These tests pin what that path must
 give against float64 NumPy references: ``pack_sequences`` rows of many short responses
 after a prompt equal the unpacked batch, the promise argument that let a faster path
 take such rows wrongly is gone, and sums over rows of 1k-8k tokens are within float32
@@ -186,3 +186,40 @@ def test_luspo_loss_at_4096_tokens_is_within_float32_rounding():
     want = np.where(mask, terms.loss, 0.0).sum() / mask.sum()
     # the loss is n·exp(mean): the mean's rounding, times the few of exp, n and the mean
     np.testing.assert_allclose(float(loss), want, rtol=2 * ROUNDINGS)
+
+
+def test_a_rows_columns_are_two_reductions_each_its_own_rows():
+    """Sums, minima and maxima of one pass are one stacked sum and one stacked min over
+    the tokens, and each result is its own column's reduction (an empty row: 0, +inf,
+    -inf)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(4, 257)).astype(np.float32)
+    y = rng.exponential(size=(4, 257)).astype(np.float32)
+    mask = rng.random((4, 257)) < 0.7
+    mask[2] = False  # an empty row
+
+    def reduce(x, y, population):
+        return _reduce.Rows().reduce(
+            {
+                "n": _reduce.count(population),
+                "x": _reduce.total(x, population),
+                "y": _reduce.total(y * y, population),
+                "low": _reduce.count_where(x < -1.0, population),
+                "min_x": _reduce.minimum(x, population),
+                "max_x": _reduce.maximum(x, population),
+                "max_y": _reduce.maximum(y, population),
+            }
+        )
+
+    args = (jnp.asarray(x), jnp.asarray(y), jnp.asarray(mask, jnp.float32))
+    hlo = jax.jit(reduce).lower(*args).as_text()
+    assert hlo.count("stablehlo.reduce") == 2
+    got = jax.jit(reduce)(*args)
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    sums = {"n": np.ones_like(x64), "x": x64, "y": y64 * y64, "low": 1.0 * (x64 < -1.0)}
+    for key, value in sums.items():
+        want = np.where(mask, value, 0.0).sum(-1)
+        np.testing.assert_allclose(got[key], want, rtol=ROUNDINGS * 16, atol=1e-6)
+    np.testing.assert_array_equal(got["min_x"], np.where(mask, x, np.inf).min(-1))
+    np.testing.assert_array_equal(got["max_x"], np.where(mask, x, -np.inf).max(-1))
+    np.testing.assert_array_equal(got["max_y"], np.where(mask, y, -np.inf).max(-1))

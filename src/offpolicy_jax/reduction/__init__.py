@@ -16,8 +16,8 @@ Behind the seam (see docs/guide/reduction_engine.md):
 * :mod:`~offpolicy_jax.reduction.means`, :mod:`~offpolicy_jax.reduction.mesh`: poolable
   means and the ``axis_names`` argument;
 * :mod:`~offpolicy_jax.reduction.plain`: how the reductions run, the same on every
-  backend (one ``jnp.sum`` / ``min`` / ``max`` per column of a row; one scatter per op
-  and one gather for packed rows, O(T) whatever the number of segments);
+  backend (the columns of a row stacked into one ``jnp.sum`` and one ``jnp.min``; one
+  scatter per op and one gather for packed rows, O(T) whatever the number of segments);
 * :mod:`~offpolicy_jax.reduction.scan`: the per-sequence prefix minimum.
 """
 

@@ -1,7 +1,8 @@
 """How the reductions run, the same on every backend.
 
-* One sequence per row (:func:`reduce_columns`): one ``jnp.sum`` / ``min`` / ``max``
-  per column over the token axis.
+* One sequence per row (:func:`reduce_columns`): the columns stacked by kind and
+  reduced over the token axis, one ``jnp.sum`` for the sums and one ``jnp.min`` for the
+  minima and maxima of each shape.
 * Packed rows (:func:`reduce_segments`): one scatter per op over the tokens
   (``jax.ops.segment_sum`` / ``segment_min`` / ``segment_max``), O(T) work whatever the
   number of segments ``K``; the way back (:func:`gather_broadcast`) is one gather.
@@ -55,10 +56,41 @@ def linear_jvp(
     return tuple(dout)
 
 
+def _reduce_together(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Operands of one shape and dtype stacked, then reduced over their last axis in one
+    reduction per kind: every sum in one ``jnp.sum``, every min and max in one ``jnp.min``
+    (``max x = −min(−x)``, exact; the identities ``±inf`` swap with the sign)."""
+    if len(values) == 1:
+        return (plain_reduce(ops[0], values[0]),)
+    if all(op == "sum" for op in ops):
+        out = plain_reduce("sum", jnp.stack(values))
+        return tuple(out[j] for j in range(len(values)))
+    signed = [v if op == "min" else -v for op, v in zip(ops, values, strict=True)]
+    out = plain_reduce("min", jnp.stack(signed))
+    return tuple(out[j] if op == "min" else -out[j] for j, op in enumerate(ops))
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def reduce_columns(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """Each ``[..., T]`` operand reduced over its last axis by its op (sum/min/max)."""
-    return tuple(plain_reduce(op, v) for op, v in zip(ops, values, strict=True))
+    """Each ``[..., T]`` operand reduced over its last axis by its op (sum/min/max).
+
+    Columns are reduced in groups, not one by one: the sums of one shape and dtype
+    together, and the minima and maxima together (:func:`_reduce_together`), so that
+    a pass over the tokens is a few reductions whatever the number of columns (XLA:CPU
+    runs each reduction, and each operand it does not fuse, as a kernel of its own).
+    Each result is the reduction of its own operand's row; only the order a float sum
+    is taken in may differ from a reduction of that row alone (a rounding).
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, (op, v) in enumerate(zip(ops, values, strict=True)):
+        kind = "sum" if op == "sum" else "extreme"
+        groups.setdefault((kind, jnp.shape(v), jnp.result_type(v)), []).append(i)
+    results: list = [None] * len(values)
+    for at in groups.values():
+        together = _reduce_together(tuple(ops[i] for i in at), tuple(values[i] for i in at))
+        for i, r in zip(at, together, strict=True):
+            results[i] = r
+    return tuple(results)
 
 
 def _reduce_columns_jvp(ops, primals, tangents):

@@ -1,9 +1,9 @@
 """The layout "one sequence per row": columns in, per-sequence values out.
 
 A layout reduces a dict of :class:`~offpolicy_jax.reduction.columns.Column` s to
-per-sequence values in one go (:meth:`Rows.reduce`, one ``jnp.sum`` / ``min`` /
-``max`` per column: :mod:`~offpolicy_jax.reduction.plain`), ``psum``-s them over
-context-parallel mesh axes, broadcasts per-sequence values back to tokens, and sums
+per-sequence values in one go (:meth:`Rows.reduce`, the columns stacked into one
+``jnp.sum`` and one ``jnp.min``: :mod:`~offpolicy_jax.reduction.plain`), ``psum``-s them
+over context-parallel mesh axes, broadcasts per-sequence values back to tokens, and sums
 per-sequence terms over the batch (:meth:`Rows.batch_means`) with one ``psum`` of
 scalars over the data-parallel axes. Only per-sequence values ever cross devices.
 The packed layout (:class:`~offpolicy_jax.reduction.segments.Packed`) is the same
@@ -149,16 +149,19 @@ class Rows:
     def batch_means(self, means: Mapping[str, MeanParts]) -> dict[str, MeanParts]:
         """Sums per-sequence :class:`MeanParts` terms over the batch and the devices.
 
-        The batch sums of every term reduced together, and one ``psum`` of scalars over
-        ``axes.batch``, whatever the number of means.
+        The batch sum of each term, and one ``psum`` of scalars over ``axes.batch``,
+        whatever the number of means.
         """
         if not means:
             return {}
         totals = tuple(
             jnp.broadcast_arrays(*(t for m in means.values() for t in (m.numerator, m.denominator)))
         )
-        while totals[0].ndim:  # one trailing axis at a time
-            totals = plain.reduce_columns(("sum",) * len(totals), totals)
+        # One trailing axis at a time, each term on its own: stacked, the terms would
+        # come back as one slice each, a kernel of its own to compile on XLA:CPU, while
+        # summing a few [B] values is no work worth sharing.
+        while totals[0].ndim:
+            totals = tuple(plain.reduce_columns(("sum",), (t,))[0] for t in totals)
         if self.axes.batch:
             totals = jax.lax.psum(totals, self.axes.batch)
         return {key: MeanParts(*totals[2 * i : 2 * i + 2]) for i, key in enumerate(means)}
