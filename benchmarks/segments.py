@@ -1,6 +1,6 @@
 """How to sum per segment: ``python -m benchmarks.segments [--size 64x2048] [--segments 8]``.
 
-The evidence behind ``offpolicy_jax.reduction.segments``: per-segment sums ``[B, T] -> [B, K]``
+The evidence behind ``offpolicy_jax._src.reduction.segments``: per-segment sums ``[B, T] -> [B, K]``
 of ``C`` columns (cheap ones, ``x·y + i``, and ones holding an ``exp``, as the
 mismatch metrics do), forward and forward + backward, for every way of writing
 them, against the one-sequence-per-row reduction of the same columns
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import reduction as _reduce
+from offpolicy_jax._src.reduction.columns import operand
 from offpolicy_jax.reduction import MeshAxes
-from offpolicy_jax.reduction.columns import operand
 
 
 def make_inputs(batch: int, length: int, k: int, seed: int = 0):

@@ -166,9 +166,9 @@ def make_inputs() -> list[dict]:
     import jax
 
     import offpolicy_jax as opj
-    from offpolicy_jax.losses import covariance as cov
-    from offpolicy_jax.losses import policy_losses as pl
-    from offpolicy_jax.losses import registry
+    from offpolicy_jax._src.losses import covariance as cov
+    from offpolicy_jax._src.losses import policy_losses as pl
+    from offpolicy_jax._src.losses import registry
     from offpolicy_jax.reduction import Rows
 
     OUT.mkdir(parents=True, exist_ok=True)

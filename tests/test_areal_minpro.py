@@ -25,8 +25,8 @@ from strategies import examples, ragged_batches
 
 import offpolicy_jax as opj
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.correction.stages import pool
-from offpolicy_jax.reduction import scan
+from offpolicy_jax._src.correction.stages import pool
+from offpolicy_jax._src.reduction import scan
 
 correct = jax.jit(opj.compute_correction, static_argnames=("config", "reduction"))
 

@@ -25,8 +25,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import offpolicy_jax as opj
-from offpolicy_jax.correction import staleness
-from offpolicy_jax.losses import proximal
+from offpolicy_jax._src.correction import staleness
+from offpolicy_jax._src.losses import proximal
 
 INT32_MAX = 2**31 - 1
 B, T = 4, 8

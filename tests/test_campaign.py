@@ -49,7 +49,7 @@ from strategies import (
 )
 
 import offpolicy_jax as opj
-from offpolicy_jax.correction import bounds, criteria
+from offpolicy_jax._src.correction import bounds, criteria
 
 pytestmark = pytest.mark.usefixtures("clear_jax_caches")
 

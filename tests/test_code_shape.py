@@ -81,10 +81,10 @@ def test_no_function_is_longer_than_a_screen(path):
 # checker can follow (``LossConfig.params`` is a config's, typed per surrogate through its
 # hyperparameter attributes).
 TYPED = [
-    *sorted((PACKAGE / "losses").glob("*.py")),
-    *sorted((PACKAGE / "correction").glob("*.py")),
-    *sorted((PACKAGE / "reduction").glob("*.py")),
-    PACKAGE / "config" / "plan.py",
+    *sorted((PACKAGE / "_src" / "losses").glob("*.py")),
+    *sorted((PACKAGE / "_src" / "correction").glob("*.py")),
+    *sorted((PACKAGE / "_src" / "reduction").glob("*.py")),
+    PACKAGE / "_src" / "config" / "plan.py",
 ]
 
 

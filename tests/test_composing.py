@@ -216,8 +216,8 @@ def test_ppo_and_bypass_equal_policy_loss(entry, algorithm):
 def _plans_of(monkeypatch, call):
     """The plans the objectives hand the loss pipeline during ``call()``; a config
     resolved on the way fails the call."""
-    from offpolicy_jax.losses import entries
-    from offpolicy_jax.losses import policy_loss as pipeline
+    from offpolicy_jax._src.losses import entries
+    from offpolicy_jax._src.losses import policy_loss as pipeline
 
     plans = []
 
@@ -235,7 +235,7 @@ def _plans_of(monkeypatch, call):
 
 
 def test_objectives_build_the_plan_their_config_resolves_to(monkeypatch):
-    from offpolicy_jax.config.plan import resolve
+    from offpolicy_jax._src.config.plan import resolve
 
     logp, old, rollout, adv, mask = _batch(5)
     _, build = CASES["mis"]

@@ -27,6 +27,7 @@ import offpolicy_jax as opj
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "offpolicy_jax"
+CORE = PACKAGE / "_src"
 
 
 # --------------------------------------------------------------------------- imports
@@ -125,7 +126,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_cycle():
     graph = _graph()
-    assert "offpolicy_jax.config.loss" in graph and "offpolicy_jax.interop.verl" in graph
+    assert "offpolicy_jax._src.config.loss" in graph and "offpolicy_jax.interop.verl" in graph
     assert _cycles(graph) == []
 
 
@@ -136,27 +137,40 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_config_never_imports_interop():
     graph = _graph()
     config = [
-        m for m in graph if m == "offpolicy_jax.config" or m.startswith("offpolicy_jax.config.")
+        m
+        for m in graph
+        if m == "offpolicy_jax._src.config" or m.startswith("offpolicy_jax._src.config.")
     ]
     assert len(config) >= 4
     up = {m: sorted(t for t in graph[m] if t.startswith("offpolicy_jax.interop")) for m in config}
     assert all(not targets for targets in up.values()), up
 
 
+def test_the_core_imports_only_the_core():
+    """Behind the wall, modules import one another, never the public facades above them
+    (``offpolicy_jax.config`` re-exports ``offpolicy_jax._src.config``), interop or a
+    client: the core is usable, and importable, on its own."""
+    graph = _graph()
+    core = [m for m in graph if m.startswith("offpolicy_jax._src")]
+    assert len(core) > 30
+    up = {m: sorted(t for t in graph[m] if not t.startswith("offpolicy_jax._src")) for m in core}
+    assert all(not targets for targets in up.values()), {m: t for m, t in up.items() if t}
+
+
 def test_interop_imports_config():
     graph = _graph()
-    assert "offpolicy_jax.config.correction" in graph["offpolicy_jax.interop.verl"]
+    assert "offpolicy_jax._src.config.correction" in graph["offpolicy_jax.interop.verl"]
 
 
 def test_no_import_machinery_in_config_interop_or_the_registry():
-    for path in [*(PACKAGE / "config").glob("*.py"), *(PACKAGE / "interop").glob("*.py")]:
+    for path in [*(CORE / "config").glob("*.py"), *(PACKAGE / "interop").glob("*.py")]:
         text = path.read_text()
         assert "import_module" not in text and "__import__" not in text, path
-    assert "importlib" not in (PACKAGE / "losses" / "registry.py").read_text()
+    assert "importlib" not in (CORE / "losses" / "registry.py").read_text()
 
 
 def test_the_registry_names_loss_configs_fields():
-    from offpolicy_jax.losses import registry
+    from offpolicy_jax._src.losses import registry
 
     assert set(registry._RESERVED) == {f.name for f in dataclasses.fields(opj.LossConfig)}
 
@@ -407,7 +421,7 @@ def test_verl_v070_default_block_builds():
 
 
 def test_private_loss_functions_receive_the_plan_not_the_config():
-    tree = ast.parse((PACKAGE / "losses" / "policy_loss.py").read_text())
+    tree = ast.parse((CORE / "losses" / "policy_loss.py").read_text())
     takes_config = sorted(
         node.name
         for node in ast.walk(tree)
@@ -430,8 +444,8 @@ def test_private_loss_functions_receive_the_plan_not_the_config():
 def test_a_loss_config_is_resolved_once_per_trace(monkeypatch):
     import jax
 
-    from offpolicy_jax.config import plan
-    from offpolicy_jax.losses import policy_loss as module
+    from offpolicy_jax._src.config import plan
+    from offpolicy_jax._src.losses import policy_loss as module
 
     calls = []
 
@@ -488,7 +502,7 @@ def test_a_loss_config_is_resolved_once_per_trace(monkeypatch):
     ],
 )
 def test_the_plan_resolves_the_metrics_only_correction(config, mismatch):
-    from offpolicy_jax.config.plan import resolve
+    from offpolicy_jax._src.config.plan import resolve
 
     plan = resolve(config)
     assert plan.mismatch_metrics == mismatch
@@ -522,8 +536,8 @@ def test_the_plan_resolves_the_metrics_only_correction(config, mismatch):
     ids=lambda c: f"{c.algorithm}-{type(c.correction).__name__}-{c.get_mismatch_metrics}",
 )
 def test_the_plan_derives_what_the_loss_reads_of_the_config(config):
-    from offpolicy_jax.config.plan import resolve
-    from offpolicy_jax.losses.algorithms import ALGORITHMS
+    from offpolicy_jax._src.config.plan import resolve
+    from offpolicy_jax._src.losses.algorithms import ALGORITHMS
 
     plan = resolve(config)
     wants_rollout = config.correction is not None or config.get_mismatch_metrics
@@ -537,7 +551,7 @@ def test_the_plan_derives_what_the_loss_reads_of_the_config(config):
 
 
 def test_the_config_and_the_objectives_validate_the_aggregation_alike():
-    from offpolicy_jax.losses.plan import check_aggregation
+    from offpolicy_jax._src.losses.plan import check_aggregation
 
     settings = check_aggregation(
         "X",

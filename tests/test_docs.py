@@ -45,9 +45,11 @@ def test_layout_names_every_module():
     package = ROOT / "src" / "offpolicy_jax"
     subpackages = [p for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
     modules = [p.name for p in package.glob("*.py")] + [f"{p.name}/" for p in subpackages]
+    core = package / "_src"
+    modules += [p.name for p in core.glob("*.py") if p.name != "__init__.py"]
     modules += [  # the layers' modules (demo/ and diagnose/ are described as a whole)
         m.name
-        for sub in subpackages
+        for sub in [*subpackages, *(p for p in core.iterdir() if (p / "__init__.py").exists())]
         if sub.name in ("config", "correction", "losses", "logprobs", "interop", "reduction")
         for m in sub.glob("*.py")
         if m.name != "__init__.py"

@@ -8,16 +8,16 @@ import importlib
 import pytest
 
 MODULES = [
-    "offpolicy_jax.reduction.means",
-    "offpolicy_jax.config.correction",
-    "offpolicy_jax.correction.compute",
-    "offpolicy_jax.correction.composed",
-    "offpolicy_jax.losses.surrogate_values",
-    "offpolicy_jax.losses.policy_loss",
-    "offpolicy_jax.logprobs.sampling_support",
-    "offpolicy_jax.losses.surrogates",
-    "offpolicy_jax.vcpo",
-    "offpolicy_jax.losses.oapl",
+    "offpolicy_jax._src.reduction.means",
+    "offpolicy_jax._src.config.correction",
+    "offpolicy_jax._src.correction.compute",
+    "offpolicy_jax._src.correction.composed",
+    "offpolicy_jax._src.losses.surrogate_values",
+    "offpolicy_jax._src.losses.policy_loss",
+    "offpolicy_jax._src.logprobs.sampling_support",
+    "offpolicy_jax._src.losses.surrogates",
+    "offpolicy_jax._src.vcpo",
+    "offpolicy_jax._src.losses.oapl",
     "offpolicy_jax.integrations.optax",
 ]
 

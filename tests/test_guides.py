@@ -11,7 +11,7 @@ import pytest
 
 import offpolicy_jax as opj
 from offpolicy_jax import rules
-from offpolicy_jax.correction import criteria
+from offpolicy_jax._src.correction import criteria
 
 GUIDES = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide"
 
@@ -70,7 +70,7 @@ def test_adding_a_rule(fresh_rules, capsys):
 
 @pytest.fixture
 def fresh_surrogates():
-    from offpolicy_jax.losses import registry
+    from offpolicy_jax._src.losses import registry
 
     before = dict(registry._REGISTRY)
     yield

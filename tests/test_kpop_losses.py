@@ -28,8 +28,8 @@ import test_areal_minpro as areal_tests
 import test_prime_rl_losses as prime_tests
 
 import offpolicy_jax as opj
-from offpolicy_jax.correction.binary_kl import bidirectional_binary_kl
-from offpolicy_jax.losses import policy_losses as pl
+from offpolicy_jax._src.correction.binary_kl import bidirectional_binary_kl
+from offpolicy_jax._src.losses import policy_losses as pl
 
 # Probabilities at the edges: within 1e-7 of 0 (below the clamp ε = 1e-6 and AReaL's
 # 1e-8) and of 1 (1 − 5e-8 is float32's 1 − 2^-24; log p = 0 and −1e-9 are exactly 1).

@@ -17,7 +17,7 @@ import pytest
 
 import offpolicy_jax as opj
 from offpolicy_jax import rules
-from offpolicy_jax.correction.binary_kl import bidirectional_binary_kl, binary_kl
+from offpolicy_jax._src.correction.binary_kl import bidirectional_binary_kl, binary_kl
 
 correct = jax.jit(opj.compute_correction, static_argnames=("config", "reduction", "axis_names"))
 

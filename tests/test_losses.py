@@ -547,7 +547,7 @@ def test_the_loss_entry_points_show_their_real_signature(entry, returns):
     assert signature.return_annotation == returns
     hints = typing.get_type_hints(entry)  # every annotation resolves, as autodoc needs
     assert set(hints) == {*_ENTRY_POSITIONAL, *_ENTRY_KEYWORDS, "return"}
-    assert entry.__doc__ and entry.__module__ == "offpolicy_jax.losses.policy_loss"
+    assert entry.__doc__ and entry.__module__ == "offpolicy_jax._src.losses.policy_loss"
     # jax.jit reads the signature to find a static argument by name
     lp = jnp.log(jnp.array([[0.5, 0.4, 0.9], [0.3, 0.2, 0.7]]))
     args = (lp, lp, None, jnp.array([1.0, -1.0]), jnp.ones((2, 3), bool))
@@ -561,7 +561,7 @@ def test_the_loss_entry_points_show_their_real_signature(entry, returns):
 
 
 def test_the_loss_entry_points_declare_their_parameters_once():
-    module = importlib.import_module("offpolicy_jax.losses.policy_loss")
+    module = importlib.import_module("offpolicy_jax._src.losses.policy_loss")
     tree = ast.parse(pathlib.Path(module.__file__).read_text())
     declaring = [
         node.name

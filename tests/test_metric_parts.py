@@ -350,7 +350,7 @@ def _all_tails(old, rollout, mask):
 
 def _split_parts(config, old, rollout, mask, cut):
     from offpolicy_jax import reduction
-    from offpolicy_jax.correction.compute import correction_parts
+    from offpolicy_jax._src.correction.compute import correction_parts
 
     def parts(o, b, m):
         layout = reduction.layout(reduction.MeshAxes(), None, None, o.shape)

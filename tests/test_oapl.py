@@ -21,7 +21,7 @@ import pytest
 from test_policy_losses import TIS_RS, _jit_loss, policy_batch
 
 import offpolicy_jax as opj
-from offpolicy_jax.losses.oapl import oapl_advantages
+from offpolicy_jax._src.losses.oapl import oapl_advantages
 
 RTOL, ATOL = 2e-5, 2e-6
 AGGREGATIONS = (

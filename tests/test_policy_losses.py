@@ -15,7 +15,7 @@ import pytest
 from jax.test_util import check_grads, check_vjp
 
 import offpolicy_jax as opj
-from offpolicy_jax.losses import policy_losses as pl
+from offpolicy_jax._src.losses import policy_losses as pl
 
 EPS, EPS_HIGH = 0.2, 0.28
 HYPER = {
@@ -552,8 +552,8 @@ def test_from_verl_errors_name_the_verl_key(rc, actor, message):
 
 def test_every_verl_surrogate_has_a_native_name():
     from offpolicy_jax import config
+    from offpolicy_jax._src.losses import registry
     from offpolicy_jax.interop import verl
-    from offpolicy_jax.losses import registry
 
     assert set(verl._VERL_LOSS_MODES.values()) <= set(registry.names())
     assert set(verl._VERL_AGGREGATIONS.values()) <= set(config.AGGREGATIONS)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from strategies import examples, ragged_batches
 
 import offpolicy_jax as opj
-from offpolicy_jax.losses import policy_losses as pl
+from offpolicy_jax._src.losses import policy_losses as pl
 
 # Not prime-rl's defaults, so that a swapped or ignored hyperparameter shows.
 TERMS_HYPER = {

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from offpolicy_jax import reduction as _reduce
-from offpolicy_jax.correction import bounds, ratios, rejection, stages
+from offpolicy_jax._src.correction import bounds, ratios, rejection, stages
 from offpolicy_jax.reduction import MeanParts, MeshAxes, Rows
 
 DELTA = jnp.array([[0.5, -1.0, 2.0], [0.25, 0.0, 0.0]])

@@ -15,7 +15,7 @@ import numpy_reference as ref
 import pytest
 
 import offpolicy_jax as opj
-from offpolicy_jax.losses import proximal
+from offpolicy_jax._src.losses import proximal
 
 
 def np_alpha(versions, current):

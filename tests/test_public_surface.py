@@ -299,3 +299,37 @@ def test_the_checker_finds_internal_imports(source, importer, problem):
 )
 def test_the_checker_accepts_the_public_surface(source, importer):
     assert surface_problems(source, importer) == []
+
+
+def _library_modules() -> list[str]:
+    modules = []
+    for path in sorted((SRC / LIB).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules.append(".".join(parts))
+    return modules
+
+
+def _behind_the_wall(module: str) -> bool:
+    """Private by its path: under ``offpolicy_jax._src``, or a module whose name (or a
+    parent's) starts with an underscore (``__main__`` and ``_rowchunks`` alike)."""
+    return any(part.startswith("_") for part in module.split(".")[1:])
+
+
+def test_everything_else_is_behind_the_wall():
+    """The rlax / optax wall: every module of the package is public (exported by a
+    public package, or one itself), a client's own module, or private by its path: no
+    public-looking module that is not part of the API."""
+    loose = [
+        m
+        for m in _library_modules()
+        if not (
+            _is_public_module(m)
+            or _behind_the_wall(m)
+            or m.startswith(tuple(f"{c}." for c in CLIENT_PACKAGES))
+            or m in COMMAND_LINE
+        )
+    ]
+    assert not loose, f"public-looking modules outside the API: {loose}"
+    assert f"{LIB}._src.correction.criteria" in _library_modules()

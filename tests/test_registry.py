@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 import offpolicy_jax as opj
-from offpolicy_jax.losses import registry
+from offpolicy_jax._src.losses import registry
 
 
 @pytest.fixture

@@ -323,7 +323,7 @@ def test_batch_extremes_pool_as_extremes_over_micro_batches():
     """P_max / P_min are :class:`Extreme` parts: pooled with ``+`` over micro-batches (an
     empty one included) they equal the full batch's extremes, where a mean's pooling would
     give the sequence-weighted mean of the micro-batches' extremes."""
-    from offpolicy_jax.correction.stages import Extreme, pool
+    from offpolicy_jax._src.correction.stages import Extreme, pool
 
     logp, old, rollout, adv, mask = _opsm_batch(0)
     config = opj.LossConfig(algorithm="bypass_ppo", opsm_delta=0.05)

@@ -9,7 +9,7 @@ import numpy as np
 import numpy_reference_rules as ref
 import pytest
 
-from offpolicy_jax.correction import criteria, ratios
+from offpolicy_jax._src.correction import criteria, ratios
 
 
 def _batch(seed, b=6, t=12, scale=0.5):

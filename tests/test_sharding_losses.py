@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 from run_once import shared_value
 
 import offpolicy_jax as opj
+from offpolicy_jax._src.losses import registry
 from offpolicy_jax.config import AGGREGATIONS
-from offpolicy_jax.losses import registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clear_jax_caches")]
 

@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 import offpolicy_jax as opj
 from offpolicy_jax import reduction
-from offpolicy_jax.correction import compute as correction
-from offpolicy_jax.correction import stages, staleness
+from offpolicy_jax._src.correction import compute as correction
+from offpolicy_jax._src.correction import stages, staleness
 
 GARBAGE = (np.nan, np.inf, -np.inf, 1e30)
 

@@ -15,8 +15,8 @@ import pytest
 import topk_reference as ref
 
 import offpolicy_jax as opj
-from offpolicy_jax.correction.topk_divergence import topk_divergence
-from offpolicy_jax.losses import policy_losses as pl
+from offpolicy_jax._src.correction.topk_divergence import topk_divergence
+from offpolicy_jax._src.losses import policy_losses as pl
 
 RTOL, ATOL = 2e-5, 1e-6
 LENGTHS = (8, 5, 1, 0, 6, 3)

@@ -25,7 +25,7 @@ from strategies import examples, ragged_batches
 from test_policy_losses import TIS_RS, _jit_loss, _run_oracle_group, batch, policy_batch
 
 import offpolicy_jax as opj
-from offpolicy_jax.losses import policy_losses as pl
+from offpolicy_jax._src.losses import policy_losses as pl
 
 VESPO_HP = dict(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)  # TRL's defaults
 VESPO_KEYS = {f"vespo_{k}": v for k, v in VESPO_HP.items()}

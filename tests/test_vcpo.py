@@ -1,4 +1,4 @@
-"""VCPO's pure parts (offpolicy_jax/vcpo.py) against independent NumPy references.
+"""VCPO's pure parts (offpolicy_jax/_src/vcpo.py) against independent NumPy references.
 
 The ESS learning-rate factor (a port of the authors' ``_optimizer_step_with_buffer``),
 the per-sequence ESS and the off-policy optimal baseline (a float64 port of their

@@ -26,7 +26,7 @@ import packing_cases as pc
 import pytest
 
 import offpolicy_jax as opj
-from offpolicy_jax.losses import covariance
+from offpolicy_jax._src.losses import covariance
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "verl_cov"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())

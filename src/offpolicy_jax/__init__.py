@@ -9,17 +9,21 @@ and sharding safe.
 
 from offpolicy_jax import objectives as objectives
 from offpolicy_jax import rules as rules
-from offpolicy_jax.config import CorrectionConfig, LossConfig, RejectionSamplingConfig, VanillaTIS
-from offpolicy_jax.correction.composed import correct
-from offpolicy_jax.correction.compute import CorrectionResult, compute_correction
-from offpolicy_jax.correction.metrics import finalize as finalize_metrics
-from offpolicy_jax.correction.ratios import METRIC_LOG_CAP
-from offpolicy_jax.interop.packing import PackedSequences, pack_sequences, unpack_sequences
-from offpolicy_jax.logprobs.sampling_support import support_from_csr
-from offpolicy_jax.logprobs.token import token_logprobs, token_logprobs_from_hidden
-from offpolicy_jax.logprobs.topk import TopKLogprobs, topk_logprobs
-from offpolicy_jax.losses.oapl import oapl_advantages
-from offpolicy_jax.losses.policy_loss import (
+from offpolicy_jax._src.config import (
+    CorrectionConfig,
+    LossConfig,
+    RejectionSamplingConfig,
+    VanillaTIS,
+)
+from offpolicy_jax._src.correction.composed import correct
+from offpolicy_jax._src.correction.compute import CorrectionResult, compute_correction
+from offpolicy_jax._src.correction.metrics import finalize as finalize_metrics
+from offpolicy_jax._src.correction.ratios import METRIC_LOG_CAP
+from offpolicy_jax._src.logprobs.sampling_support import support_from_csr
+from offpolicy_jax._src.logprobs.token import token_logprobs, token_logprobs_from_hidden
+from offpolicy_jax._src.logprobs.topk import TopKLogprobs, topk_logprobs
+from offpolicy_jax._src.losses.oapl import oapl_advantages
+from offpolicy_jax._src.losses.policy_loss import (
     LossParts,
     PolicyLossTerms,
     aggregate,
@@ -27,15 +31,16 @@ from offpolicy_jax.losses.policy_loss import (
     policy_loss_parts,
     policy_loss_terms,
 )
-from offpolicy_jax.losses.registry import SurrogateInput, SurrogateTerms, register_surrogate
-from offpolicy_jax.losses.surrogates import PPOTerms, ppo_surrogate
-from offpolicy_jax.reduction import MeanParts, MeshAxes, pool_metric_parts
-from offpolicy_jax.vcpo import (
+from offpolicy_jax._src.losses.registry import SurrogateInput, SurrogateTerms, register_surrogate
+from offpolicy_jax._src.losses.surrogates import PPOTerms, ppo_surrogate
+from offpolicy_jax._src.reduction import MeanParts, MeshAxes, pool_metric_parts
+from offpolicy_jax._src.vcpo import (
     ess_learning_rate_scale,
     opob_advantages,
     opob_baseline,
     sequence_ess,
 )
+from offpolicy_jax.interop.packing import PackedSequences, pack_sequences, unpack_sequences
 
 __version__ = "0.1.0"
 

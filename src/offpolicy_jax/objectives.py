@@ -18,8 +18,8 @@ A surrogate of your own is registered with :func:`offpolicy_jax.register_surroga
 (docs/guide/adding_a_loss.md) and is then a value like the built-ins.
 """
 
-from offpolicy_jax.losses.entries import bypass_ppo, decoupled_ppo, ppo
-from offpolicy_jax.losses.surrogate_values import SurrogateSpec, ppo_clip, surrogate
+from offpolicy_jax._src.losses.entries import bypass_ppo, decoupled_ppo, ppo
+from offpolicy_jax._src.losses.surrogate_values import SurrogateSpec, ppo_clip, surrogate
 
 __all__ = [
     "SurrogateSpec",

@@ -21,8 +21,8 @@ per-sequence sums into a :class:`Decision` (docs/guide/adding_a_rule.md,
 docs/guide/adding_a_metric.md).
 """
 
-from offpolicy_jax.correction.chain import Correction, chain, from_config
-from offpolicy_jax.correction.constructors import (
+from offpolicy_jax._src.correction.chain import Correction, chain, from_config
+from offpolicy_jax._src.correction.constructors import (
     BatchNormalize,
     MetricGroup,
     RejectionSampling,
@@ -37,9 +37,9 @@ from offpolicy_jax.correction.constructors import (
     seq_logprob_error,
     veto,
 )
-from offpolicy_jax.correction.rules import batch_extreme, register_rule
-from offpolicy_jax.correction.stages import Bounded, Decision, Extreme, Mean, Stage, Tokens
-from offpolicy_jax.reduction import (
+from offpolicy_jax._src.correction.rules import batch_extreme, register_rule
+from offpolicy_jax._src.correction.stages import Bounded, Decision, Extreme, Mean, Stage, Tokens
+from offpolicy_jax._src.reduction import (
     Column,
     MeanParts,
     count,

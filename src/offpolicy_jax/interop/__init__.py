@@ -1,6 +1,6 @@
 """Input formats of other systems: configurations and packed rows.
 
-This package sits above the configs (:mod:`offpolicy_jax.config`): it turns foreign
+This package sits above the configs (:mod:`offpolicy_jax._src.config`): it turns foreign
 formats into configs and layouts, and registers the readers behind the configs'
 classmethods (``from_verl``, ``from_areal``, ``from_yaml`` / ``to_yaml``, ``preset``,
 ``from_flags``), so the configs never import it.

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from offpolicy_jax.config import _formats
-from offpolicy_jax.config.correction import CorrectionConfig
-from offpolicy_jax.config.rejection import RejectionSamplingConfig
+from offpolicy_jax._src.config import _formats
+from offpolicy_jax._src.config.correction import CorrectionConfig
+from offpolicy_jax._src.config.rejection import RejectionSamplingConfig
 
 __all__ = ["correction_from_areal"]
 

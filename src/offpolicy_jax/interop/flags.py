@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from offpolicy_jax._checks import check_bool
-from offpolicy_jax._messages import shown
-from offpolicy_jax.config import _formats
-from offpolicy_jax.config.correction import Correction, CorrectionConfig, VanillaTIS
-from offpolicy_jax.config.loss import LossConfig
+from offpolicy_jax._src.checks import check_bool
+from offpolicy_jax._src.config import _formats
+from offpolicy_jax._src.config.correction import Correction, CorrectionConfig, VanillaTIS
+from offpolicy_jax._src.config.loss import LossConfig
+from offpolicy_jax._src.messages import shown
 
 __all__ = ["loss_from_flags"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from importlib import resources
 
-from offpolicy_jax._messages import close_match, shown
-from offpolicy_jax.config import _formats
-from offpolicy_jax.config.correction import CorrectionConfig
+from offpolicy_jax._src.config import _formats
+from offpolicy_jax._src.config.correction import CorrectionConfig
+from offpolicy_jax._src.messages import close_match, shown
 from offpolicy_jax.interop import verl
 
 __all__ = ["correction_preset", "shipped"]

@@ -53,13 +53,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from offpolicy_jax._checks import check_bool, check_choice, check_number, reject_unknown_keys
-from offpolicy_jax._messages import close_match, shown
-from offpolicy_jax.config import _formats
-from offpolicy_jax.config.correction import CorrectionConfig
-from offpolicy_jax.config.loss import LossConfig
-from offpolicy_jax.correction import criteria
-from offpolicy_jax.losses import registry
+from offpolicy_jax._src.checks import check_bool, check_choice, check_number, reject_unknown_keys
+from offpolicy_jax._src.config import _formats
+from offpolicy_jax._src.config.correction import CorrectionConfig
+from offpolicy_jax._src.config.loss import LossConfig
+from offpolicy_jax._src.correction import criteria
+from offpolicy_jax._src.losses import registry
+from offpolicy_jax._src.messages import close_match, shown
 
 __all__ = [
     "LEGACY_KEYS",

@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
-from offpolicy_jax._messages import shown
-from offpolicy_jax.config import _formats
+from offpolicy_jax._src.config import _formats
+from offpolicy_jax._src.messages import shown
 
 __all__ = ["dump", "load_mapping"]
 
