@@ -227,6 +227,44 @@ def pytest_collection_finish(session):
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+# Every compiled XLA:CPU program holds a few memory maps until it is freed, and JAX's
+# caches keep every program a module-level `jax.jit` ever compiled. A worker of the whole
+# suite compiles tens of thousands of programs: past the kernel's map limit
+# (vm.max_map_count, 65,530 by default on Linux) the next compile's mmap fails and
+# XLA:CPU dies with a segmentation fault (the worker "crashed", at whichever test was
+# compiling then). Caches are dropped when a worker leaves a test module (programs are
+# rarely shared between modules) and, within a long module, whenever the process holds
+# more than MAP_BUDGET maps (counted every MAP_CHECK_EVERY tests: reading the map list
+# costs milliseconds).
+MAP_BUDGET = 16_384
+MAP_CHECK_EVERY = 25
+_tests_since_map_check = 0
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return maps.read().count(b"\n")
+    except OSError:  # not Linux: no such limit to guard
+        return 0
+
+
+def _should_drop_caches(item, nextitem) -> bool:
+    global _tests_since_map_check
+    if nextitem is None or nextitem.path != item.path:
+        return True
+    _tests_since_map_check += 1
+    if _tests_since_map_check < MAP_CHECK_EVERY:
+        return False
+    _tests_since_map_check = 0
+    return _memory_maps() > MAP_BUDGET
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _should_drop_caches(item, nextitem):
+        jax.clear_caches()
+
+
 def _needs_eight_devices(item) -> bool:
     return (
         item.path.name in MULTI_DEVICE_MODULES
