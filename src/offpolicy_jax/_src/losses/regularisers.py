@@ -34,7 +34,13 @@ _OWNER = "objectives"
 
 
 class Regulariser:
-    """Base of the regulariser values: its fields are the loss plan's of the same names."""
+    """The type of the regulariser values (:class:`KLPenalty`, :class:`EntropyBonus`,
+    :class:`PositiveExampleNLL`), whose fields are the loss plan's of the same names.
+
+    Not an extension point: the loss pipeline computes these three terms. A per-token
+    term of your own joins the loss through :func:`~offpolicy_jax.policy_loss_terms`
+    and :func:`~offpolicy_jax.aggregate` over the same final mask.
+    """
 
     #: the input array the term reads (an argument of the loss entries).
     needs: str = ""
@@ -133,7 +139,7 @@ def kl_penalty(
     ``k`` estimates ``KL(π_θ ‖ π_ref)`` from the sampled token's log-ratio
     ``δ = log π_ref − log π_θ`` (Schulman, "Approximating KL divergence", 2020):
     ``k1 = −δ``, ``k2 = δ²/2``, ``k3 = e^δ − δ − 1`` (unbiased and low-variance; GRPO's,
-    Shao et al. 2024). With ``kl_off_policy`` it is weighted by ``π_θ / π_d``, the
+    Shao et al. 2024; capped at 10 as verl's ``low_var_kl``). With ``kl_off_policy`` it is weighted by ``π_θ / π_d``, the
     unbiased estimate for tokens sampled from ``π_d`` (DeepSeek-V3.2). The loss then
     needs ``ref_logp=`` ``[..., T]`` (stop-gradient); with ``kl_coef = 0`` (or without
     this value) a given ``ref_logp`` only adds the ``kl_loss`` metric. As
@@ -149,6 +155,11 @@ def kl_penalty(
 
     Raises:
       ValueError: a bad value (naming ``objectives.kl_penalty.<argument>``).
+
+    Examples:
+      >>> import offpolicy_jax as opj
+      >>> opj.objectives.kl_penalty(kl_coef=1e-3, kl_estimator="k2")
+      KLPenalty(kl_coef=0.001, kl_estimator='k2', kl_off_policy=False)
     """
     return KLPenalty(kl_coef, kl_estimator, kl_off_policy)
 
@@ -169,6 +180,15 @@ def entropy_bonus(*, entropy_coef: float = 0.0) -> EntropyBonus:
 
     Raises:
       ValueError: a bad value (naming ``objectives.entropy_bonus.entropy_coef``).
+
+    Examples:
+      >>> import jax.numpy as jnp, offpolicy_jax as opj
+      >>> lp = jnp.log(jnp.array([[0.5, 0.4]]))
+      >>> parts, _ = opj.objectives.ppo(
+      ...     lp, lp, jnp.zeros(1), jnp.ones((1, 2), bool), entropy=jnp.array([[1.0, 3.0]]),
+      ...     regularisers=[opj.objectives.entropy_bonus(entropy_coef=0.1)])
+      >>> round(float(parts.value()), 6)  # the policy term 0 (A = 0) − 0.1 · mean H
+      -0.2
     """
     return EntropyBonus(entropy_coef)
 
