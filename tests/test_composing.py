@@ -687,6 +687,17 @@ SETTINGS = {
         ),
         lambda b, lp, c: opj.policy_loss_parts(lp, b.old, b.rollout, b.adv, b.mask, c),
     ),
+    "ppo_opsm_rejected_in_denominator": (
+        lambda b, lp: objectives.ppo(
+            lp, b.old, b.adv, b.mask, rollout_logp=b.rollout, opsm_delta=0.02,
+            rejected_in_denominator=True, aggregation="token_mean",
+        ),
+        opj.LossConfig(
+            algorithm="ppo", opsm_delta=0.02, rejected_in_denominator=True,
+            aggregation="token_mean",
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(lp, b.old, b.rollout, b.adv, b.mask, c),
+    ),
     "clip_cov_key": (
         lambda b, lp: objectives.ppo(
             lp, b.old, b.adv, b.mask, key=jax.random.key(3),
@@ -732,6 +743,38 @@ def test_a_setting_composed_equals_its_config_bit_for_bit(monkeypatch, name):
     ]
     np.testing.assert_array_equal(grads[0], grads[1])
     np.testing.assert_array_equal(grads[0][~b.mask], 0.0)
+
+
+@pytest.mark.parametrize("rejected_in_denominator", [False, True])
+def test_bypass_ppo_with_a_rejection_only_correction_equals_the_config(rejected_in_denominator):
+    # verl's bypass PPO-clip with rollout_rs: the mask of a correction, every weight 1
+    config = opj.CorrectionConfig(
+        use_tis=True, tis_mode="none", use_rs=True, rs_level="token", rs_lower_bound=0.5,
+        rs_upper_bound=2.0, rs_veto_threshold=1e-4,
+    )  # fmt: skip
+    b = _Padded(15)
+    loss_config = opj.LossConfig(
+        algorithm="bypass_ppo", correction=config, rejected_in_denominator=rejected_in_denominator
+    )
+
+    def composed(lp):
+        return objectives.bypass_ppo(
+            lp, b.rollout, b.adv, b.mask, correction=rules.from_config(config),
+            rejected_in_denominator=rejected_in_denominator,
+        )  # fmt: skip
+
+    def configured(lp):
+        return opj.policy_loss_parts(lp, None, b.rollout, b.adv, b.mask, loss_config)
+
+    got, want = _loss_and_grad(composed, b.logp), _loss_and_grad(configured, b.logp)
+    _assert_same_loss(got, want)
+    assert float(got[2]["mis_rs_catastrophic_seq_fraction"]) > 0  # the veto acted
+    unmasked = _loss_and_grad(
+        lambda lp: objectives.bypass_ppo(lp, b.rollout, b.adv, b.mask), b.logp
+    )
+    assert not np.allclose(got[0], unmasked[0])  # and the loss is not bypass PPO's without it
+    with pytest.raises(ValueError, match=r"objectives\.bypass_ppo\.correction: .* rules\[1\]"):
+        objectives.bypass_ppo(b.logp, b.rollout, b.adv, b.mask, correction=_mis())
 
 
 def test_kl_penalty_matches_a_numpy_reference():

@@ -19,8 +19,10 @@ from jax.typing import ArrayLike
 
 from offpolicy_jax._src.checks import check_bool
 from offpolicy_jax._src.config.correction import CorrectionConfig
+from offpolicy_jax._src.correction.bounds import TISWeights
 from offpolicy_jax._src.correction.chain import Correction
 from offpolicy_jax._src.correction.compute import CorrectionResult
+from offpolicy_jax._src.correction.rules import AReaLRejection
 from offpolicy_jax._src.logprobs.topk import TopKLogprobs
 from offpolicy_jax._src.losses import regularisers as _regularisers
 from offpolicy_jax._src.losses.algorithms import ALGORITHMS
@@ -111,6 +113,29 @@ def _correction(
             f"(opj.correct(...)), got {type(correction).__name__}"
         )
     return correction, None
+
+
+def _rejection_only(correction: Correction | None) -> Correction | None:
+    """Bypass PPO's correction: a chain whose rules may reject but leave every weight
+    at 1 (verl's bypass PPO-clip with ``rollout_rs``), or None."""
+    if correction is None:
+        return None
+    if not isinstance(correction, Correction):
+        raise TypeError(
+            "correction must be a chain of rules (opj.rules.chain(...)) that only rejects, or "
+            f"None, got {type(correction).__name__}"
+        )
+    for i, rule in enumerate(correction.rules):
+        weighs = isinstance(rule, AReaLRejection) or (
+            isinstance(rule, TISWeights) and rule.mode != "none"
+        )
+        if weighs:
+            raise ValueError(
+                f"objectives.bypass_ppo.correction: bypass PPO does not apply importance "
+                f"weights, but rules[{i}] ({type(rule).__name__}) sets them; use "
+                "importance_weights(mode='none') to reject only, or objectives.reinforce_is"
+            )
+    return correction
 
 
 def _parts(inputs: LossInputs, plan: LossPlan, regularisers: Regularisers) -> Parts:
@@ -263,6 +288,7 @@ def ppo(
     *,
     surrogate: SurrogateSpec | None = None,
     aggregation: str = "sequence_mean",
+    rejected_in_denominator: bool = False,
     metric_reduction: str = "sequence",
     loss_scale_factor: float | None = None,
     regularisers: Regularisers = (),
@@ -292,6 +318,8 @@ def ppo(
       mask: ``[..., T]``; > 0 = trained on.
       surrogate: as :func:`decoupled_ppo`.
       aggregation, metric_reduction, loss_scale_factor: as :func:`decoupled_ppo`.
+      rejected_in_denominator: keep the sequences ``opsm_delta`` drops (and those
+        with a non-finite input) in the loss denominator.
       regularisers, opsm_delta, get_mismatch_metrics: as :func:`decoupled_ppo`.
       rollout_logp: ``[..., T]`` log π_rollout, or None; required by
         ``get_mismatch_metrics``; given, it adds ``train_rollout_logprob_abs_diff`` and
@@ -327,7 +355,7 @@ def ppo(
         surrogate,
         aggregation=aggregation,
         loss_scale_factor=loss_scale_factor,
-        rejected_in_denominator=False,  # nothing is rejected without a correction
+        rejected_in_denominator=rejected_in_denominator,
         metric_reduction=metric_reduction,
         regularisers=regularisers,
         opsm_delta=opsm_delta,
@@ -343,7 +371,9 @@ def bypass_ppo(
     mask: ArrayLike,
     *,
     surrogate: SurrogateSpec | None = None,
+    correction: Correction | None = None,
     aggregation: str = "sequence_mean",
+    rejected_in_denominator: bool = False,
     metric_reduction: str = "sequence",
     loss_scale_factor: float | None = None,
     regularisers: Regularisers = (),
@@ -372,7 +402,14 @@ def bypass_ppo(
       advantages: ``[..., T]`` or ``[...]``.
       mask: ``[..., T]``; > 0 = trained on.
       surrogate: as :func:`decoupled_ppo`.
+      correction: None, or a chain of rules that rejects but leaves every weight at 1
+        (rejection rules, the veto, metric groups, ``importance_weights(mode="none")``),
+        run on ``sg(π_θ)`` against π_rollout: verl's bypass PPO-clip with
+        ``rollout_rs`` (``LossConfig`` takes it as a ``CorrectionConfig`` with
+        ``tis_mode: none``). A rule that sets weights raises ``ValueError``.
       aggregation, metric_reduction, loss_scale_factor: as :func:`decoupled_ppo`.
+      rejected_in_denominator: keep the tokens ``correction`` and ``opsm_delta``
+        reject (and the sequences with a non-finite input) in the loss denominator.
       regularisers, opsm_delta: as :func:`decoupled_ppo`.
       get_mismatch_metrics: the §4 metrics of ``sg(π_θ)`` against π_rollout.
       ref_logp, entropy, rewards, versions, current_version, key, topk: as
@@ -401,11 +438,11 @@ def bypass_ppo(
     )
     plan = _plan(
         "bypass_ppo",
-        None,
+        _rejection_only(correction),
         surrogate,
         aggregation=aggregation,
         loss_scale_factor=loss_scale_factor,
-        rejected_in_denominator=False,  # nothing is rejected without a correction
+        rejected_in_denominator=rejected_in_denominator,
         metric_reduction=metric_reduction,
         regularisers=regularisers,
         opsm_delta=opsm_delta,
