@@ -537,6 +537,15 @@ class _Padded:
         for name in ("logp", "old", "rollout", "ref", "entropy"):
             setattr(self, name, np.where(self.mask, getattr(self, name), np.nan))
         self.versions = np.where(self.mask, self.versions, -1)
+        # the engine's top-4 ids and both policies' log-probs on them (NaN at padding)
+        probs = rng.dirichlet(np.ones(5), shape)[..., :4]
+        drift = np.exp(rng.normal(0.0, 0.1, probs.shape))
+        valid = self.mask[..., None]
+        self.topk = opj.TopKLogprobs(
+            np.broadcast_to(np.arange(4), probs.shape).astype(np.int32),
+            np.where(valid, np.log(probs), np.nan).astype(np.float32),
+            np.where(valid, np.log(probs * drift / 1.5), np.nan).astype(np.float32),
+        )
 
 
 def _mis():
@@ -697,6 +706,17 @@ SETTINGS = {
             aggregation="token_mean",
         ),
         lambda b, lp, c: opj.policy_loss_parts(lp, b.old, b.rollout, b.adv, b.mask, c),
+    ),
+    "topk_trust_region": (
+        lambda b, lp: objectives.bypass_ppo(
+            lp, b.rollout, b.adv, b.mask, topk=b.topk,
+            surrogate=objectives.surrogate("dppo_tv", divergence_type="topk_tv", divergence_topk=4),
+        ),
+        opj.LossConfig(
+            algorithm="bypass_ppo", policy_loss="dppo_tv", divergence_type="topk_tv",
+            divergence_topk=4,
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(lp, None, b.rollout, b.adv, b.mask, c, topk=b.topk),
     ),
     "clip_cov_key": (
         lambda b, lp: objectives.ppo(
