@@ -426,6 +426,9 @@ def test_packed_equals_padded(name):
         lambda: rules.criterion("seq_max_k2", 2.5),
         lambda: rules.batch_normalize("token"),
         lambda: objectives.ppo_clip(0.2),
+        lambda: objectives.kl_penalty(0.1),
+        lambda: objectives.entropy_bonus(0.1),
+        lambda: objectives.positive_example_nll(0.1),
     ],
 )
 def test_hyperparameters_are_keyword_only(call):
@@ -515,3 +518,445 @@ def test_shard_map_equals_the_unsharded_call():
         np.testing.assert_allclose(metrics[key], want.metrics[key], rtol=1e-5, atol=1e-7)
     unsharded = objectives.decoupled_ppo(logp, old, rollout, adv, mask, correction=correction)
     np.testing.assert_allclose(loss, unsharded[0].value(), rtol=1e-5, atol=1e-7)
+
+
+# --- every LossConfig setting, composed: regularisers, OPSM, proximal, reinforce_is ---
+
+
+class _Padded:
+    """A ragged batch whose padding holds NaN in every float array (and -1 versions)."""
+
+    def __init__(self, seed: int, shape=(6, 11)):
+        rng = np.random.default_rng(seed)
+        self.logp, self.old, self.rollout, self.adv, self.mask = _batch(seed, shape)
+        self.ref = (self.old + rng.normal(0.0, 0.3, shape)).astype(np.float32)
+        self.entropy = rng.uniform(0.1, 2.0, shape).astype(np.float32)
+        self.rewards = rng.choice([-1.0, 0.0, 1.0], shape[:-1]).astype(np.float32)
+        self.versions = np.repeat(rng.integers(3, 7, shape[:-1])[:, None], shape[-1], -1)
+        self.current_version = 7
+        for name in ("logp", "old", "rollout", "ref", "entropy"):
+            setattr(self, name, np.where(self.mask, getattr(self, name), np.nan))
+        self.versions = np.where(self.mask, self.versions, -1)
+        # the engine's top-4 ids and both policies' log-probs on them (NaN at padding)
+        probs = rng.dirichlet(np.ones(5), shape)[..., :4]
+        drift = np.exp(rng.normal(0.0, 0.1, probs.shape))
+        valid = self.mask[..., None]
+        self.topk = opj.TopKLogprobs(
+            np.broadcast_to(np.arange(4), probs.shape).astype(np.int32),
+            np.where(valid, np.log(probs), np.nan).astype(np.float32),
+            np.where(valid, np.log(probs * drift / 1.5), np.nan).astype(np.float32),
+        )
+
+
+def _mis():
+    return CASES["mis"][1]()
+
+
+def _decoupled_kwargs(b):
+    return {"ref_logp": b.ref, "entropy": b.entropy, "rewards": b.rewards}
+
+
+# (objective call, the LossConfig that names the same pieces, the config's call)
+SETTINGS = {
+    "kl_penalty": (
+        lambda b, lp: objectives.decoupled_ppo(
+            lp, b.old, b.rollout, b.adv, b.mask, correction=_mis(), ref_logp=b.ref,
+            regularisers=[objectives.kl_penalty(kl_coef=0.05, kl_estimator="k2")],
+        ),
+        opj.LossConfig(
+            algorithm="decoupled_ppo", correction=_mis(), kl_coef=0.05, kl_estimator="k2"
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(
+            lp, b.old, b.rollout, b.adv, b.mask, c, ref_logp=b.ref
+        ),
+    ),
+    "kl_off_policy_k1_entropy": (
+        lambda b, lp: objectives.bypass_ppo(
+            lp, b.rollout, b.adv, b.mask, ref_logp=b.ref, entropy=b.entropy,
+            regularisers=(
+                objectives.kl_penalty(kl_coef=0.1, kl_estimator="k1", kl_off_policy=True),
+                objectives.entropy_bonus(entropy_coef=-0.02),
+            ),
+        ),
+        opj.LossConfig(
+            algorithm="bypass_ppo", kl_coef=0.1, kl_estimator="k1", kl_off_policy=True,
+            entropy_coef=-0.02,
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(
+            lp, None, b.rollout, b.adv, b.mask, c, ref_logp=b.ref, entropy=b.entropy
+        ),
+    ),
+    "regularisers_as_metrics_only": (  # the arrays without coefficients: metrics only
+        lambda b, lp: objectives.ppo(lp, b.old, b.adv, b.mask, **_decoupled_kwargs(b)),
+        opj.LossConfig(algorithm="ppo"),
+        lambda b, lp, c: opj.policy_loss_parts(
+            lp, b.old, None, b.adv, b.mask, c, **_decoupled_kwargs(b)
+        ),
+    ),
+    "all_three_token_mean": (
+        lambda b, lp: objectives.decoupled_ppo(
+            lp, b.old, b.rollout, b.adv, b.mask, correction=_mis(), aggregation="token_mean",
+            regularisers=(
+                objectives.positive_example_nll(positive_example_nll_weight=0.3),
+                objectives.entropy_bonus(entropy_coef=0.01),
+                objectives.kl_penalty(kl_coef=0.02),
+            ),
+            **_decoupled_kwargs(b),
+        ),
+        opj.LossConfig(
+            algorithm="decoupled_ppo", correction=_mis(), aggregation="token_mean",
+            positive_example_nll_weight=0.3, entropy_coef=0.01, kl_coef=0.02,
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(
+            lp, b.old, b.rollout, b.adv, b.mask, c, **_decoupled_kwargs(b)
+        ),
+    ),
+    "opsm": (
+        lambda b, lp: objectives.decoupled_ppo(
+            lp, b.old, b.rollout, b.adv, b.mask, correction=_mis(), opsm_delta=0.05
+        ),
+        opj.LossConfig(algorithm="decoupled_ppo", correction=_mis(), opsm_delta=0.05),
+        lambda b, lp, c: opj.policy_loss_parts(lp, b.old, b.rollout, b.adv, b.mask, c),
+    ),
+    "ppo_rollout_opsm_mismatch_metrics": (
+        lambda b, lp: objectives.ppo(
+            lp, b.old, b.adv, b.mask, rollout_logp=b.rollout, opsm_delta=0.02,
+            get_mismatch_metrics=True, versions=b.versions, current_version=b.current_version,
+        ),
+        opj.LossConfig(algorithm="ppo", opsm_delta=0.02, get_mismatch_metrics=True),
+        lambda b, lp, c: opj.policy_loss_parts(
+            lp, b.old, b.rollout, b.adv, b.mask, c, versions=b.versions,
+            current_version=b.current_version,
+        ),
+    ),
+    "bypass_mismatch_metrics": (
+        lambda b, lp: objectives.bypass_ppo(
+            lp, b.rollout, b.adv, b.mask, get_mismatch_metrics=True, metric_reduction="token"
+        ),
+        opj.LossConfig(algorithm="bypass_ppo", get_mismatch_metrics=True, metric_reduction="token"),
+        lambda b, lp, c: opj.policy_loss_parts(lp, None, b.rollout, b.adv, b.mask, c),
+    ),
+    "decoupled_mismatch_metrics": (
+        lambda b, lp: objectives.decoupled_ppo(
+            lp, b.old, b.rollout, b.adv, b.mask, get_mismatch_metrics=True,
+            correction=rules.chain(rules.importance_weights(level="token", mode="truncate")),
+        ),
+        opj.LossConfig(
+            algorithm="decoupled_ppo", get_mismatch_metrics=True,
+            correction=rules.chain(rules.importance_weights(level="token", mode="truncate")),
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(lp, b.old, b.rollout, b.adv, b.mask, c),
+    ),
+    "prox_loglinear": (
+        lambda b, lp: objectives.decoupled_ppo(
+            lp, None, b.rollout, b.adv, b.mask, correction=_mis(),
+            prox_logp_method="loglinear", versions=b.versions,
+            current_version=b.current_version,
+        ),
+        opj.LossConfig(
+            algorithm="decoupled_ppo", correction=_mis(), prox_logp_method="loglinear"
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(
+            lp, None, b.rollout, b.adv, b.mask, c, versions=b.versions,
+            current_version=b.current_version,
+        ),
+    ),
+    "prox_metrics": (
+        lambda b, lp: objectives.decoupled_ppo(
+            lp, b.old, b.rollout, b.adv, b.mask, correction=_mis(), prox_logp_method="metrics",
+            versions=b.versions, current_version=b.current_version,
+        ),
+        opj.LossConfig(algorithm="decoupled_ppo", correction=_mis(), prox_logp_method="metrics"),
+        lambda b, lp, c: opj.policy_loss_parts(
+            lp, b.old, b.rollout, b.adv, b.mask, c, versions=b.versions,
+            current_version=b.current_version,
+        ),
+    ),
+    "reinforce_is": (
+        lambda b, lp: objectives.reinforce_is(
+            lp, b.rollout, b.adv, b.mask, correction=_mis(), aggregation="sequence_sum",
+            regularisers=objectives.entropy_bonus(entropy_coef=0.01), entropy=b.entropy,
+        ),
+        opj.LossConfig(
+            algorithm="reinforce_is", correction=_mis(), aggregation="sequence_sum",
+            entropy_coef=0.01,
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(
+            lp, None, b.rollout, b.adv, b.mask, c, entropy=b.entropy
+        ),
+    ),
+    "reinforce_is_old_mismatch_metrics": (
+        lambda b, lp: objectives.reinforce_is(
+            lp, b.rollout, b.adv, b.mask, correction=_mis(), old_logp=b.old,
+            get_mismatch_metrics=True, rejected_in_denominator=True,
+        ),
+        opj.LossConfig(
+            algorithm="reinforce_is", correction=_mis(), get_mismatch_metrics=True,
+            rejected_in_denominator=True,
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(lp, b.old, b.rollout, b.adv, b.mask, c),
+    ),
+    "ppo_opsm_rejected_in_denominator": (
+        lambda b, lp: objectives.ppo(
+            lp, b.old, b.adv, b.mask, rollout_logp=b.rollout, opsm_delta=0.02,
+            rejected_in_denominator=True, aggregation="token_mean",
+        ),
+        opj.LossConfig(
+            algorithm="ppo", opsm_delta=0.02, rejected_in_denominator=True,
+            aggregation="token_mean",
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(lp, b.old, b.rollout, b.adv, b.mask, c),
+    ),
+    "topk_trust_region": (
+        lambda b, lp: objectives.bypass_ppo(
+            lp, b.rollout, b.adv, b.mask, topk=b.topk,
+            surrogate=objectives.surrogate("dppo_tv", divergence_type="topk_tv", divergence_topk=4),
+        ),
+        opj.LossConfig(
+            algorithm="bypass_ppo", policy_loss="dppo_tv", divergence_type="topk_tv",
+            divergence_topk=4,
+        ),
+        lambda b, lp, c: opj.policy_loss_parts(lp, None, b.rollout, b.adv, b.mask, c, topk=b.topk),
+    ),
+    "clip_cov_key": (
+        lambda b, lp: objectives.ppo(
+            lp, b.old, b.adv, b.mask, key=jax.random.key(3),
+            surrogate=objectives.surrogate("clip_cov", clip_cov_ratio=0.2),
+        ),
+        opj.LossConfig(algorithm="ppo", policy_loss="clip_cov", clip_cov_ratio=0.2),
+        lambda b, lp, c: opj.policy_loss_parts(
+            lp, b.old, None, b.adv, b.mask, c, key=jax.random.key(3)
+        ),
+    ),
+}  # fmt: skip
+
+
+def _bits(parts_and_metrics):
+    parts, metrics = parts_and_metrics
+    flat = {"loss.numerator": parts.numerator, "loss.denominator": parts.denominator}
+    for name, value in metrics.items():
+        if isinstance(value, opj.MeanParts):
+            flat[f"{name}.numerator"], flat[f"{name}.denominator"] = value
+        else:
+            flat[name] = value
+    return {k: np.asarray(v) for k, v in flat.items()}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_a_setting_composed_equals_its_config_bit_for_bit(monkeypatch, name):
+    from offpolicy_jax._src.config.plan import resolve
+
+    composed, config, configured = SETTINGS[name]
+    b = _Padded(11)
+    (plan,) = _plans_of(monkeypatch, lambda: composed(b, b.logp))
+    monkeypatch.undo()
+    assert plan == resolve(config)
+    got = _bits(jax.jit(lambda lp: composed(b, lp))(b.logp))
+    want = _bits(jax.jit(lambda lp: configured(b, lp, config))(b.logp))
+    assert set(got) == set(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert np.isfinite(got["loss.numerator"]).all()
+    grads = [
+        jax.jit(jax.grad(lambda lp, f=f: f(lp)[0].value()))(jnp.asarray(b.logp))
+        for f in (lambda lp: composed(b, lp), lambda lp: configured(b, lp, config))
+    ]
+    np.testing.assert_array_equal(grads[0], grads[1])
+    np.testing.assert_array_equal(grads[0][~b.mask], 0.0)
+
+
+@pytest.mark.parametrize("rejected_in_denominator", [False, True])
+def test_bypass_ppo_with_a_rejection_only_correction_equals_the_config(rejected_in_denominator):
+    # verl's bypass PPO-clip with rollout_rs: the mask of a correction, every weight 1
+    config = opj.CorrectionConfig(
+        use_tis=True, tis_mode="none", use_rs=True, rs_level="token", rs_lower_bound=0.5,
+        rs_upper_bound=2.0, rs_veto_threshold=1e-4,
+    )  # fmt: skip
+    b = _Padded(15)
+    loss_config = opj.LossConfig(
+        algorithm="bypass_ppo", correction=config, rejected_in_denominator=rejected_in_denominator
+    )
+
+    def composed(lp):
+        return objectives.bypass_ppo(
+            lp, b.rollout, b.adv, b.mask, correction=rules.from_config(config),
+            rejected_in_denominator=rejected_in_denominator,
+        )  # fmt: skip
+
+    def configured(lp):
+        return opj.policy_loss_parts(lp, None, b.rollout, b.adv, b.mask, loss_config)
+
+    got, want = _loss_and_grad(composed, b.logp), _loss_and_grad(configured, b.logp)
+    _assert_same_loss(got, want)
+    assert float(got[2]["mis_rs_catastrophic_seq_fraction"]) > 0  # the veto acted
+    unmasked = _loss_and_grad(
+        lambda lp: objectives.bypass_ppo(lp, b.rollout, b.adv, b.mask), b.logp
+    )
+    assert not np.allclose(got[0], unmasked[0])  # and the loss is not bypass PPO's without it
+    with pytest.raises(ValueError, match=r"objectives\.bypass_ppo\.correction: .* rules\[1\]"):
+        objectives.bypass_ppo(b.logp, b.rollout, b.adv, b.mask, correction=_mis())
+
+
+def test_kl_penalty_matches_a_numpy_reference():
+    # ppo with ratio 1 (logp = old): the policy term is −A; plus 0.1·k3 per token,
+    # sequence_mean over the valid tokens of the non-empty sequences
+    b = _Padded(12)
+    parts, metrics = objectives.ppo(
+        b.old, b.old, b.adv, b.mask, ref_logp=b.ref,
+        regularisers=[objectives.kl_penalty(kl_coef=0.1)],
+    )  # fmt: skip
+    delta = np.where(b.mask, b.ref.astype(np.float64) - b.old, 0.0)
+    k3 = np.exp(delta) - delta - 1.0
+    per_token = np.where(b.mask, -b.adv[:, None] + 0.1 * k3, 0.0)
+    n = b.mask.sum(-1)
+    rows = n > 0
+    want = (per_token.sum(-1)[rows] / n[rows]).mean()
+    np.testing.assert_allclose(parts.value(), want, rtol=1e-5)
+    kl = opj.finalize_metrics(metrics)["kl_loss"]
+    np.testing.assert_allclose(kl, (k3.sum(-1)[rows] / n[rows]).mean(), rtol=1e-5)
+
+
+def test_every_loss_config_setting_has_an_objective_keyword():
+    import dataclasses
+    import inspect
+
+    from offpolicy_jax.config import ALGORITHMS
+
+    keywords = set()
+    for entry in (objectives.decoupled_ppo, objectives.ppo, objectives.bypass_ppo,
+                  objectives.reinforce_is):  # fmt: skip
+        keywords |= set(inspect.signature(entry).parameters)
+    for value in (objectives.kl_penalty(), objectives.entropy_bonus(),
+                  objectives.positive_example_nll()):  # fmt: skip
+        keywords |= {f.name for f in dataclasses.fields(value)}
+    # the algorithm is the entry, the surrogate and its hyperparameters the surrogate value
+    named_otherwise = {"algorithm", "policy_loss", "params"}
+    fields = {f.name for f in dataclasses.fields(opj.LossConfig)} - named_otherwise
+    assert fields - keywords == set()
+    entries = {"decoupled_ppo", "ppo", "bypass_ppo", "reinforce_is"}
+    assert set(ALGORITHMS) <= entries <= set(objectives.__all__)
+
+
+@pytest.mark.parametrize(
+    ("composed", "settings"),
+    [
+        (lambda: objectives.kl_penalty(kl_coef=-0.1), {"kl_coef": -0.1}),
+        (lambda: objectives.kl_penalty(kl_coef=float("nan")), {"kl_coef": float("nan")}),
+        (lambda: objectives.kl_penalty(kl_coef=1e39), {"kl_coef": 1e39}),
+        (lambda: objectives.kl_penalty(kl_estimator="k4"), {"kl_estimator": "k4"}),
+        (lambda: objectives.kl_penalty(kl_off_policy="yes"), {"kl_off_policy": "yes"}),
+        (lambda: objectives.entropy_bonus(entropy_coef="x"), {"entropy_coef": "x"}),
+        (lambda: objectives.entropy_bonus(entropy_coef=1e-40), {"entropy_coef": 1e-40}),
+        (
+            lambda: objectives.positive_example_nll(positive_example_nll_weight=-1.0),
+            {"positive_example_nll_weight": -1.0},
+        ),
+    ],
+)
+def test_a_bad_regulariser_raises_the_config_message_naming_its_keyword(composed, settings):
+    with pytest.raises(ValueError) as config_error:
+        opj.LossConfig(**settings)
+    (key,) = settings
+    with pytest.raises(ValueError) as error:
+        composed()
+    owner = {"kl": "kl_penalty", "entropy": "entropy_bonus", "positive": "positive_example_nll"}
+    builder = owner[key.split("_")[0]]
+    want = str(config_error.value).replace("LossConfig.", f"objectives.{builder}.")
+    assert str(error.value) == want
+    assert f"objectives.{builder}.{key}" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("call", "settings", "owner"),
+    [
+        (
+            lambda b: objectives.decoupled_ppo(*b[:5], correction=_mis(), opsm_delta=0.0),
+            {"opsm_delta": 0.0},
+            "objectives.decoupled_ppo",
+        ),
+        (
+            lambda b: objectives.ppo(b[0], b[1], b[3], b[4], opsm_delta="-1"),
+            {"opsm_delta": "-1"},
+            "objectives.ppo",
+        ),
+        (
+            lambda b: objectives.decoupled_ppo(
+                *b[:5], correction=_mis(), prox_logp_method="loglin"
+            ),
+            {"prox_logp_method": "loglin"},
+            "objectives.decoupled_ppo",
+        ),
+        (
+            lambda b: objectives.bypass_ppo(b[0], b[2], b[3], b[4], get_mismatch_metrics=1),
+            {"get_mismatch_metrics": 1},
+            "objectives.bypass_ppo",
+        ),
+        (
+            lambda b: objectives.reinforce_is(
+                b[0], b[2], b[3], b[4], correction=_mis(), rejected_in_denominator="no"
+            ),
+            {"rejected_in_denominator": "no"},
+            "objectives.reinforce_is",
+        ),
+    ],
+)
+def test_a_bad_loss_setting_raises_the_config_message_naming_its_keyword(call, settings, owner):
+    with pytest.raises(ValueError) as config_error:
+        opj.LossConfig(**settings)
+    with pytest.raises(ValueError) as error:
+        call(_batch())
+    assert str(error.value) == str(config_error.value).replace("LossConfig.", f"{owner}.")
+
+
+def test_a_regulariser_names_the_input_it_needs():
+    b = _Padded(13)
+    with pytest.raises(ValueError, match=r"ref_logp is required: objectives\.kl_penalty"):
+        objectives.ppo(
+            b.logp, b.old, b.adv, b.mask, regularisers=[objectives.kl_penalty(kl_coef=0.1)]
+        )
+    with pytest.raises(ValueError, match=r"entropy is required: objectives\.entropy_bonus"):
+        objectives.bypass_ppo(
+            b.logp, b.rollout, b.adv, b.mask,
+            regularisers=[objectives.entropy_bonus(entropy_coef=0.1)],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"rewards is required: objectives\.positive_example"):
+        objectives.reinforce_is(
+            b.logp, b.rollout, b.adv, b.mask, correction=_mis(),
+            regularisers=[objectives.positive_example_nll(positive_example_nll_weight=0.1)],
+        )  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"versions is required: objectives\.decoupled_ppo\.prox_logp_method"
+    ):
+        objectives.decoupled_ppo(
+            b.logp, None, b.rollout, b.adv, b.mask, correction=_mis(),
+            prox_logp_method="linear",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"regularisers: kl_penalty given more than once"):
+        objectives.ppo(
+            b.logp, b.old, b.adv, b.mask, ref_logp=b.ref,
+            regularisers=[objectives.kl_penalty(), objectives.kl_penalty(kl_coef=0.1)],
+        )  # fmt: skip
+    with pytest.raises(TypeError, match=r"objectives\.ppo\.regularisers\[0\] must be"):
+        objectives.ppo(b.logp, b.old, b.adv, b.mask, regularisers=["kl"])
+    with pytest.raises(TypeError, match="correction must be"):
+        objectives.reinforce_is(b.logp, b.rollout, b.adv, b.mask, correction=None)
+
+
+def test_an_empty_batch_with_every_setting_gives_zero_loss_and_gradients():
+    b = _Padded(14)
+    mask = np.zeros(b.mask.shape, bool)
+
+    def loss(lp):
+        parts, _ = objectives.decoupled_ppo(
+            lp, b.old, b.rollout, b.adv, mask, correction=_mis(), opsm_delta=0.1,
+            regularisers=(
+                objectives.kl_penalty(kl_coef=0.1),
+                objectives.entropy_bonus(entropy_coef=0.1),
+                objectives.positive_example_nll(positive_example_nll_weight=0.1),
+            ),
+            **_decoupled_kwargs(b),
+        )  # fmt: skip
+        return parts.value()
+
+    value, grad = jax.jit(jax.value_and_grad(loss))(jnp.asarray(b.logp))
+    assert float(value) == 0.0 and not np.asarray(grad).any()

@@ -13,6 +13,7 @@ MODULES = [
     "offpolicy_jax._src.correction.compute",
     "offpolicy_jax._src.correction.composed",
     "offpolicy_jax._src.losses.surrogate_values",
+    "offpolicy_jax._src.losses.regularisers",
     "offpolicy_jax._src.losses.policy_loss",
     "offpolicy_jax._src.logprobs.sampling_support",
     "offpolicy_jax._src.losses.surrogates",

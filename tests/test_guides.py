@@ -135,7 +135,7 @@ def _unit(name: str, limit: int = 25) -> list[str]:
 
 
 @pytest.mark.heavy
-def test_composing():
+def test_composing(capsys):
     import jax
 
     blocks = _unit("composing.md")
@@ -165,8 +165,26 @@ def test_composing():
     assert float(metrics["mis_rs_catastrophic_seq_fraction"]) > 0  # the veto acted
     # the correction the chain holds is the one the preset builds
     assert namespace["correction"] == rules.from_config(opj.CorrectionConfig.preset("mis"))
+    capsys.readouterr()
     for block in blocks[1:]:
         exec(compile(block, "composing.md", "exec"), namespace)  # noqa: S102
+    # every comparison the page prints holds (the config path, the regularised loss)
+    printed = capsys.readouterr().out.split()
+    assert printed == ["True"] * 3, printed
+    # the messages the page quotes
+    with pytest.raises(
+        ValueError, match=r"^objectives\.kl_penalty\.kl_coef must be >= 0, got -1\.0$"
+    ):
+        opj.objectives.kl_penalty(kl_coef=-1.0)
+    with pytest.raises(
+        ValueError,
+        match=r"^ref_logp is required: objectives\.kl_penalty\(kl_coef=0\.001\) adds a term",
+    ):
+        opj.objectives.decoupled_ppo(
+            *(namespace[k] for k in ("logp", "old_logp", "rollout_logp", "advantages", "mask")),
+            correction=namespace["correction"],
+            regularisers=[opj.objectives.kl_penalty(kl_coef=1e-3)],
+        )
 
 
 @pytest.mark.heavy

@@ -16,16 +16,22 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 from offpolicy_jax._src.checks import (
     check_bool,
     check_choice,
-    check_f32_coefficient,
-    check_number,
-    check_positive,
     reject_unknown_keys,
 )
 from offpolicy_jax._src.config import _formats
 from offpolicy_jax._src.config.correction import Correction, CorrectionConfig, VanillaTIS
 from offpolicy_jax._src.losses import registry
 from offpolicy_jax._src.losses.algorithms import ALGORITHMS as ALGORITHM_SPECS
-from offpolicy_jax._src.losses.plan import AGGREGATIONS, METRIC_REDUCTIONS, check_aggregation
+from offpolicy_jax._src.losses.plan import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    METRIC_REDUCTIONS,
+    PROX_LOGP_METHODS,
+    check_aggregation,
+    check_coefficient,
+    check_opsm_delta,
+    check_prox_logp_method,
+)
 from offpolicy_jax._src.messages import shown
 
 __all__ = [
@@ -38,8 +44,6 @@ __all__ = [
 ]
 
 ALGORITHMS: tuple[str, ...] = tuple(ALGORITHM_SPECS)
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-PROX_LOGP_METHODS: tuple[str, ...] = ("recompute", "loglinear", "linear", "metrics")
 
 _T = TypeVar("_T")
 
@@ -253,33 +257,19 @@ class LossConfig:
             set_(key, value)
         for key in ("get_mismatch_metrics", "kl_off_policy"):
             set_(key, check_bool(owner, key, getattr(self, key)))
-        set_("opsm_delta", check_number(owner, "opsm_delta", self.opsm_delta, optional=True))
-        check_positive(owner, "opsm_delta", self.opsm_delta)
+        set_("opsm_delta", check_opsm_delta(owner, self.opsm_delta))
         set_("kl_estimator", check_choice(owner, "kl_estimator", self.kl_estimator, KL_ESTIMATORS))
         for key in ("kl_coef", "entropy_coef", "positive_example_nll_weight"):
-            set_(key, check_number(owner, key, getattr(self, key), optional=False))
-        for key in ("kl_coef", "positive_example_nll_weight"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{owner}.{key} must be >= 0, got {shown(getattr(self, key))}")
-        coefficients = ("kl_coef", "entropy_coef", "positive_example_nll_weight")
-        for key in (*coefficients, "opsm_delta"):
-            check_f32_coefficient(owner, key, getattr(self, key))
+            nonnegative = key != "entropy_coef"
+            set_(key, check_coefficient(owner, key, getattr(self, key), nonnegative=nonnegative))
         self._check_surrogate(hyperparameters)
         self._check_correction()
         self._check_proximal()
 
     def _check_proximal(self) -> None:
         """``prox_logp_method``: AReaL's values; an approximation is decoupled PPO's."""
-        method = check_choice(
-            "LossConfig", "prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS
-        )
+        method = check_prox_logp_method("LossConfig", self.prox_logp_method, self.algorithm)
         object.__setattr__(self, "prox_logp_method", method)
-        if method != "recompute" and self.algorithm != "decoupled_ppo":
-            raise ValueError(
-                f"LossConfig.prox_logp_method={shown(method)} approximates decoupled PPO's "
-                f"proximal policy; it needs algorithm='decoupled_ppo', not "
-                f"{shown(self.algorithm)}"
-            )
 
     @property
     def approximates_old(self) -> bool:

@@ -1,11 +1,13 @@
 """The policy losses from core values: a correction, a surrogate value and an aggregation.
 
-:func:`decoupled_ppo`, :func:`ppo` and :func:`bypass_ppo` take the correction as a chain
-of rules (:func:`offpolicy_jax.rules.chain`) or a precomputed
+:func:`decoupled_ppo`, :func:`ppo`, :func:`bypass_ppo` and :func:`reinforce_is` take the
+correction as a chain of rules (:func:`offpolicy_jax.rules.chain`) or a precomputed
 :class:`~offpolicy_jax.CorrectionResult`, the surrogate as a value
-(:func:`offpolicy_jax.objectives.ppo_clip`, :func:`~offpolicy_jax.objectives.surrogate`)
-and the aggregation by name. Each builds the :class:`~offpolicy_jax._src.losses.plan.LossPlan`
-of its arguments (no config) and runs the loss pipeline on it, the one a
+(:func:`offpolicy_jax.objectives.ppo_clip`, :func:`~offpolicy_jax.objectives.surrogate`),
+the aggregation by name, the regularisers as values
+(:func:`~offpolicy_jax.objectives.kl_penalty`, ...) and the loss's other settings as
+keywords named as the ``LossConfig`` keys. Each builds the
+:class:`~offpolicy_jax._src.losses.plan.LossPlan` of its arguments (no config) and runs the loss pipeline on it, the one a
 ``LossConfig`` resolves into: the config that names the same pieces resolves to an
 equal plan, so :func:`~offpolicy_jax.policy_loss_parts` gives the same parts and metrics.
 """
@@ -13,12 +15,25 @@ equal plan, so :func:`~offpolicy_jax.policy_loss_parts` gives the same parts and
 from __future__ import annotations
 
 import jax
+from jax.typing import ArrayLike
 
+from offpolicy_jax._src.checks import check_bool
+from offpolicy_jax._src.config.correction import CorrectionConfig
+from offpolicy_jax._src.correction.bounds import TISWeights
 from offpolicy_jax._src.correction.chain import Correction
 from offpolicy_jax._src.correction.compute import CorrectionResult
+from offpolicy_jax._src.correction.rules import AReaLRejection
+from offpolicy_jax._src.logprobs.topk import TopKLogprobs
+from offpolicy_jax._src.losses import regularisers as _regularisers
 from offpolicy_jax._src.losses.algorithms import ALGORITHMS
-from offpolicy_jax._src.losses.plan import LossPlan, check_aggregation
+from offpolicy_jax._src.losses.plan import (
+    LossPlan,
+    check_aggregation,
+    check_opsm_delta,
+    check_prox_logp_method,
+)
 from offpolicy_jax._src.losses.policy_loss import LossInputs, loss_terms
+from offpolicy_jax._src.losses.regularisers import Regularisers
 from offpolicy_jax._src.losses.surrogate_values import SurrogateSpec, ppo_clip
 from offpolicy_jax._src.reduction import AxisNames, MeanParts
 
@@ -45,15 +60,28 @@ def _plan(
     loss_scale_factor: float | None,
     rejected_in_denominator: bool,
     metric_reduction: str,
+    regularisers: Regularisers = (),
+    opsm_delta: float | None = None,
+    get_mismatch_metrics: bool = False,
+    prox_logp_method: str = "recompute",
 ) -> LossPlan:
     """The plan of an objective's arguments (validated; errors name the argument)."""
+    owner = f"objectives.{algorithm}"
     spec = _surrogate(surrogate)
     settings = check_aggregation(
-        f"objectives.{algorithm}",
+        owner,
         aggregation=aggregation,
         loss_scale_factor=loss_scale_factor,
         rejected_in_denominator=rejected_in_denominator,
         metric_reduction=metric_reduction,
+    )
+    method = check_prox_logp_method(owner, prox_logp_method, algorithm)
+    # The §4 metrics beside the loss, as LossConfig.get_mismatch_metrics asks for them
+    # (a chain reports its own only through its mismatch_metrics() rule).
+    metrics_only = (
+        CorrectionConfig()
+        if check_bool(owner, "get_mismatch_metrics", get_mismatch_metrics)
+        else None
     )
     return LossPlan(
         ALGORITHMS[algorithm],
@@ -64,20 +92,65 @@ def _plan(
         loss_scale_factor=settings.loss_scale_factor,
         rejected_in_denominator=settings.rejected_in_denominator,
         metric_reduction=settings.metric_reduction,
+        mismatch_metrics=metrics_only,
+        versions_key=None if method == "recompute" else f"{owner}.prox_logp_method",
+        prox_logp_method=method,
+        opsm_delta=check_opsm_delta(owner, opsm_delta),
+        **_regularisers.plan_fields(owner, regularisers),
     )
 
 
-def _parts(inputs: LossInputs, plan: LossPlan) -> Parts:
+def _correction(
+    correction: Correction | CorrectionResult,
+) -> tuple[Correction, CorrectionResult | None]:
+    """The chain the plan holds and the precomputed result, if ``correction`` is one."""
+    if isinstance(correction, CorrectionResult):
+        # The result replaces the pipeline's correction; an empty chain stands in for it.
+        return Correction(()), correction
+    if not isinstance(correction, Correction):
+        raise TypeError(
+            "correction must be a chain of rules (opj.rules.chain(...)) or a CorrectionResult "
+            f"(opj.correct(...)), got {type(correction).__name__}"
+        )
+    return correction, None
+
+
+def _rejection_only(correction: Correction | None) -> Correction | None:
+    """Bypass PPO's correction: a chain whose rules may reject but leave every weight
+    at 1 (verl's bypass PPO-clip with ``rollout_rs``), or None."""
+    if correction is None:
+        return None
+    if not isinstance(correction, Correction):
+        raise TypeError(
+            "correction must be a chain of rules (opj.rules.chain(...)) that only rejects, or "
+            f"None, got {type(correction).__name__}"
+        )
+    for i, rule in enumerate(correction.rules):
+        weighs = isinstance(rule, AReaLRejection) or (
+            isinstance(rule, TISWeights) and rule.mode != "none"
+        )
+        if weighs:
+            raise ValueError(
+                f"objectives.bypass_ppo.correction: bypass PPO does not apply importance "
+                f"weights, but rules[{i}] ({type(rule).__name__}) sets them; use "
+                "importance_weights(mode='none') to reject only, or objectives.reinforce_is"
+            )
+    return correction
+
+
+def _parts(inputs: LossInputs, plan: LossPlan, regularisers: Regularisers) -> Parts:
+    given = {"ref_logp": inputs.ref_logp, "entropy": inputs.entropy, "rewards": inputs.rewards}
+    _regularisers.check_needed(regularisers, given)
     terms = loss_terms(inputs, plan)
     return terms.parts, terms.metrics
 
 
 def decoupled_ppo(
-    logp: jax.typing.ArrayLike,
-    old_logp: jax.typing.ArrayLike,
-    rollout_logp: jax.typing.ArrayLike,
-    advantages: jax.typing.ArrayLike,
-    mask: jax.typing.ArrayLike,
+    logp: ArrayLike,
+    old_logp: ArrayLike | None,
+    rollout_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
     *,
     correction: Correction | CorrectionResult,
     surrogate: SurrogateSpec | None = None,
@@ -85,8 +158,19 @@ def decoupled_ppo(
     rejected_in_denominator: bool = False,
     metric_reduction: str = "sequence",
     loss_scale_factor: float | None = None,
+    regularisers: Regularisers = (),
+    opsm_delta: float | None = None,
+    get_mismatch_metrics: bool = False,
+    prox_logp_method: str = "recompute",
+    ref_logp: ArrayLike | None = None,
+    entropy: ArrayLike | None = None,
+    rewards: ArrayLike | None = None,
+    versions: ArrayLike | None = None,
+    current_version: ArrayLike | None = None,
+    key: ArrayLike | None = None,
+    topk: TopKLogprobs | None = None,
     axis_names: AxisNames = None,
-    segment_ids: jax.typing.ArrayLike | None = None,
+    segment_ids: ArrayLike | None = None,
     num_segments: int | None = None,
 ) -> Parts:
     """Decoupled (3-policy) PPO: ``w(π_old/π_rollout) · ℓ(θ; π_old)`` on the corrected mask ``m'``.
@@ -94,13 +178,16 @@ def decoupled_ppo(
     Hilton et al., "Batch size-invariance for policy optimization" (2022); truncated IS
     under training–inference mismatch: Yao et al. (2025). ``ℓ`` is the surrogate (PPO's
     clipped objective by default) with ratio ``r = π_θ / π_old``; ``w`` and ``m'`` come
-    from ``correction`` (stop-gradient); the per-token ``ℓ' = w·ℓ`` is aggregated over
-    ``m'`` (docs/semantics.md §5). Equal to :func:`~offpolicy_jax.policy_loss_parts` with
-    ``LossConfig(algorithm="decoupled_ppo", ...)`` naming the same pieces.
+    from ``correction`` (stop-gradient); the per-token ``ℓ' = w·ℓ`` plus the
+    ``regularisers``' terms is aggregated over ``m'`` (docs/semantics.md §5). Equal to
+    :func:`~offpolicy_jax.policy_loss_parts` with ``LossConfig(algorithm="decoupled_ppo",
+    ...)`` naming the same pieces: every keyword below that is not an array is the
+    ``LossConfig`` key of the same name, with its default and its validation.
 
     Args:
       logp: ``[..., T]`` log π_θ of the sampled tokens: the differentiated input.
-      old_logp: ``[..., T]`` log π_old (the training engine's, stop-gradient).
+      old_logp: ``[..., T]`` log π_old (the training engine's, stop-gradient); None
+        when ``prox_logp_method`` approximates it.
       rollout_logp: ``[..., T]`` log π_rollout (the inference engine's).
       advantages: ``[..., T]`` per token or ``[...]`` per sequence (per token with
         ``segment_ids``).
@@ -118,6 +205,33 @@ def decoupled_ppo(
       metric_reduction: ``"sequence"`` or ``"token"`` reduction of the metrics (and of
         the correction's, when it runs here).
       loss_scale_factor: ``"sequence_sum_norm"``'s divisor (None: the padded length).
+      regularisers: terms added to the per-token loss, each kind at most once:
+        :func:`~offpolicy_jax.objectives.kl_penalty` (reads ``ref_logp``),
+        :func:`~offpolicy_jax.objectives.entropy_bonus` (reads ``entropy``),
+        :func:`~offpolicy_jax.objectives.positive_example_nll` (reads ``rewards``).
+      opsm_delta: DeepSeek-V3.2's off-policy sequence masking (docs/semantics.md §8):
+        drop a sequence whose mean advantage is negative and whose mean
+        ``log π_rollout − log π_θ`` exceeds ``δ > 0``; None: off.
+      get_mismatch_metrics: add the §4 mismatch metrics of π_old against π_rollout
+        (a chain reports its own through :func:`~offpolicy_jax.rules.mismatch_metrics`).
+      prox_logp_method: AReaL's proximal policy (docs/guide/async.md): ``"recompute"``
+        (``old_logp``), ``"loglinear"`` / ``"linear"`` (π_old approximated from
+        ``rollout_logp``, ``sg(logp)`` and ``versions``) or ``"metrics"`` (``old_logp``,
+        plus the ``prox_*`` errors of both approximations); all but ``"recompute"``
+        need ``versions`` and ``current_version``.
+      ref_logp: ``[..., T]`` log π_ref (stop-gradient), for ``kl_penalty``; given
+        without one, it only adds the ``kl_loss`` metric.
+      entropy: ``[..., T]`` per-token entropies of π_θ (differentiable), for
+        ``entropy_bonus``; given without one, only the ``entropy`` metric.
+      rewards: ``[...]`` or ``[..., T]``, for ``positive_example_nll``; given without
+        one, only the ``nll_loss`` metric.
+      versions: int ``[..., T]``, the policy version that sampled each token.
+      current_version: the trainer's version: an int, or int ``[...]``, ``[..., 1]`` or
+        ``[..., T]``; given exactly with ``versions``.
+      key: a PRNG key for surrogates that choose tokens at random (``clip_cov``).
+      topk: a :class:`~offpolicy_jax.TopKLogprobs`, for the top-k trust regions
+        (``dppo_tv`` / ``dppo_kl`` with ``divergence_type="topk_*"``) and the
+        ``mis_topk_*`` metrics.
       axis_names: mesh axes to ``psum`` over inside ``shard_map``.
       segment_ids: packed rows: int ``[..., T]``, 1..K the sequences, 0 padding.
       num_segments: ``K``, static, given exactly when ``segment_ids`` is.
@@ -131,23 +245,19 @@ def decoupled_ppo(
     Raises:
       TypeError / ValueError: a bad argument or hyperparameter (naming it).
     """
-    precomputed = None
-    if isinstance(correction, CorrectionResult):
-        # The result replaces the pipeline's correction; an empty chain stands in for it.
-        precomputed, correction = correction, Correction(())
-    elif not isinstance(correction, Correction):
-        raise TypeError(
-            "correction must be a chain of rules (opj.rules.chain(...)) or a CorrectionResult "
-            f"(opj.correct(...)), got {type(correction).__name__}"
-        )
+    chain, precomputed = _correction(correction)
     plan = _plan(
         "decoupled_ppo",
-        correction,
+        chain,
         surrogate,
         aggregation=aggregation,
         loss_scale_factor=loss_scale_factor,
         rejected_in_denominator=rejected_in_denominator,
         metric_reduction=metric_reduction,
+        regularisers=regularisers,
+        opsm_delta=opsm_delta,
+        get_mismatch_metrics=get_mismatch_metrics,
+        prox_logp_method=prox_logp_method,
     )
     inputs = LossInputs(
         logp,
@@ -159,28 +269,47 @@ def decoupled_ppo(
         correction_result=precomputed,
         segment_ids=segment_ids,
         num_segments=num_segments,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        versions=versions,
+        current_version=current_version,
+        key=key,
+        rewards=rewards,
+        topk=topk,
     )
-    return _parts(inputs, plan)
+    return _parts(inputs, plan, regularisers)
 
 
 def ppo(
-    logp: jax.typing.ArrayLike,
-    old_logp: jax.typing.ArrayLike,
-    advantages: jax.typing.ArrayLike,
-    mask: jax.typing.ArrayLike,
+    logp: ArrayLike,
+    old_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
     *,
     surrogate: SurrogateSpec | None = None,
     aggregation: str = "sequence_mean",
+    rejected_in_denominator: bool = False,
     metric_reduction: str = "sequence",
     loss_scale_factor: float | None = None,
+    regularisers: Regularisers = (),
+    opsm_delta: float | None = None,
+    get_mismatch_metrics: bool = False,
+    rollout_logp: ArrayLike | None = None,
+    ref_logp: ArrayLike | None = None,
+    entropy: ArrayLike | None = None,
+    rewards: ArrayLike | None = None,
+    versions: ArrayLike | None = None,
+    current_version: ArrayLike | None = None,
+    key: ArrayLike | None = None,
+    topk: TopKLogprobs | None = None,
     axis_names: AxisNames = None,
-    segment_ids: jax.typing.ArrayLike | None = None,
+    segment_ids: ArrayLike | None = None,
     num_segments: int | None = None,
 ) -> Parts:
     """PPO without rollout correction: ``ℓ(θ; π_old)`` aggregated over ``mask``.
 
     Schulman et al. (2017). Equal to :func:`~offpolicy_jax.policy_loss_parts` with
-    ``LossConfig(algorithm="ppo")`` and the same surrogate and aggregation.
+    ``LossConfig(algorithm="ppo")`` and the same surrogate, aggregation and settings.
 
     Args:
       logp: ``[..., T]`` log π_θ (differentiated).
@@ -189,49 +318,83 @@ def ppo(
       mask: ``[..., T]``; > 0 = trained on.
       surrogate: as :func:`decoupled_ppo`.
       aggregation, metric_reduction, loss_scale_factor: as :func:`decoupled_ppo`.
+      rejected_in_denominator: keep the sequences ``opsm_delta`` drops (and those
+        with a non-finite input) in the loss denominator.
+      regularisers, opsm_delta, get_mismatch_metrics: as :func:`decoupled_ppo`.
+      rollout_logp: ``[..., T]`` log π_rollout, or None; required by
+        ``get_mismatch_metrics``; given, it adds ``train_rollout_logprob_abs_diff`` and
+        is the behaviour policy of ``opsm_delta`` (else π_old is).
+      ref_logp, entropy, rewards, versions, current_version, key, topk: as
+        :func:`decoupled_ppo` (``versions`` add the staleness metrics to
+        ``get_mismatch_metrics``'s).
       axis_names, segment_ids, num_segments: as :func:`decoupled_ppo`.
 
     Returns:
       ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
     """
-    return _unweighted(
-        "ppo",
-        LossInputs(
-            logp,
-            old_logp,
-            None,
-            advantages,
-            mask,
-            axis_names=axis_names,
-            segment_ids=segment_ids,
-            num_segments=num_segments,
-        ),
-        surrogate,
-        aggregation,
-        metric_reduction,
-        loss_scale_factor,
+    inputs = LossInputs(
+        logp,
+        old_logp,
+        rollout_logp,
+        advantages,
+        mask,
+        axis_names=axis_names,
+        segment_ids=segment_ids,
+        num_segments=num_segments,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        versions=versions,
+        current_version=current_version,
+        key=key,
+        rewards=rewards,
+        topk=topk,
     )
+    plan = _plan(
+        "ppo",
+        None,
+        surrogate,
+        aggregation=aggregation,
+        loss_scale_factor=loss_scale_factor,
+        rejected_in_denominator=rejected_in_denominator,
+        metric_reduction=metric_reduction,
+        regularisers=regularisers,
+        opsm_delta=opsm_delta,
+        get_mismatch_metrics=get_mismatch_metrics,
+    )
+    return _parts(inputs, plan, regularisers)
 
 
 def bypass_ppo(
-    logp: jax.typing.ArrayLike,
-    rollout_logp: jax.typing.ArrayLike,
-    advantages: jax.typing.ArrayLike,
-    mask: jax.typing.ArrayLike,
+    logp: ArrayLike,
+    rollout_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
     *,
     surrogate: SurrogateSpec | None = None,
+    correction: Correction | None = None,
     aggregation: str = "sequence_mean",
+    rejected_in_denominator: bool = False,
     metric_reduction: str = "sequence",
     loss_scale_factor: float | None = None,
+    regularisers: Regularisers = (),
+    opsm_delta: float | None = None,
+    get_mismatch_metrics: bool = False,
+    ref_logp: ArrayLike | None = None,
+    entropy: ArrayLike | None = None,
+    rewards: ArrayLike | None = None,
+    versions: ArrayLike | None = None,
+    current_version: ArrayLike | None = None,
+    key: ArrayLike | None = None,
+    topk: TopKLogprobs | None = None,
     axis_names: AxisNames = None,
-    segment_ids: jax.typing.ArrayLike | None = None,
+    segment_ids: ArrayLike | None = None,
     num_segments: int | None = None,
 ) -> Parts:
     """Bypass PPO: ``ℓ(θ; π_rollout)``, the rollout log-probs as the ratio denominator.
 
     No π_old forward pass and no IS weights. Equal to
     :func:`~offpolicy_jax.policy_loss_parts` with ``LossConfig(algorithm="bypass_ppo")``
-    and the same surrogate and aggregation.
+    and the same surrogate, aggregation and settings.
 
     Args:
       logp: ``[..., T]`` log π_θ (differentiated).
@@ -239,48 +402,135 @@ def bypass_ppo(
       advantages: ``[..., T]`` or ``[...]``.
       mask: ``[..., T]``; > 0 = trained on.
       surrogate: as :func:`decoupled_ppo`.
+      correction: None, or a chain of rules that rejects but leaves every weight at 1
+        (rejection rules, the veto, metric groups, ``importance_weights(mode="none")``),
+        run on ``sg(π_θ)`` against π_rollout: verl's bypass PPO-clip with
+        ``rollout_rs`` (``LossConfig`` takes it as a ``CorrectionConfig`` with
+        ``tis_mode: none``). A rule that sets weights raises ``ValueError``.
       aggregation, metric_reduction, loss_scale_factor: as :func:`decoupled_ppo`.
+      rejected_in_denominator: keep the tokens ``correction`` and ``opsm_delta``
+        reject (and the sequences with a non-finite input) in the loss denominator.
+      regularisers, opsm_delta: as :func:`decoupled_ppo`.
+      get_mismatch_metrics: the §4 metrics of ``sg(π_θ)`` against π_rollout.
+      ref_logp, entropy, rewards, versions, current_version, key, topk: as
+        :func:`decoupled_ppo`.
       axis_names, segment_ids, num_segments: as :func:`decoupled_ppo`.
 
     Returns:
       ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
     """
-    return _unweighted(
-        "bypass_ppo",
-        LossInputs(
-            logp,
-            None,
-            rollout_logp,
-            advantages,
-            mask,
-            axis_names=axis_names,
-            segment_ids=segment_ids,
-            num_segments=num_segments,
-        ),
-        surrogate,
-        aggregation,
-        metric_reduction,
-        loss_scale_factor,
-    )
-
-
-def _unweighted(
-    algorithm: str,
-    inputs: LossInputs,
-    surrogate: SurrogateSpec | None,
-    aggregation: str,
-    metric_reduction: str,
-    loss_scale_factor: float | None,
-) -> Parts:
-    """:func:`ppo` and :func:`bypass_ppo`: no correction, so nothing is rejected and
-    ``rejected_in_denominator`` does not apply."""
-    plan = _plan(
-        algorithm,
+    inputs = LossInputs(
+        logp,
         None,
+        rollout_logp,
+        advantages,
+        mask,
+        axis_names=axis_names,
+        segment_ids=segment_ids,
+        num_segments=num_segments,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        versions=versions,
+        current_version=current_version,
+        key=key,
+        rewards=rewards,
+        topk=topk,
+    )
+    plan = _plan(
+        "bypass_ppo",
+        _rejection_only(correction),
         surrogate,
         aggregation=aggregation,
         loss_scale_factor=loss_scale_factor,
-        rejected_in_denominator=False,
+        rejected_in_denominator=rejected_in_denominator,
         metric_reduction=metric_reduction,
+        regularisers=regularisers,
+        opsm_delta=opsm_delta,
+        get_mismatch_metrics=get_mismatch_metrics,
     )
-    return _parts(inputs, plan)
+    return _parts(inputs, plan, regularisers)
+
+
+def reinforce_is(
+    logp: ArrayLike,
+    rollout_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    correction: Correction | CorrectionResult,
+    old_logp: ArrayLike | None = None,
+    aggregation: str = "sequence_mean",
+    rejected_in_denominator: bool = False,
+    metric_reduction: str = "sequence",
+    loss_scale_factor: float | None = None,
+    regularisers: Regularisers = (),
+    opsm_delta: float | None = None,
+    get_mismatch_metrics: bool = False,
+    ref_logp: ArrayLike | None = None,
+    entropy: ArrayLike | None = None,
+    rewards: ArrayLike | None = None,
+    versions: ArrayLike | None = None,
+    current_version: ArrayLike | None = None,
+    topk: TopKLogprobs | None = None,
+    axis_names: AxisNames = None,
+    segment_ids: ArrayLike | None = None,
+    num_segments: int | None = None,
+) -> Parts:
+    """REINFORCE with importance sampling: ``ℓ' = −sg(w(π_θ/π_rollout)) · A · log π_θ`` on ``m'``.
+
+    Williams (1992); the IS weights ``w`` and the final mask ``m'`` come from
+    ``correction`` run on ``sg(π_θ)`` against π_rollout (no ratio, no clip: the weights
+    are the only correction; miles' ``use_rollout_logprobs`` with ``use_tis``, verl's
+    bypass mode with ``loss_type: reinforce``). Equal to
+    :func:`~offpolicy_jax.policy_loss_parts` with ``LossConfig(algorithm="reinforce_is",
+    ...)`` naming the same pieces.
+
+    Args:
+      logp: ``[..., T]`` log π_θ (differentiated).
+      rollout_logp: ``[..., T]`` log π_rollout.
+      advantages: ``[..., T]`` or ``[...]``.
+      mask: ``[..., T]``; > 0 = trained on.
+      correction: as :func:`decoupled_ppo`, with ``sg(π_θ)`` in π_old's place.
+      old_logp: ``[..., T]`` log π_old, or None: only read by ``get_mismatch_metrics``
+        (the §4 metrics of π_old, else of ``sg(π_θ)``, against π_rollout).
+      aggregation, rejected_in_denominator, metric_reduction, loss_scale_factor: as
+        :func:`decoupled_ppo`.
+      regularisers, opsm_delta, get_mismatch_metrics: as :func:`decoupled_ppo`.
+      ref_logp, entropy, rewards, versions, current_version, topk: as
+        :func:`decoupled_ppo`.
+      axis_names, segment_ids, num_segments: as :func:`decoupled_ppo`.
+
+    Returns:
+      ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
+    """
+    chain, precomputed = _correction(correction)
+    plan = _plan(
+        "reinforce_is",
+        chain,
+        None,  # the REINFORCE term has no surrogate; the plan keeps the default's
+        aggregation=aggregation,
+        loss_scale_factor=loss_scale_factor,
+        rejected_in_denominator=rejected_in_denominator,
+        metric_reduction=metric_reduction,
+        regularisers=regularisers,
+        opsm_delta=opsm_delta,
+        get_mismatch_metrics=get_mismatch_metrics,
+    )
+    inputs = LossInputs(
+        logp,
+        old_logp,
+        rollout_logp,
+        advantages,
+        mask,
+        axis_names=axis_names,
+        correction_result=precomputed,
+        segment_ids=segment_ids,
+        num_segments=num_segments,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        versions=versions,
+        current_version=current_version,
+        rewards=rewards,
+        topk=topk,
+    )
+    return _parts(inputs, plan, regularisers)

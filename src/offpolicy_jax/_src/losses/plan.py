@@ -8,8 +8,9 @@ arguments, and :func:`offpolicy_jax._src.config.plan.resolve` from a validated
 :class:`~offpolicy_jax.LossConfig`; a config and an objective that name the same
 pieces build equal plans, so they compute the same numbers.
 
-:func:`check_aggregation` validates the aggregation settings both layers take, naming
-the owner's key in its errors.
+:func:`check_aggregation` validates the aggregation settings both layers take, and
+:func:`check_coefficient`, :func:`check_opsm_delta` and :func:`check_prox_logp_method`
+the regularisers' and the loss's other settings; each names the owner's key in its errors.
 """
 
 from __future__ import annotations
@@ -26,9 +27,21 @@ from offpolicy_jax._src.checks import (
 )
 from offpolicy_jax._src.config.correction import Correction, CorrectionConfig
 from offpolicy_jax._src.losses.algorithms import Algorithm
+from offpolicy_jax._src.losses.policy_losses import KL_ESTIMATORS
 from offpolicy_jax._src.messages import shown
 
-__all__ = ["AGGREGATIONS", "METRIC_REDUCTIONS", "Aggregation", "LossPlan", "check_aggregation"]
+__all__ = [
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "METRIC_REDUCTIONS",
+    "PROX_LOGP_METHODS",
+    "Aggregation",
+    "LossPlan",
+    "check_aggregation",
+    "check_coefficient",
+    "check_opsm_delta",
+    "check_prox_logp_method",
+]
 
 AGGREGATIONS: tuple[str, ...] = (
     "sequence_mean",
@@ -39,6 +52,7 @@ AGGREGATIONS: tuple[str, ...] = (
     "row_mean",
 )
 METRIC_REDUCTIONS: tuple[str, ...] = ("sequence", "token")
+PROX_LOGP_METHODS: tuple[str, ...] = ("recompute", "loglinear", "linear", "metrics")
 
 
 class Aggregation(NamedTuple):
@@ -81,6 +95,38 @@ def check_aggregation(
     return Aggregation(choice, scale, in_denominator, cast(Literal["sequence", "token"], reduction))
 
 
+def check_coefficient(owner: str, key: str, value: object, *, nonnegative: bool) -> float:
+    """A loss coefficient (a finite number, ``>= 0`` where ``nonnegative``, a normal
+    float32 or 0) as a float; ``ValueError`` naming ``<owner>.<key>``."""
+    number = check_number(owner, key, value, optional=False)
+    assert number is not None  # optional=False
+    if nonnegative and number < 0:
+        raise ValueError(f"{owner}.{key} must be >= 0, got {shown(number)}")
+    check_f32_coefficient(owner, key, number)
+    return number
+
+
+def check_opsm_delta(owner: str, value: object) -> float | None:
+    """The off-policy sequence mask's ``δ > 0`` (None: off); ``ValueError`` naming
+    ``<owner>.opsm_delta``."""
+    delta = check_number(owner, "opsm_delta", value, optional=True)
+    check_positive(owner, "opsm_delta", delta)
+    check_f32_coefficient(owner, "opsm_delta", delta)
+    return delta
+
+
+def check_prox_logp_method(owner: str, value: object, algorithm: str) -> str:
+    """AReaL's ``prox_logp_method``: one of :data:`PROX_LOGP_METHODS`; anything but
+    ``"recompute"`` approximates decoupled PPO's π_old, so needs that algorithm."""
+    method = check_choice(owner, "prox_logp_method", value, PROX_LOGP_METHODS)
+    if method != "recompute" and algorithm != "decoupled_ppo":
+        raise ValueError(
+            f"{owner}.prox_logp_method={shown(method)} approximates decoupled PPO's "
+            f"proximal policy; it needs algorithm='decoupled_ppo', not {shown(algorithm)}"
+        )
+    return method
+
+
 @dataclasses.dataclass(frozen=True)
 class LossPlan:
     """The loss pipeline's settings.
@@ -96,7 +142,8 @@ class LossPlan:
         :class:`Aggregation` (validated by :func:`check_aggregation`).
       mismatch_metrics: the metrics-only correction that reports the §4 metrics beside
         the loss, or None (not asked for, or reported by ``correction`` itself).
-      versions_key: the config key that reads ``versions`` (for errors), or None.
+      versions_key: the setting that reads ``versions``, named in the error when they are
+        missing, or None; a label, left out of the plan's equality and hash.
       nonfinite_rollout: the correction's ``nonfinite_rollout`` (``"reject"`` without a
         ``CorrectionConfig``): how the loss reads a non-finite ``π_rollout``.
       prox_logp_method: AReaL's proximal approximation (``"recompute"``: none).
@@ -114,7 +161,7 @@ class LossPlan:
     rejected_in_denominator: bool = False
     metric_reduction: Literal["sequence", "token"] = "sequence"
     mismatch_metrics: CorrectionConfig | None = None
-    versions_key: str | None = None
+    versions_key: str | None = dataclasses.field(default=None, compare=False)
     nonfinite_rollout: Literal["reject", "neutral"] = "reject"
     prox_logp_method: str = "recompute"
     opsm_delta: float | None = None
