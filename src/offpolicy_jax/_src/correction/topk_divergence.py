@@ -63,7 +63,7 @@ def _lanes(k: int) -> int:
     of the operands costs more than the whole reduction). ``L`` sums of ``K / L`` terms,
     then added pairwise, keep the rounding of the rest buckets ``1 − Σ_k p_k`` (which
     cancel) at the level of XLA's vectorised ``jnp.sum``; ``K`` additions in one chain
-    lose about twice that.
+    (a prime ``K`` above 8, the one case with ``L = 1``) lose about twice that.
     """
     return max((d for d in range(1, min(k, _MAX_LANES) + 1) if k % d == 0), default=1)
 
@@ -85,8 +85,8 @@ def _sums_over_k(*xs: jax.Array) -> tuple[jax.Array, ...]:
     Each row is reduced as ``[K / L, L]`` over its major axis (``L`` = :func:`_lanes`),
     ``L`` strided partial sums side by side, then the ``L`` partials pairwise: the
     reduction of a minor axis of ``K`` (or ``L``) runs element by element on XLA:CPU,
-    exponentials included, while this one runs ``L`` lanes at a time, about three times
-    faster at ``K = 20``, and leaves nothing ``[..., T, L]`` to reduce again.
+    exponentials included, while this one runs ``L`` lanes at a time and leaves nothing
+    ``[..., T, L]`` to reduce again.
     """
     k = xs[0].shape[-1]
     lanes = _lanes(k)
