@@ -56,8 +56,9 @@ _MAX_LANES = 8
 
 
 def _lanes(k: int) -> int:
-    """How many partial sums :func:`_sums_over_k` takes per position: the largest divisor
-    of ``K`` up to :data:`_MAX_LANES` (5 for TRL's ``K = 20``).
+    """How many partial sums :func:`_sums_over_k` takes per position: a divisor of ``K``
+    up to :data:`_MAX_LANES`, 8 or 4 where one divides ``K`` (whole vector registers:
+    4 for TRL's ``K = 20``), else the largest.
 
     A divisor, so that ``[..., K]`` is ``[..., K / L, L]`` without a copy (a padded copy
     of the operands costs more than the whole reduction). ``L`` sums of ``K / L`` terms,
@@ -65,7 +66,8 @@ def _lanes(k: int) -> int:
     cancel) at the level of XLA's vectorised ``jnp.sum``; ``K`` additions in one chain
     (a prime ``K`` above 8, the one case with ``L = 1``) lose about twice that.
     """
-    return max((d for d in range(1, min(k, _MAX_LANES) + 1) if k % d == 0), default=1)
+    divisors = [d for d in range(1, min(k, _MAX_LANES) + 1) if k % d == 0]
+    return max(divisors, key=lambda d: (d % 4 == 0, d), default=1)
 
 
 def _pairwise(parts: list[jax.Array]) -> jax.Array:
