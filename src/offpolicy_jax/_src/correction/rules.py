@@ -83,11 +83,8 @@ class KLCriterion(Stage):
     def _stat(self, t) -> jax.Array:
         if self.criterion.estimator == criteria.BINARY_KL:
             # KPop: a decision, never differentiated (o may be sg(θ), garbage off the mask).
-            # The barrier keeps the statistic one array, made once: fused into each of
-            # its readers (pass 1's sums and extremes, the keep mask), XLA would keep its
-            # six transcendentals apart as four arrays and redo the rest in each reader.
             stat = bidirectional_binary_kl(t.old, t.rollout)
-            return jax.lax.optimization_barrier(jax.lax.stop_gradient(stat))
+            return jax.lax.stop_gradient(stat)
         return criteria.kl_statistic(t.delta, self.criterion.estimator)
 
     def _outside(self, value):
