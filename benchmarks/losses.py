@@ -10,7 +10,15 @@ is reported as the median time per token and as a ratio to the clipped-PPO basel
 (``ppo_clip``) of the same run. Target: every case within 1.5x of it. Some cases are
 a correction rather than a surrogate, timed under ``ppo_clip``: ``areal_kpop``, AReaL's
 KPop rejection (``metric: binary_kl``), and ``ppo_clip+binary_kl``, verl's KPop
-criterion added to the reference correction.
+criterion added to the reference correction. Each case also gets its paired ratio, the
+median of its calls' times over the ``ppo_clip`` call beside each (steadier on a shared
+machine); the verdict takes it.
+
+Two further columns are floors, not losses (:data:`FLOORS`): ``dppo_tv`` with its
+sampled-token trust region plus one read of the top-k cases' two ``[B, T, 20]`` log-prob
+arrays (``topk_read_floor``), and plus the two exponentials per id any top-k total
+variation takes (``topk_exp_floor``): the share of a top-k case's time that its inputs
+cost whatever the implementation.
 
 Writes ``losses_results.md`` and ``losses_results.json`` beside this file (``--out``
 elsewhere).
@@ -33,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import offpolicy_jax as opj
-from benchmarks import workloads
+from benchmarks import paired, workloads
 
 HERE = pathlib.Path(__file__).resolve().parent
 TARGET = 1.5
@@ -102,13 +110,38 @@ def config(name: str) -> opj.LossConfig:
     return opj.LossConfig(**fields)
 
 
-CASES = tuple(HYPERPARAMETERS)
+FLOORS = {"topk_read_floor": False, "topk_exp_floor": True}
+"""Floor name -> whether it takes the exponentials (:func:`workloads.topk_floor_step` on
+``dppo_tv``'s config): what the top-k cases cost beside their loss at the least."""
+FLOOR_BASE = "dppo_tv"
+
+CASES = tuple(HYPERPARAMETERS) + tuple(FLOORS)
+
+
+def step_and_inputs(name: str, plain: tuple, with_topk: tuple) -> tuple:
+    """The case's step (loss, top-k loss or floor) and the arguments it takes."""
+    key = jax.random.key(0)
+    if name in FLOORS:
+        step = workloads.topk_floor_step(config(FLOOR_BASE), key, exponentials=FLOORS[name])
+        return step, with_topk
+    cfg = config(name)
+    if cfg.divergence_type is not None and cfg.divergence_type.startswith("topk_"):
+        return workloads.topk_loss_step(cfg, key=key), with_topk
+    return workloads.loss_step(cfg, key=key), plain
 
 
 def timed(fn) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start
+
+
+def _paired(these: list[float], those: list[float]) -> dict:
+    """:func:`paired.paired_ratio`, or the one ratio as its quartiles for a single call."""
+    if len(these) > 1:
+        return paired.paired_ratio(these, those)
+    ratio = these[0] / those[0]
+    return {"paired_ratio": ratio, "paired_quartiles": [ratio, ratio]}
 
 
 def run(batch: int, length: int, repeats: int, warmup: int, cases=CASES) -> dict:
@@ -118,11 +151,8 @@ def run(batch: int, length: int, repeats: int, warmup: int, cases=CASES) -> dict
     with_topk = plain + tuple(jnp.asarray(host[k]) for k in workloads.TOPK_INPUTS)
     compiled, inputs = {}, {}
     for name in cases:
-        cfg = config(name)
-        topk = cfg.divergence_type is not None and cfg.divergence_type.startswith("topk_")
-        step = workloads.topk_loss_step if topk else workloads.loss_step
-        inputs[name] = with_topk if topk else plain
-        compiled[name] = jax.jit(step(cfg, key=jax.random.key(0))).lower(*inputs[name]).compile()
+        step, inputs[name] = step_and_inputs(name, plain, with_topk)
+        compiled[name] = jax.jit(step).lower(*inputs[name]).compile()
     for name, fn in compiled.items():
         for _ in range(warmup):
             timed(lambda fn=fn, args=inputs[name]: fn(*args))
@@ -133,16 +163,51 @@ def run(batch: int, length: int, repeats: int, warmup: int, cases=CASES) -> dict
     tokens = batch * length
     median = {name: statistics.median(times) for name, times in samples.items()}
     base = median["ppo_clip"]
+    pairs = {name: _paired(times, samples["ppo_clip"]) for name, times in samples.items()}
     return {
         "size": [batch, length],
         "ns_per_token": {name: t / tokens * 1e9 for name, t in median.items()},
         "ratio_to_ppo_clip": {name: t / base for name, t in median.items()},
+        "paired_ratio_to_ppo_clip": {name: p["paired_ratio"] for name, p in pairs.items()},
+        "paired_quartiles": {name: p["paired_quartiles"] for name, p in pairs.items()},
         "samples": samples,
     }
 
 
+def _cell(result: dict, name: str) -> str:
+    low, high = result["paired_quartiles"][name]
+    return (
+        f"{result['ns_per_token'][name]:.2f} ns, {result['ratio_to_ppo_clip'][name]:.2f}x, "
+        f"paired **{result['paired_ratio_to_ppo_clip'][name]:.2f}x** ({low:.2f}-{high:.2f})"
+    )
+
+
+def _floor_lines(report: dict) -> list[str]:
+    """What the floors say of the top-k cases, when both ran."""
+    floors = [n for n in report["cases"] if n in FLOORS]
+    topk = [n for n in report["cases"] if n.startswith("dppo_topk_")]
+    if not floors or not topk:
+        return []
+    lines = [
+        "",
+        f"Floors (not losses): `{FLOOR_BASE}` (the sampled token's trust region) that also "
+        "reads the top-k cases' two `[B, T, 20]` log-prob arrays once (`topk_read_floor`: "
+        "Σ_k of both), and takes the two exponentials per id of any top-k total variation "
+        "(`topk_exp_floor`: Σ_k |e^a − e^b|). Paired ratios:",
+        "",
+    ]
+    for result in report["results"]:
+        b, t = result["size"]
+        pr = result["paired_ratio_to_ppo_clip"]
+        have = ", ".join(f"`{n}` {pr[n]:.2f}x" for n in topk)
+        under = ", ".join(f"`{n}` {pr[n]:.2f}x" for n in floors)
+        lines.append(f"- {b} x {t}: {have}; floors {under}")
+    return lines
+
+
 def markdown(report: dict) -> str:
     names = list(report["cases"])
+    sizes = [f"{b} x {t}" for b, t in (r["size"] for r in report["results"])]
     lines = [
         "# Policy losses: forward + backward time per token",
         "",
@@ -153,26 +218,27 @@ def markdown(report: dict) -> str:
         f" before and {report['load_1min']['after']:.2f} after the run",
         f"- medians of {report['repeats']} interleaved calls after {report['warmup']} warm-up calls",
         "- every loss with `decoupled_ppo`, the reference `mis.yaml` correction and every metric;"
-        " ratio = time / `ppo_clip`'s time in the same run (target <= 1.5)",
+        " ratio = median time / `ppo_clip`'s median time in the same run; paired = median"
+        " (quartiles) of each call's time over the `ppo_clip` call beside it (target <= 1.5)",
         "",
-        "| [B, T] | " + " | ".join(f"`{n}`" for n in names) + " |",
-        "|---|" + "---|" * len(names),
+        "| case | " + " | ".join(sizes) + " |",
+        "|---|" + "---|" * len(sizes),
     ]
-    for result in report["results"]:
-        b, t = result["size"]
-        cells = [
-            f"{result['ns_per_token'][n]:.2f} ns ({result['ratio_to_ppo_clip'][n]:.2f}x)"
-            for n in names
-        ]
-        lines.append(f"| {b} x {t} | " + " | ".join(cells) + " |")
+    for name in names:
+        label = f"`{name}` (floor)" if name in FLOORS else f"`{name}`"
+        lines.append(f"| {label} | " + " | ".join(_cell(r, name) for r in report["results"]) + " |")
     worst = max(
-        (r["ratio_to_ppo_clip"][n], n, tuple(r["size"])) for r in report["results"] for n in names
+        (r["paired_ratio_to_ppo_clip"][n], n, tuple(r["size"]))
+        for r in report["results"]
+        for n in names
+        if n not in FLOORS
     )
     verdict = "met" if worst[0] <= TARGET else "**not met**"
     lines += [
         "",
         f"Slowest: `{worst[1]}` at {worst[2][0]} x {worst[2][1]}, {worst[0]:.2f}x ppo_clip "
-        f"(target <= {TARGET}): {verdict}",
+        f"paired (target <= {TARGET}): {verdict}",
+        *_floor_lines(report),
         "",
     ]
     return "\n".join(lines)
@@ -193,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = ("ppo_clip",) + tuple(
         c for c in dict.fromkeys(args.cases.split(",")) if c and c != "ppo_clip"
     )
-    unknown = [c for c in cases if c not in HYPERPARAMETERS]
+    unknown = [c for c in cases if c not in CASES]
     if unknown:
         parser.error(f"unknown --cases {unknown}; choose from {', '.join(CASES)}")
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]

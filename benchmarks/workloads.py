@@ -178,6 +178,28 @@ def topk_loss_step(config: opj.LossConfig, key: jax.Array | None = None) -> Call
     return step
 
 
+def topk_floor_step(
+    config: opj.LossConfig, key: jax.Array | None = None, *, exponentials: bool = False
+) -> Callable:
+    """The floor of a top-k case: :func:`loss_step` of ``config`` (a trust region of the
+    sampled token alone) that also reads the engine's and the trainer's ``[B, T, K]``
+    top-k log-probs once, ``Σ_k (a + b)`` per position, the least any top-k trust region
+    must do beside the loss; with ``exponentials``, ``Σ_k |e^a − e^b|``, the least
+    arithmetic of a top-k total variation (two exponentials per id). Arguments as
+    :func:`topk_loss_step`'s; the ids are not read (no divergence reads them)."""
+    base = loss_step(config, key)
+
+    def step(logp, old_logp, rollout_logp, advantages, mask, ids, topk_rollout, topk_logp):
+        del ids
+        if exponentials:
+            read = jnp.sum(jnp.abs(jnp.exp(topk_logp) - jnp.exp(topk_rollout)), axis=-1)
+        else:
+            read = jnp.sum(topk_logp + topk_rollout, axis=-1)
+        return base(logp, old_logp, rollout_logp, advantages, mask), read
+
+    return step
+
+
 def correction_step(config: opj.CorrectionConfig) -> Callable:
     def step(old_logp, rollout_logp, mask):
         return opj.compute_correction(old_logp, rollout_logp, mask, config)

@@ -273,6 +273,24 @@ def test_loss_benchmark_runs_only_the_chosen_cases_beside_ppo_clip(tmp_path):
     assert "`dppo_topk_kl`" in (tmp_path / "losses_results.md").read_text()
 
 
+def test_loss_benchmark_reports_the_topk_floors_beside_the_losses(tmp_path):
+    from benchmarks import losses
+
+    cases = "dppo_topk_tv,topk_read_floor,topk_exp_floor"
+    argv = ["--sizes", "2x8", "--repeats", "3", "--warmup", "0", "--out", str(tmp_path)]
+    assert losses.main(argv + ["--cases", cases]) == 0
+    report = json.loads((tmp_path / "losses_results.json").read_text())
+    assert report["cases"] == ["ppo_clip", *cases.split(",")]
+    (result,) = report["results"]
+    assert set(result["paired_ratio_to_ppo_clip"]) == set(report["cases"])
+    assert result["paired_ratio_to_ppo_clip"]["ppo_clip"] == 1.0
+    text = (tmp_path / "losses_results.md").read_text()
+    assert "| `topk_read_floor` (floor) |" in text and "| `topk_exp_floor` (floor) |" in text
+    # the verdict names a loss, never a floor
+    (verdict,) = [line for line in text.splitlines() if line.startswith("Slowest:")]
+    assert "floor" not in verdict
+
+
 def test_loss_benchmark_names_an_unknown_case(capsys):
     from benchmarks import losses
 

@@ -8,6 +8,9 @@ probabilities to ``[1e-6, 1 − 1e-6]``, ``p·log(p/q) + (1 − p)·log((1 − p
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,6 +211,26 @@ def test_rule_constructor_equals_config():
             "mis_rs_binary_kl_seq_fraction",
         ):
             np.testing.assert_allclose(res.metrics[key], want.metrics[key], rtol=1e-6, err_msg=key)
+
+
+def _transcendentals(config: opj.CorrectionConfig, shape: tuple[int, int]) -> Counter:
+    """The exponentials and logarithms over ``[B, T]`` in the compiled correction (each
+    fused kernel lists the operations it computes)."""
+    x = np.zeros(shape, F32)
+    text = correct.lower(x, x, np.ones(shape, F32), config=config).compile().as_text()
+    kinds = r"(exponential|exponential-minus-one|log|log-plus-one)"
+    return Counter(re.findall(rf"f32\[{shape[0]},{shape[1]}\]\S* {kinds}\(", text))
+
+
+def test_the_statistic_takes_six_transcendentals_per_token_once():
+    """``max(D_B(o‖b), D_B(b‖o))`` takes ``e^x``, ``expm1`` and ``log`` of each clamped
+    log-prob, and the compiled correction computes them once for the decision and every
+    metric (a second kernel that recomputed them would list them again)."""
+    one_rule = {"use_tis": True, "tis_mode": "none"}
+    kpop = opj.CorrectionConfig(**one_rule, rs_criteria=("binary_kl:2.0",))
+    k2 = opj.CorrectionConfig(**one_rule, rs_criteria=("token_k2:2.0",))
+    extra = _transcendentals(kpop, (3, 37)) - _transcendentals(k2, (3, 37))
+    assert extra == Counter({"exponential": 2, "exponential-minus-one": 2, "log": 2})
 
 
 def test_rule_under_vmap_and_grad():

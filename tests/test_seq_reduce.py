@@ -243,3 +243,31 @@ def test_a_column_asked_again_is_reduced_once(monkeypatch, packed):
     alone = new_layout().reduce({"max": _reduce.maximum(x, p), "n": _reduce.count(p)})
     np.testing.assert_array_equal(again["max"], alone["max"])
     np.testing.assert_array_equal(again["count"], alone["n"])
+
+
+def _concatenate_sizes(jaxpr) -> list[int]:
+    """The operand counts of every ``concatenate`` / ``stack`` in ``jaxpr`` and its sub-jaxprs."""
+    sizes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("concatenate", "stack"):
+            sizes.append(len(eqn.invars))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    sizes += _concatenate_sizes(inner)
+    return sizes
+
+
+def test_at_most_eight_columns_are_stacked_together():
+    """XLA:CPU fuses a concatenate of at most 8 operands into the kernel that makes them
+    (a 9th leaves each operand a kernel and the stack a copy): many columns of one kind
+    are stacked eight or fewer at a time, each result still its own column's."""
+    rng = np.random.default_rng(7)
+    values, population = _inputs(rng, (4, 32), 20)  # 7 sums, 13 minima and maxima
+    sizes = _concatenate_sizes(jax.make_jaxpr(_reduced)(values, population).jaxpr)
+    assert sizes and max(sizes) <= 8, sizes
+    got = jax.jit(_reduced)(values, population)
+    for i in range(20):
+        want = _expected(OPS[i % 3], values[i], population)
+        np.testing.assert_allclose(got[f"c{i}"], want, rtol=1e-5, atol=1e-5, err_msg=f"c{i}")

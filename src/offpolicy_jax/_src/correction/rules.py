@@ -96,44 +96,65 @@ class KLCriterion(Stage):
     def columns(self, t):
         stat, c = self._stat(t), self.criterion
         if c.aggregate == "token":
+            # Everything the metrics need, in pass 1: the counts and the sum over the
+            # valid tokens are those pass 2 would take (pass 1's sums are restricted to
+            # the finite sequences), so this stage adds no column to pass 2.
             low, high = self._outside(stat)
-            out = high if low is None else low | high
-            return {
-                "out": _reduce.count_where(out, t.population),
+            columns = {
+                "high": _reduce.count_where(high, t.population),
+                "sum": _reduce.total(stat, t.population),
                 "max": _reduce.maximum(stat, t.population),
                 "min": _reduce.minimum(stat, t.population),
             }
+            if low is not None:
+                columns["low"] = _reduce.count_where(low, t.population)
+            return columns
         if c.aggregate == "seq_max":
             return {"agg": _reduce.maximum(stat, t.population)}
         return {"agg": _reduce.total(stat, t.population)}
 
     def decide(self, t, sums):
-        c, count, p = self.criterion, sums["count"], self.prefix
+        c, count = self.criterion, sums["count"]
         if c.aggregate == "token":
-            value = self._stat(t)
-            per_seq = False
-            high_ext, low_ext = sums["max"], sums["min"]
-        else:
-            agg = sums["agg"]
-            if c.aggregate == "seq_mean":
-                agg = _reduce.safe_divide(agg, count)
-            # An empty sequence has statistic 0 (verl's convention); it has no token to drop.
-            value = jnp.where(count > 0, agg, 0.0)
-            per_seq = True
-            high_ext = low_ext = value
+            return self._decide_tokens(t, sums)
+        agg = sums["agg"]
+        if c.aggregate == "seq_mean":
+            agg = _reduce.safe_divide(agg, count)
+        # An empty sequence has statistic 0 (verl's convention); it has no token to drop.
+        value = jnp.where(count > 0, agg, 0.0)
         low, high = self._outside(value)
         keep = ~high if low is None else ~(low | high)
-        rejected_seq = ~keep if per_seq else sums["out"] > 0
+        p = self.prefix
         metrics = {
-            f"{p}_mean": Mean(value, per_seq=per_seq),
-            f"{p}_max": batch_extreme(t.layout, high_ext, count, "max"),
-            f"{p}_min": batch_extreme(t.layout, low_ext, count, "min"),
-            f"{p}_fraction_high": Mean(_indicator(high), per_seq=per_seq),
-            f"{p}_seq_fraction": Mean(_indicator(rejected_seq), per_seq=True),
+            f"{p}_mean": Mean(value, per_seq=True),
+            f"{p}_max": batch_extreme(t.layout, value, count, "max"),
+            f"{p}_min": batch_extreme(t.layout, value, count, "min"),
+            f"{p}_fraction_high": Mean(_indicator(high), per_seq=True),
+            f"{p}_seq_fraction": Mean(_indicator(~keep), per_seq=True),
         }
         if low is not None:
-            metrics[f"{p}_fraction_low"] = Mean(_indicator(low), per_seq=per_seq)
-        return Decision(keep=keep, per_seq=per_seq, metrics=metrics)
+            metrics[f"{p}_fraction_low"] = Mean(_indicator(low), per_seq=True)
+        return Decision(keep=keep, per_seq=True, metrics=metrics)
+
+    def _decide_tokens(self, t, sums):
+        """A per-token criterion: the keep mask from the statistic, the metrics from
+        pass 1's sums (token means over the valid tokens, as pass 2 would take them)."""
+        count, p, how = sums["count"], self.prefix, t.reduction
+        low, high = self._outside(self._stat(t))
+        keep = ~high if low is None else ~(low | high)
+        # Below and above are disjoint (lower <= upper): a sequence loses a token iff
+        # their counts add up to more than 0.
+        out = sums["high"] if low is None else sums["high"] + sums["low"]
+        metrics = {
+            f"{p}_mean": _reduce.seq_mean(sums["sum"], count, how),
+            f"{p}_max": batch_extreme(t.layout, sums["max"], count, "max"),
+            f"{p}_min": batch_extreme(t.layout, sums["min"], count, "min"),
+            f"{p}_fraction_high": _reduce.seq_mean(sums["high"], count, how),
+            f"{p}_seq_fraction": Mean(_indicator(out > 0), per_seq=True),
+        }
+        if low is not None:
+            metrics[f"{p}_fraction_low"] = _reduce.seq_mean(sums["low"], count, how)
+        return Decision(keep=keep, per_seq=False, metrics=metrics)
 
 
 @dataclasses.dataclass(frozen=True)

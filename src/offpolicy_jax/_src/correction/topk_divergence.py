@@ -51,31 +51,55 @@ TOPK_DIVERGENCES: tuple[str, ...] = ("tv", "kl")
 """The divergences :func:`topk_divergence` computes."""
 
 
-_PARTIAL_SUMS = 4
-"""Partial sums per position of :func:`_sums_over_k`: ``K`` float32 additions in one chain
-lose about twice the precision of XLA's vectorised ``jnp.sum`` (the rest buckets
-``1 − Σ_k p_k`` cancel); four chains of consecutive terms, then added, keep it at that
-level."""
+_MAX_LANES = 8
+"""The most partial sums per position of :func:`_sums_over_k` (see :func:`_lanes`)."""
+
+
+def _lanes(k: int) -> int:
+    """How many partial sums :func:`_sums_over_k` takes per position: a divisor of ``K``
+    up to :data:`_MAX_LANES`, 8 or 4 where one divides ``K`` (whole vector registers:
+    4 for TRL's ``K = 20``), else the largest.
+
+    A divisor, so that ``[..., K]`` is ``[..., K / L, L]`` without a copy (a padded copy
+    of the operands costs more than the whole reduction). ``L`` sums of ``K / L`` terms,
+    then added pairwise, keep the rounding of the rest buckets ``1 − Σ_k p_k`` (which
+    cancel) at the level of XLA's vectorised ``jnp.sum``; ``K`` additions in one chain
+    (a prime ``K`` above 8, the one case with ``L = 1``) lose about twice that.
+    """
+    divisors = [d for d in range(1, min(k, _MAX_LANES) + 1) if k % d == 0]
+    return max(divisors, key=lambda d: (d % 4 == 0, d), default=1)
+
+
+def _pairwise(parts: list[jax.Array]) -> jax.Array:
+    """``parts`` added as a balanced tree: ``(p0 + p1) + (p2 + p3) + …``."""
+    while len(parts) > 1:
+        pairs = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
+        parts = pairs + parts[len(parts) - len(parts) % 2 :]
+    return parts[0]
 
 
 @jax.custom_jvp
 def _sums_over_k(*xs: jax.Array) -> tuple[jax.Array, ...]:
-    """``jnp.sum(x, axis=-1)`` of each of ``xs`` in one variadic reduction: XLA fuses the
-    exponentials that make the ``[..., T, K]`` operands into it, so none is written to
-    memory (separate sums each materialise their shared operands, several times the
-    cost)."""
+    """``jnp.sum(x, axis=-1)`` of each of ``xs`` in one variadic reduction, one pass over
+    the ``[..., T, K]`` operands: XLA fuses the exponentials that make them into it, so
+    none is written to memory (separate sums each materialise their shared operands).
+
+    Each row is reduced as ``[K / L, L]`` over its major axis (``L`` = :func:`_lanes`),
+    ``L`` strided partial sums side by side, then the ``L`` partials pairwise: the
+    reduction of a minor axis of ``K`` (or ``L``) runs element by element on XLA:CPU,
+    exponentials included, while this one runs ``L`` lanes at a time and leaves nothing
+    ``[..., T, L]`` to reduce again.
+    """
     k = xs[0].shape[-1]
-    chain = -(-k // _PARTIAL_SUMS)
-    # Zero-padded to _PARTIAL_SUMS chains of ``chain`` terms (adding 0.0 is exact).
-    pad = [(0, 0)] * (xs[0].ndim - 1) + [(0, _PARTIAL_SUMS * chain - k)]
-    shape = xs[0].shape[:-1] + (_PARTIAL_SUMS, chain)
+    lanes = _lanes(k)
+    shape = xs[0].shape[:-1] + (k // lanes, lanes)
     partial = jax.lax.reduce(
-        tuple(jnp.pad(x, pad).reshape(shape) for x in xs),
+        tuple(x.reshape(shape) for x in xs),
         tuple(jnp.zeros((), x.dtype) for x in xs),
         lambda a, b: tuple(u + v for u, v in zip(a, b, strict=True)),
-        (xs[0].ndim,),
+        (xs[0].ndim - 1,),
     )
-    return tuple(jnp.sum(p, axis=-1) for p in partial)
+    return tuple(_pairwise([p[..., i] for i in range(lanes)]) for p in partial)
 
 
 @_sums_over_k.defjvp

@@ -56,10 +56,25 @@ def linear_jvp(
     return tuple(dout)
 
 
+STACK_LIMIT = 8
+"""The most operands stacked into one reduction. XLA:CPU fuses a ``concatenate`` of at
+most 8 operands into the kernel that makes them; a 9th leaves every operand a kernel of
+its own and the stack a copy of all of them, one more pass over every operand."""
+
+
 def _reduce_together(ops: tuple[str, ...], values: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """Operands of one shape and dtype stacked, then reduced over their last axis in one
     reduction per kind: every sum in one ``jnp.sum``, every min and max in one ``jnp.min``
-    (``max x = −min(−x)``, exact; the identities ``±inf`` swap with the sign)."""
+    (``max x = −min(−x)``, exact; the identities ``±inf`` swap with the sign). More than
+    :data:`STACK_LIMIT` operands go in near-equal stacks of at most that many."""
+    if len(values) > STACK_LIMIT:
+        stacks = -(-len(values) // STACK_LIMIT)
+        size = -(-len(values) // stacks)
+        return tuple(
+            r
+            for at in range(0, len(values), size)
+            for r in _reduce_together(ops[at : at + size], values[at : at + size])
+        )
     if len(values) == 1:
         return (plain_reduce(ops[0], values[0]),)
     if all(op == "sum" for op in ops):
