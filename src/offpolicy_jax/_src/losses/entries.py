@@ -23,6 +23,7 @@ from offpolicy_jax._src.correction.bounds import TISWeights
 from offpolicy_jax._src.correction.chain import Correction
 from offpolicy_jax._src.correction.compute import CorrectionResult
 from offpolicy_jax._src.correction.rules import AReaLRejection
+from offpolicy_jax._src.correction.vanilla import VanillaIS
 from offpolicy_jax._src.logprobs.topk import TopKLogprobs
 from offpolicy_jax._src.losses import regularisers as _regularisers
 from offpolicy_jax._src.losses.algorithms import ALGORITHMS
@@ -78,8 +79,10 @@ def _plan(
     method = check_prox_logp_method(owner, prox_logp_method, algorithm)
     # The §4 metrics beside the loss, as LossConfig.get_mismatch_metrics asks for them
     # (a chain reports its own only through its mismatch_metrics() rule).
+    # A chain's nonfinite_rollout is the loss's too, as a CorrectionConfig's is.
+    nonfinite = correction.nonfinite_rollout if correction is not None else "reject"
     metrics_only = (
-        CorrectionConfig()
+        CorrectionConfig(nonfinite_rollout=nonfinite)
         if check_bool(owner, "get_mismatch_metrics", get_mismatch_metrics)
         else None
     )
@@ -93,7 +96,14 @@ def _plan(
         rejected_in_denominator=settings.rejected_in_denominator,
         metric_reduction=settings.metric_reduction,
         mismatch_metrics=metrics_only,
-        versions_key=None if method == "recompute" else f"{owner}.prox_logp_method",
+        versions_key=(
+            f"{owner}.prox_logp_method"
+            if method != "recompute"
+            else None
+            if correction is None
+            else correction.versions_key
+        ),
+        nonfinite_rollout="neutral" if nonfinite == "neutral" else "reject",
         prox_logp_method=method,
         opsm_delta=check_opsm_delta(owner, opsm_delta),
         **_regularisers.plan_fields(owner, regularisers),
@@ -126,7 +136,7 @@ def _rejection_only(correction: Correction | None) -> Correction | None:
             f"None, got {type(correction).__name__}"
         )
     for i, rule in enumerate(correction.rules):
-        weighs = isinstance(rule, AReaLRejection) or (
+        weighs = isinstance(rule, AReaLRejection | VanillaIS) or (
             isinstance(rule, TISWeights) and rule.mode != "none"
         )
         if weighs:

@@ -34,6 +34,7 @@ from offpolicy_jax._src.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax._src.config.plan import LossPlan, resolve
 from offpolicy_jax._src.correction import metrics, ratios, rules, stages, staleness
 from offpolicy_jax._src.correction.chain import Correction
+from offpolicy_jax._src.correction.vanilla import VanillaIS
 from offpolicy_jax._src.correction.compute import CorrectionResult, correction_parts
 from offpolicy_jax._src.correction.ratios import metric_exp
 from offpolicy_jax._src.correction.topk_divergence import (
@@ -49,7 +50,7 @@ from offpolicy_jax._src.losses import proximal
 from offpolicy_jax._src.losses.algorithms import ALGORITHMS, Algorithm, Policy
 from offpolicy_jax._src.losses.policy_losses import safe_log_ratio
 from offpolicy_jax._src.losses.registry import SurrogateInput
-from offpolicy_jax._src.losses.surrogates import reinforce_term, vanilla_tis
+from offpolicy_jax._src.losses.surrogates import reinforce_term
 from offpolicy_jax._src.reduction import AxisNames, MeanParts, Reduction
 from offpolicy_jax._src.validation import (
     as_array,
@@ -571,14 +572,18 @@ def _correct(plan: LossPlan, old, b: _Batch, precomputed) -> _Corrected:
         return _Corrected(weights, final, dict(parts), counts_nonfinite=True)
     if isinstance(correction, Correction):  # a chain of rules: the same pipeline, as parts
         weights, final, parts = correction.parts(
-            old, rollout, mask, reduction=b.reduction, layout=layout
+            old,
+            rollout,
+            mask,
+            reduction=b.reduction,
+            layout=layout,
+            versions=b.versions,
+            current_version=b.current,
         )
-        return _Corrected(weights, final, dict(parts), counts_nonfinite=correction.reweights)
+        return _Corrected(weights, final, dict(parts), correction.counts_nonfinite)
     if isinstance(correction, VanillaTIS):
-        clip_low, clip = correction.clip_low, correction.clip
-        weights, parts = vanilla_tis(
-            old, rollout, mask, clip_low=clip_low, clip=clip, reduction=b.reduction, layout=layout
-        )
+        vanilla = VanillaIS(correction.clip_low, correction.clip)
+        weights, parts = vanilla.parts(old, rollout, mask, reduction=b.reduction, layout=layout)
         return _Corrected(weights, mask, dict(parts))
     assert correction is not None  # plan.reweights
     result = correction(
