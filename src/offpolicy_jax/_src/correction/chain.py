@@ -150,6 +150,7 @@ class Correction:
         out: list[Stage] = []
         for rule in self.rules:
             if isinstance(rule, VersionedRule):
+                assert versions is not None and age is not None  # required above
                 out.extend(added)
                 added = []
                 out.append(rule.stage(versions, current_version, age))

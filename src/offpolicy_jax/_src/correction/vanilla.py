@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax._src import reduction as _reduce
-
 from offpolicy_jax._src.config.correction import check_vanilla_tis
 from offpolicy_jax._src.correction.ratios import metric_exp, metric_expm1
 from offpolicy_jax._src.reduction import MeanParts, Reduction, Rows

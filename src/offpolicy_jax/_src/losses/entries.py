@@ -14,6 +14,8 @@ equal plan, so :func:`~offpolicy_jax.policy_loss_parts` gives the same parts and
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 from jax.typing import ArrayLike
 
@@ -80,7 +82,8 @@ def _plan(
     # The §4 metrics beside the loss, as LossConfig.get_mismatch_metrics asks for them
     # (a chain reports its own only through its mismatch_metrics() rule).
     # A chain's nonfinite_rollout is the loss's too, as a CorrectionConfig's is.
-    nonfinite = correction.nonfinite_rollout if correction is not None else "reject"
+    neutral = correction is not None and correction.nonfinite_rollout == "neutral"
+    nonfinite: Literal["reject", "neutral"] = "neutral" if neutral else "reject"
     metrics_only = (
         CorrectionConfig(nonfinite_rollout=nonfinite)
         if check_bool(owner, "get_mismatch_metrics", get_mismatch_metrics)
@@ -103,7 +106,7 @@ def _plan(
             if correction is None
             else correction.versions_key
         ),
-        nonfinite_rollout="neutral" if nonfinite == "neutral" else "reject",
+        nonfinite_rollout=nonfinite,
         prox_logp_method=method,
         opsm_delta=check_opsm_delta(owner, opsm_delta),
         **_regularisers.plan_fields(owner, regularisers),

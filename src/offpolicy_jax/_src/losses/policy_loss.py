@@ -34,7 +34,6 @@ from offpolicy_jax._src.config import CorrectionConfig, LossConfig, VanillaTIS
 from offpolicy_jax._src.config.plan import LossPlan, resolve
 from offpolicy_jax._src.correction import metrics, ratios, rules, stages, staleness
 from offpolicy_jax._src.correction.chain import Correction
-from offpolicy_jax._src.correction.vanilla import VanillaIS
 from offpolicy_jax._src.correction.compute import CorrectionResult, correction_parts
 from offpolicy_jax._src.correction.ratios import metric_exp
 from offpolicy_jax._src.correction.topk_divergence import (
@@ -44,6 +43,7 @@ from offpolicy_jax._src.correction.topk_divergence import (
     topk_mismatch_means,
     topk_terms,
 )
+from offpolicy_jax._src.correction.vanilla import VanillaIS
 from offpolicy_jax._src.logprobs.topk import TopKLogprobs
 from offpolicy_jax._src.losses import builtins as _objective
 from offpolicy_jax._src.losses import proximal

@@ -16,9 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax._src import reduction as _reduce
-from offpolicy_jax._src.correction.ratios import LOG_RATIO_CLAMP, metric_exp, metric_expm1
-from offpolicy_jax._src.reduction import MeanParts, Reduction, Rows
+from offpolicy_jax._src.correction.ratios import LOG_RATIO_CLAMP, metric_exp
 
 _RATIO_MIN = float(np.exp(np.float32(-LOG_RATIO_CLAMP)))
 _RATIO_MAX = float(np.exp(np.float32(LOG_RATIO_CLAMP)))
