@@ -1035,7 +1035,11 @@ CORRECTION_SETTINGS = {
             opj.CorrectionConfig.from_areal({"level": "sequence", "action": "mask", "upper": 3.0}),
             nonfinite_rollout="neutral",
         ),
-        None,  # AReaL's grid has no hand-written constructor; from_config builds its stage
+        lambda: rules.chain(
+            rules.mismatch_metrics(),
+            rules.areal_rejection(level="sequence", action="mask", upper=3.0),
+            nonfinite_rollout="neutral",
+        ),
     ),
 }
 
@@ -1057,8 +1061,7 @@ def test_a_correction_setting_chained_equals_compute_correction_bit_for_bit(name
     config, build = CORRECTION_SETTINGS[name]
     b = _Async(21)
     chained = rules.from_config(config)
-    if build is not None:
-        assert build() == chained  # the config builds exactly the hand-written chain
+    assert build() == chained  # the config builds exactly the hand-written chain
     versions = {"versions": b.versions, "current_version": b.current_version}
     for reduction in ("sequence", "token"):
         want = jax.jit(
@@ -1083,7 +1086,7 @@ def test_a_correction_setting_chained_equals_compute_correction_bit_for_bit(name
 def _entries(config):
     """The loss entries a correction config may serve (a metrics-only one: bypass PPO)."""
     if not config.use_tis:
-        return ["bypass_ppo"]
+        return ["bypass_ppo", "ppo"]
     weighted = ["decoupled_ppo", "reinforce_is"]
     return weighted if config.rejection_sampling is not None else [*weighted, "bypass_ppo"]
 
@@ -1097,13 +1100,17 @@ def test_a_correction_setting_chained_gives_its_config_loss_bit_for_bit(name, en
     if entry == "bypass_ppo" and config.use_tis:  # bypass PPO takes a correction that rejects
         config = dataclasses.replace(config, tis_mode="none", tis_batch_normalize=False)
     b = _Async(22)
-    old = b.old if entry == "decoupled_ppo" else None
+    old = b.old if entry in ("decoupled_ppo", "ppo") else None
     versions = {"versions": b.versions, "current_version": b.current_version}
 
     def composed(lp):
-        call = getattr(objectives, entry)
+        chained = rules.from_config(config)
+        if entry == "ppo":  # PPO's rollout_logp is a keyword: it only feeds metrics
+            return objectives.ppo(
+                lp, old, b.adv, b.mask, rollout_logp=b.rollout, correction=chained, **versions
+            )
         first = (lp, old, b.rollout) if entry == "decoupled_ppo" else (lp, b.rollout)
-        return call(*first, b.adv, b.mask, correction=rules.from_config(config), **versions)
+        return getattr(objectives, entry)(*first, b.adv, b.mask, correction=chained, **versions)
 
     def configured(lp):
         loss_config = opj.LossConfig(algorithm=entry, correction=config)
@@ -1230,6 +1237,23 @@ def test_a_chain_needs_the_versions_its_rules_read():
             lambda: opj.CorrectionConfig(nonfinite_rollout="neutrl"),
             "rules.chain",
         ),
+        (
+            lambda: rules.areal_rejection(metric="kl_k4"),
+            lambda: opj.CorrectionConfig.from_areal({"metric": "kl_k4"}),
+            "rules.areal_rejection",
+        ),
+        (
+            lambda: rules.areal_rejection(upper=0.5),
+            lambda: opj.CorrectionConfig.from_areal({"upper": 0.5}),
+            "rules.areal_rejection",
+        ),
+        (
+            lambda: rules.areal_rejection(action="clamp", metric="kl_k3", upper=0.1),
+            lambda: opj.CorrectionConfig.from_areal(
+                {"action": "clamp", "metric": "kl_k3", "upper": 0.1}
+            ),
+            "rules.areal_rejection",
+        ),
     ],
 )
 def test_a_bad_correction_setting_raises_the_config_message_naming_its_keyword(
@@ -1239,7 +1263,8 @@ def test_a_bad_correction_setting_raises_the_config_message_naming_its_keyword(
         configured()
     with pytest.raises(ValueError) as error:
         composed()
-    assert str(error.value) == str(config_error.value).replace("CorrectionConfig.", f"{owner}.")
+    config_owner = "CorrectionConfig.rejection_sampling" if "areal" in owner else "CorrectionConfig"
+    assert str(error.value) == str(config_error.value).replace(config_owner, owner)
     assert f"{owner}." in str(error.value)
 
 
@@ -1259,8 +1284,12 @@ def test_the_new_rules_take_keyword_only_hyperparameters_and_vanilla_tis_stands_
         rules.staleness(2)  # type: ignore[misc]
     with pytest.raises(TypeError):
         rules.vanilla_tis(0.0, 2.0)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        rules.areal_rejection("token")  # type: ignore[misc]
     with pytest.raises(ValueError, match=r"rules\[1\]: vanilla_tis\(\) is a correction of its own"):
         rules.chain(rules.mismatch_metrics(), rules.vanilla_tis())
     b = _batch()
+    with pytest.raises(ValueError, match=r"objectives\.ppo\.correction: .* only report metrics"):
+        objectives.ppo(b[0], b[1], b[3], b[4], rollout_logp=b[2], correction=_mis())
     with pytest.raises(ValueError, match=r"bypass_ppo\.correction: .* rules\[0\] \(VanillaIS\)"):
         objectives.bypass_ppo(b[0], b[2], b[3], b[4], correction=rules.chain(rules.vanilla_tis()))

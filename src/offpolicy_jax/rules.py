@@ -18,7 +18,8 @@ Every :class:`~offpolicy_jax.CorrectionConfig` has its chain: the asynchronous-R
 are the rules :func:`staleness` (``max_weight_staleness``, ``staleness_level``) and
 :func:`offpolicy_prefix` (``mask_offpolicy_in_partial_rollout``), which read the
 ``versions`` given to the call; ``nonfinite_rollout`` is a keyword of :func:`chain`;
-a :class:`~offpolicy_jax.VanillaTIS` is :func:`vanilla_tis`.
+AReaL's ``rejection_sampling`` grid is :func:`areal_rejection`; a
+:class:`~offpolicy_jax.VanillaTIS` is :func:`vanilla_tis`.
 
 A rule of your own subclasses :class:`Stage` (or :class:`Bounded`, or
 :class:`MetricGroup` for a metric): it declares per-token columns (:func:`total`,
@@ -32,6 +33,7 @@ from offpolicy_jax._src.correction.constructors import (
     BatchNormalize,
     MetricGroup,
     RejectionSampling,
+    areal_rejection,
     batch_normalize,
     criterion,
     importance_weights,
@@ -80,6 +82,7 @@ __all__ = [
     "Tokens",
     "VanillaIS",
     "VersionedRule",
+    "areal_rejection",
     "batch_extreme",
     "batch_normalize",
     "chain",

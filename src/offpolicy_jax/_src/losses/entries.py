@@ -67,8 +67,10 @@ def _plan(
     opsm_delta: float | None = None,
     get_mismatch_metrics: bool = False,
     prox_logp_method: str = "recompute",
+    metrics_chain: Correction | None = None,
 ) -> LossPlan:
-    """The plan of an objective's arguments (validated; errors name the argument)."""
+    """The plan of an objective's arguments (validated; errors name the argument);
+    ``metrics_chain``: a chain that only reports metrics, beside the loss."""
     owner = f"objectives.{algorithm}"
     spec = _surrogate(surrogate)
     settings = check_aggregation(
@@ -82,13 +84,19 @@ def _plan(
     # The §4 metrics beside the loss, as LossConfig.get_mismatch_metrics asks for them
     # (a chain reports its own only through its mismatch_metrics() rule).
     # A chain's nonfinite_rollout is the loss's too, as a CorrectionConfig's is.
-    neutral = correction is not None and correction.nonfinite_rollout == "neutral"
+    reads = correction if correction is not None else metrics_chain
+    neutral = reads is not None and reads.nonfinite_rollout == "neutral"
     nonfinite: Literal["reject", "neutral"] = "neutral" if neutral else "reject"
-    metrics_only = (
+    metrics_only: CorrectionConfig | Correction | None = (
         CorrectionConfig(nonfinite_rollout=nonfinite)
         if check_bool(owner, "get_mismatch_metrics", get_mismatch_metrics)
         else None
     )
+    if metrics_chain is not None:  # as a metrics-only CorrectionConfig of a LossConfig
+        metrics_only = metrics_chain
+    versions_key = None if reads is None else reads.versions_key
+    if method != "recompute":
+        versions_key = f"{owner}.prox_logp_method"
     return LossPlan(
         ALGORITHMS[algorithm],
         spec.name,
@@ -99,13 +107,7 @@ def _plan(
         rejected_in_denominator=settings.rejected_in_denominator,
         metric_reduction=settings.metric_reduction,
         mismatch_metrics=metrics_only,
-        versions_key=(
-            f"{owner}.prox_logp_method"
-            if method != "recompute"
-            else None
-            if correction is None
-            else correction.versions_key
-        ),
+        versions_key=versions_key,
         nonfinite_rollout=nonfinite,
         prox_logp_method=method,
         opsm_delta=check_opsm_delta(owner, opsm_delta),
@@ -126,6 +128,24 @@ def _correction(
             f"(opj.correct(...)), got {type(correction).__name__}"
         )
     return correction, None
+
+
+def _metrics_only(correction: Correction | None) -> Correction | None:
+    """PPO's correction: a chain that only reports metrics, or None."""
+    if correction is None:
+        return None
+    if not isinstance(correction, Correction):
+        raise TypeError(
+            "correction must be a chain of rules (opj.rules.chain(...)) that only reports "
+            f"metrics, or None, got {type(correction).__name__}"
+        )
+    if correction.reweights:
+        raise ValueError(
+            "objectives.ppo.correction: PPO applies no rollout correction, so its chain may "
+            "only report metrics (e.g. rules.mismatch_metrics()); use objectives.decoupled_ppo "
+            "for a chain that weights or rejects"
+        )
+    return correction
 
 
 def _rejection_only(correction: Correction | None) -> Correction | None:
@@ -307,6 +327,7 @@ def ppo(
     regularisers: Regularisers = (),
     opsm_delta: float | None = None,
     get_mismatch_metrics: bool = False,
+    correction: Correction | None = None,
     rollout_logp: ArrayLike | None = None,
     ref_logp: ArrayLike | None = None,
     entropy: ArrayLike | None = None,
@@ -334,8 +355,13 @@ def ppo(
       rejected_in_denominator: keep the sequences ``opsm_delta`` drops (and those
         with a non-finite input) in the loss denominator.
       regularisers, opsm_delta, get_mismatch_metrics: as :func:`decoupled_ppo`.
+      correction: None, or a chain of rules that only reports metrics (the form of a
+        metrics-only ``CorrectionConfig`` in ``LossConfig(algorithm="ppo", ...)``, e.g.
+        ``opj.rules.chain(opj.rules.mismatch_metrics(), nonfinite_rollout="neutral")``):
+        its metrics of π_old against ``rollout_logp`` beside the loss, and its
+        ``nonfinite_rollout`` for the loss's reads of ``rollout_logp``.
       rollout_logp: ``[..., T]`` log π_rollout, or None; required by
-        ``get_mismatch_metrics``; given, it adds ``train_rollout_logprob_abs_diff`` and
+        ``get_mismatch_metrics`` and ``correction``; given, it adds ``train_rollout_logprob_abs_diff`` and
         is the behaviour policy of ``opsm_delta`` (else π_old is).
       ref_logp, entropy, rewards, versions, current_version, key, topk: as
         :func:`decoupled_ppo` (``versions`` add the staleness metrics to
@@ -366,6 +392,7 @@ def ppo(
         "ppo",
         None,
         surrogate,
+        metrics_chain=_metrics_only(correction),
         aggregation=aggregation,
         loss_scale_factor=loss_scale_factor,
         rejected_in_denominator=rejected_in_denominator,

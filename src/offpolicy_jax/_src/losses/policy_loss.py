@@ -599,6 +599,30 @@ def _correct(plan: LossPlan, old, b: _Batch, precomputed) -> _Corrected:
     return _Corrected(weights, final, parts, "mis_nonfinite_seq_fraction" in parts)
 
 
+def _mismatch_parts(
+    metrics_only: CorrectionConfig | Correction, old: jax.Array, b: _Batch, versions, current
+) -> dict:
+    """The metric parts of the metrics-only correction beside the loss (a
+    ``CorrectionConfig`` or a chain of rules), of ``old`` against π_rollout."""
+    assert b.rollout is not None  # _check_inputs: mismatch metrics require rollout_logp
+    where = {"reduction": b.reduction, "layout": b.layout}
+    if isinstance(metrics_only, CorrectionConfig):
+        _, _, parts = correction_parts(
+            old,
+            b.rollout,
+            b.mask,
+            metrics_only,
+            versions=versions,
+            current_version=current,
+            **where,
+        )
+    else:
+        _, _, parts = metrics_only.parts(
+            old, b.rollout, b.mask, versions=versions, current_version=current, **where
+        )
+    return dict(parts)
+
+
 def _corrected(b: _Batch, plan: LossPlan, algo: Algorithm, precomputed) -> _Corrected:
     """The correction (if it reweights), the mismatch metrics and OPSM: ``w``, ``m'``."""
     done = _Corrected(None, b.mask, {})
@@ -610,16 +634,7 @@ def _corrected(b: _Batch, plan: LossPlan, algo: Algorithm, precomputed) -> _Corr
         # unchanged. In reinforce_is they replace those of the correction's sg(θ).
         # The staleness metrics come with them, unless the correction above reported them.
         versions = (None, None) if plan.reweights else (b.versions, b.current)
-        _, _, mismatch = correction_parts(
-            proxy_old,
-            b.rollout,
-            b.mask,
-            plan.mismatch_metrics,
-            reduction=b.reduction,
-            layout=b.layout,
-            versions=versions[0],
-            current_version=versions[1],
-        )
+        mismatch = _mismatch_parts(plan.mismatch_metrics, proxy_old, b, *versions)
         # A reweighting correction counted the neutral reads against its own π_old.
         if _NEUTRAL_KEY in done.parts:
             mismatch.pop(_NEUTRAL_KEY, None)
