@@ -258,7 +258,10 @@ def decoupled_ppo(
         ``entropy_bonus``; given without one, only the ``entropy`` metric.
       rewards: ``[...]`` or ``[..., T]``, for ``positive_example_nll``; given without
         one, only the ``nll_loss`` metric.
-      versions: int ``[..., T]``, the policy version that sampled each token.
+      versions: int ``[..., T]``, the policy version that sampled each token: read by
+        the chain's :func:`~offpolicy_jax.rules.staleness` /
+        :func:`~offpolicy_jax.rules.offpolicy_prefix` (which require it), and adding
+        ``mis_staleness_mean`` / ``mis_staleness_max`` to its metrics.
       current_version: the trainer's version: an int, or int ``[...]``, ``[..., 1]`` or
         ``[..., T]``; given exactly with ``versions``.
       key: a PRNG key for surrogates that choose tokens at random (``clip_cov``).
