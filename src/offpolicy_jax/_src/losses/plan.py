@@ -25,8 +25,7 @@ from offpolicy_jax._src.checks import (
     check_number,
     check_positive,
 )
-from offpolicy_jax._src.config.correction import Correction, CorrectionConfig
-from offpolicy_jax._src.correction.chain import Correction as Chain
+from offpolicy_jax._src.config.correction import Correction, CorrectionConfig, CorrectionFn
 from offpolicy_jax._src.losses.algorithms import Algorithm
 from offpolicy_jax._src.losses.policy_losses import KL_ESTIMATORS
 from offpolicy_jax._src.messages import shown
@@ -162,7 +161,7 @@ class LossPlan:
     loss_scale_factor: float | None = None
     rejected_in_denominator: bool = False
     metric_reduction: Literal["sequence", "token"] = "sequence"
-    mismatch_metrics: CorrectionConfig | Chain | None = None
+    mismatch_metrics: CorrectionConfig | CorrectionFn | None = None
     versions_key: str | None = dataclasses.field(default=None, compare=False)
     nonfinite_rollout: Literal["reject", "neutral"] = "reject"
     prox_logp_method: str = "recompute"

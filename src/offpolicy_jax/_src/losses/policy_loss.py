@@ -599,9 +599,7 @@ def _correct(plan: LossPlan, old, b: _Batch, precomputed) -> _Corrected:
     return _Corrected(weights, final, parts, "mis_nonfinite_seq_fraction" in parts)
 
 
-def _mismatch_parts(
-    metrics_only: CorrectionConfig | Correction, old: jax.Array, b: _Batch, versions, current
-) -> dict:
+def _mismatch_parts(metrics_only: object, old: jax.Array, b: _Batch, versions, current) -> dict:
     """The metric parts of the metrics-only correction beside the loss (a
     ``CorrectionConfig`` or a chain of rules), of ``old`` against π_rollout."""
     assert b.rollout is not None  # _check_inputs: mismatch metrics require rollout_logp
@@ -617,6 +615,7 @@ def _mismatch_parts(
             **where,
         )
     else:
+        assert isinstance(metrics_only, Correction)  # a chain that only reports metrics
         _, _, parts = metrics_only.parts(
             old, b.rollout, b.mask, versions=versions, current_version=current, **where
         )
