@@ -8,6 +8,8 @@ NumPy float64 reference where the formula is short.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -484,12 +486,6 @@ def test_bad_values_of_other_types_raise_type_errors():
         opj.correct(old, rollout[:, :3], mask, rules.veto(threshold=1e-4))
 
 
-def test_from_config_refuses_what_needs_versions():
-    config = opj.CorrectionConfig(use_tis=True, max_weight_staleness=2)
-    with pytest.raises(ValueError, match="max_weight_staleness"):
-        rules.from_config(config)
-
-
 @pytest.mark.multi_device
 def test_shard_map_equals_the_unsharded_call():
     from jax.sharding import AxisType
@@ -960,3 +956,340 @@ def test_an_empty_batch_with_every_setting_gives_zero_loss_and_gradients():
 
     value, grad = jax.jit(jax.value_and_grad(loss))(jnp.asarray(b.logp))
     assert float(value) == 0.0 and not np.asarray(grad).any()
+
+
+# --- every CorrectionConfig setting, chained: async rules, neutral reads, VanillaTIS ---
+
+
+class _Async(_Padded):
+    """:class:`_Padded` with partial rollouts (versions that change within a sequence) and
+    non-finite rollout log-probs at some valid tokens (and a NaN old one)."""
+
+    def __init__(self, seed: int, shape=(6, 11)):
+        super().__init__(seed, shape)
+        rng = np.random.default_rng(seed + 100)
+        base = rng.integers(2, 6, shape[:-1])[:, None]
+        resumed = np.arange(shape[-1]) >= rng.integers(1, shape[-1], shape[:-1])[:, None]
+        self.versions = np.where(self.mask, base + resumed, -1).astype(np.int32)
+        self.rollout = self.rollout.copy()
+        self.rollout[1, 0] = np.nan  # an engine that returned no log-prob
+        self.rollout[2, 0] = -np.inf
+        self.old = self.old.copy()
+        self.old[3, 0] = np.nan  # a non-finite π_old is always rejected
+        assert self.mask[1, 0] and self.mask[2, 0] and self.mask[3, 0]
+
+
+_IW = rules.importance_weights(level="token", mode="truncate", upper=2.0)
+
+# (config, the chain written out by hand)
+CORRECTION_SETTINGS = {
+    "neutral": (
+        opj.CorrectionConfig(use_tis=True, nonfinite_rollout="neutral"),
+        lambda: rules.chain(rules.mismatch_metrics(), _IW, nonfinite_rollout="neutral"),
+    ),
+    "neutral_metrics_only": (
+        opj.CorrectionConfig(nonfinite_rollout="neutral", probability_metrics=True),
+        lambda: rules.chain(
+            rules.mismatch_metrics(), rules.probability_metrics(), nonfinite_rollout="neutral"
+        ),
+    ),
+    "staleness_sequence": (
+        opj.CorrectionConfig(use_tis=True, max_weight_staleness=3),
+        lambda: rules.chain(rules.mismatch_metrics(), _IW, rules.staleness(max_weight_staleness=3)),
+    ),
+    "staleness_token_mask": (
+        opj.CorrectionConfig(
+            use_tis=True, tis_mode="mask", max_weight_staleness=2, staleness_level="token"
+        ),
+        lambda: rules.chain(
+            rules.mismatch_metrics(),
+            rules.importance_weights(level="token", mode="mask", upper=2.0),
+            rules.staleness(max_weight_staleness=2, staleness_level="token"),
+        ),
+    ),
+    "offpolicy_prefix": (
+        opj.CorrectionConfig(
+            use_tis=True, mask_offpolicy_in_partial_rollout=True, tis_batch_normalize=True
+        ),
+        lambda: rules.chain(
+            rules.mismatch_metrics(), _IW, rules.offpolicy_prefix(), rules.batch_normalize()
+        ),
+    ),
+    "every_async_key_mis": (
+        dataclasses.replace(
+            opj.CorrectionConfig.preset("mis"),
+            nonfinite_rollout="neutral",
+            max_weight_staleness=3,
+            mask_offpolicy_in_partial_rollout=True,
+        ),
+        lambda: rules.chain(
+            *_mis().rules[:-1],
+            rules.staleness(max_weight_staleness=3),
+            rules.offpolicy_prefix(),
+            rules.batch_normalize(),
+            nonfinite_rollout="neutral",
+        ),
+    ),
+    "areal_grid_neutral": (
+        dataclasses.replace(
+            opj.CorrectionConfig.from_areal({"level": "sequence", "action": "mask", "upper": 3.0}),
+            nonfinite_rollout="neutral",
+        ),
+        lambda: rules.chain(
+            rules.mismatch_metrics(),
+            rules.areal_rejection(level="sequence", action="mask", upper=3.0),
+            nonfinite_rollout="neutral",
+        ),
+    ),
+}
+
+
+def _correction_bits(result):
+    flat = {"weights": result.weights, "mask": result.mask}
+    flat |= {f"metrics.{k}": v for k, v in result.metrics.items()}
+    return {k: np.asarray(v) for k, v in flat.items()}
+
+
+def _assert_bits_equal(got, want):
+    assert set(got) == set(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTION_SETTINGS))
+def test_a_correction_setting_chained_equals_compute_correction_bit_for_bit(name):
+    config, build = CORRECTION_SETTINGS[name]
+    b = _Async(21)
+    chained = rules.from_config(config)
+    assert build() == chained  # the config builds exactly the hand-written chain
+    versions = {"versions": b.versions, "current_version": b.current_version}
+    for reduction in ("sequence", "token"):
+        want = jax.jit(
+            lambda o, r, m, v, how=reduction: opj.compute_correction(
+                o, r, m, config, reduction=how, **v
+            )
+        )(b.old, b.rollout, b.mask, versions)
+        got = jax.jit(
+            lambda o, r, m, v, how=reduction: opj.correct(
+                o, r, m, *chained.rules, nonfinite_rollout=chained.nonfinite_rollout,
+                reduction=how, **v,
+            )
+        )(b.old, b.rollout, b.mask, versions)  # fmt: skip
+        _assert_bits_equal(_correction_bits(got), _correction_bits(want))
+        assert np.isfinite(np.asarray(got.weights)).all()
+    # and called as a value, outside jit, as the config's call outside jit
+    eager = chained(b.old, b.rollout, b.mask, **versions)
+    want = opj.compute_correction(b.old, b.rollout, b.mask, config, **versions)
+    _assert_bits_equal(_correction_bits(eager), _correction_bits(want))
+
+
+def _entries(config):
+    """The loss entries a correction config may serve (a metrics-only one: bypass PPO)."""
+    if not config.use_tis:
+        return ["bypass_ppo", "ppo"]
+    weighted = ["decoupled_ppo", "reinforce_is"]
+    return weighted if config.rejection_sampling is not None else [*weighted, "bypass_ppo"]
+
+
+@pytest.mark.parametrize(
+    ("name", "entry"),
+    [(n, e) for n in sorted(CORRECTION_SETTINGS) for e in _entries(CORRECTION_SETTINGS[n][0])],
+)
+def test_a_correction_setting_chained_gives_its_config_loss_bit_for_bit(name, entry):
+    config, _ = CORRECTION_SETTINGS[name]
+    if entry == "bypass_ppo" and config.use_tis:  # bypass PPO takes a correction that rejects
+        config = dataclasses.replace(config, tis_mode="none", tis_batch_normalize=False)
+    b = _Async(22)
+    old = b.old if entry in ("decoupled_ppo", "ppo") else None
+    versions = {"versions": b.versions, "current_version": b.current_version}
+
+    def composed(lp):
+        chained = rules.from_config(config)
+        if entry == "ppo":  # PPO's rollout_logp is a keyword: it only feeds metrics
+            return objectives.ppo(
+                lp, old, b.adv, b.mask, rollout_logp=b.rollout, correction=chained, **versions
+            )
+        first = (lp, old, b.rollout) if entry == "decoupled_ppo" else (lp, b.rollout)
+        return getattr(objectives, entry)(*first, b.adv, b.mask, correction=chained, **versions)
+
+    def configured(lp):
+        loss_config = opj.LossConfig(algorithm=entry, correction=config)
+        return opj.policy_loss_parts(lp, old, b.rollout, b.adv, b.mask, loss_config, **versions)
+
+    got = _bits(jax.jit(composed)(b.logp))
+    want = _bits(jax.jit(configured)(b.logp))
+    _assert_bits_equal(got, want)
+    assert np.isfinite(got["loss.numerator"]).all()
+    grads = [
+        jax.jit(jax.grad(lambda lp, f=f: f(lp)[0].value()))(b.logp) for f in (composed, configured)
+    ]
+    np.testing.assert_array_equal(grads[0], grads[1])
+    np.testing.assert_array_equal(grads[0][~b.mask], 0.0)
+
+
+@pytest.mark.parametrize("vanilla", [opj.VanillaTIS(), opj.VanillaTIS(clip_low=0.5, clip=1.5)])
+@pytest.mark.parametrize("entry", ["decoupled_ppo", "reinforce_is"])
+def test_vanilla_tis_chained_gives_the_config_loss_bit_for_bit(vanilla, entry):
+    b = _Async(23)
+    chained = rules.chain(rules.vanilla_tis(clip_low=vanilla.clip_low, clip=vanilla.clip))
+    assert rules.from_config(vanilla) == chained
+    old = b.old if entry == "decoupled_ppo" else None
+
+    def composed(lp):
+        call = getattr(objectives, entry)
+        first = (lp, old, b.rollout) if entry == "decoupled_ppo" else (lp, b.rollout)
+        return call(*first, b.adv, b.mask, correction=chained)
+
+    def configured(lp):
+        loss_config = opj.LossConfig(algorithm=entry, correction=vanilla)
+        return opj.policy_loss_parts(lp, old, b.rollout, b.adv, b.mask, loss_config)
+
+    got, want = _bits(jax.jit(composed)(b.logp)), _bits(jax.jit(configured)(b.logp))
+    _assert_bits_equal(got, want)
+    assert "metrics.tis.numerator" not in got and "tis.numerator" in got
+
+
+def test_vanilla_tis_matches_a_numpy_reference():
+    _, old, rollout, _, mask = _batch(7)
+    got = opj.correct(old, rollout, mask, rules.vanilla_tis(clip_low=0.5, clip=1.5))
+    ratio = np.exp(old.astype(np.float64) - rollout)
+    w = np.clip(ratio, 0.5, 1.5)
+    np.testing.assert_allclose(got.weights, np.where(mask, w, 0.0), rtol=1e-5)
+    np.testing.assert_array_equal(got.mask, mask)
+    rows = mask.sum(-1) > 0
+    per_seq = np.where(mask, w != ratio, 0).sum(-1)[rows] / mask.sum(-1)[rows]
+    np.testing.assert_allclose(got.metrics["tis_clipfrac"], per_seq.mean(), rtol=1e-5)
+
+
+def _non_default_settings():
+    """A valid non-default value of every CorrectionConfig field, with what it needs."""
+    return {
+        "use_tis": ({"use_tis": True}, {}),
+        "tis_level": ({"tis_level": "geometric"}, {"use_tis": True}),
+        "tis_mode": ({"tis_mode": "clip"}, {"use_tis": True}),
+        "tis_lower_bound": ({"tis_lower_bound": 0.25}, {"use_tis": True}),
+        "tis_upper_bound": ({"tis_upper_bound": 3.0}, {"use_tis": True}),
+        "tis_batch_normalize": ({"tis_batch_normalize": True}, {"use_tis": True}),
+        "use_rs": ({"use_rs": True}, {"use_tis": True}),
+        "rs_level": ({"rs_level": "sequence"}, {"use_tis": True, "use_rs": True}),
+        "rs_lower_bound": ({"rs_lower_bound": 0.3}, {"use_tis": True, "use_rs": True}),
+        "rs_upper_bound": ({"rs_upper_bound": 3.0}, {"use_tis": True, "use_rs": True}),
+        "rs_veto_threshold": ({"rs_veto_threshold": 1e-4}, {"use_tis": True}),
+        "rs_criteria": ({"rs_criteria": ("seq_max_k2:2.5",)}, {"use_tis": True}),
+        "seq_logprob_error_threshold": ({"seq_logprob_error_threshold": 2.0}, {"use_tis": True}),
+        "m2po_tau": ({"m2po_tau": 0.1}, {"use_tis": True}),
+        "probability_metrics": ({"probability_metrics": True}, {}),
+        "nonfinite_rollout": ({"nonfinite_rollout": "neutral"}, {}),
+        "max_weight_staleness": ({"max_weight_staleness": 2}, {"use_tis": True}),
+        "staleness_level": (
+            {"staleness_level": "token"}, {"use_tis": True, "max_weight_staleness": 2}
+        ),
+        "mask_offpolicy_in_partial_rollout": (
+            {"mask_offpolicy_in_partial_rollout": True}, {"use_tis": True}
+        ),
+        "rejection_sampling": (
+            {"rejection_sampling": {"upper": 3.0}}, {"use_tis": True, "tis_mode": "none"}
+        ),
+    }  # fmt: skip
+
+
+def test_every_correction_config_field_is_accepted_by_from_config():
+    settings = _non_default_settings()
+    assert set(settings) == set(opj.CorrectionConfig.keys())  # a new field needs a rule
+    for key, (value, needs) in settings.items():
+        without = rules.from_config(opj.CorrectionConfig(**needs))
+        with_it = rules.from_config(opj.CorrectionConfig(**needs, **value))
+        assert with_it != without, key  # the field reaches the chain
+
+
+def test_a_chain_needs_the_versions_its_rules_read():
+    _, old, rollout, adv, mask = _batch()
+    for rule, name in ((rules.staleness(max_weight_staleness=1), "rules.staleness"),
+                       (rules.offpolicy_prefix(), "rules.offpolicy_prefix")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"versions is required: {name}"):
+            opj.correct(old, rollout, mask, _IW, rule)
+        with pytest.raises(ValueError, match=f"versions is required: {name}"):
+            objectives.decoupled_ppo(
+                old, old, rollout, adv, mask, correction=rules.chain(_IW, rule)
+            )
+
+
+@pytest.mark.parametrize(
+    ("composed", "configured", "owner"),
+    [
+        (
+            lambda: rules.staleness(max_weight_staleness=-1),
+            lambda: opj.CorrectionConfig(use_tis=True, max_weight_staleness=-1),
+            "rules.staleness",
+        ),
+        (
+            lambda: rules.staleness(max_weight_staleness=2.5),
+            lambda: opj.CorrectionConfig(use_tis=True, max_weight_staleness=2.5),
+            "rules.staleness",
+        ),
+        (
+            lambda: rules.staleness(staleness_level="tok"),
+            lambda: opj.CorrectionConfig(staleness_level="tok"),
+            "rules.staleness",
+        ),
+        (
+            lambda: rules.chain(_IW, nonfinite_rollout="neutrl"),
+            lambda: opj.CorrectionConfig(nonfinite_rollout="neutrl"),
+            "rules.chain",
+        ),
+        (
+            lambda: rules.areal_rejection(metric="kl_k4"),
+            lambda: opj.CorrectionConfig.from_areal({"metric": "kl_k4"}),
+            "rules.areal_rejection",
+        ),
+        (
+            lambda: rules.areal_rejection(upper=0.5),
+            lambda: opj.CorrectionConfig.from_areal({"upper": 0.5}),
+            "rules.areal_rejection",
+        ),
+        (
+            lambda: rules.areal_rejection(action="clamp", metric="kl_k3", upper=0.1),
+            lambda: opj.CorrectionConfig.from_areal(
+                {"action": "clamp", "metric": "kl_k3", "upper": 0.1}
+            ),
+            "rules.areal_rejection",
+        ),
+    ],
+)
+def test_a_bad_correction_setting_raises_the_config_message_naming_its_keyword(
+    composed, configured, owner
+):
+    with pytest.raises(ValueError) as config_error:
+        configured()
+    with pytest.raises(ValueError) as error:
+        composed()
+    config_owner = "CorrectionConfig.rejection_sampling" if "areal" in owner else "CorrectionConfig"
+    assert str(error.value) == str(config_error.value).replace(config_owner, owner)
+    assert f"{owner}." in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "settings", [{"clip_low": -1.0}, {"clip": 0.0}, {"clip_low": 2.0, "clip": 1.0}, {"clip": "x"}]
+)
+def test_a_bad_vanilla_tis_raises_the_config_message_naming_its_keyword(settings):
+    with pytest.raises(ValueError) as config_error:
+        opj.VanillaTIS(**settings)
+    with pytest.raises(ValueError) as error:
+        rules.vanilla_tis(**settings)
+    assert str(error.value) == str(config_error.value).replace("VanillaTIS", "rules.vanilla_tis")
+
+
+def test_the_new_rules_take_keyword_only_hyperparameters_and_vanilla_tis_stands_alone():
+    with pytest.raises(TypeError):
+        rules.staleness(2)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        rules.vanilla_tis(0.0, 2.0)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        rules.areal_rejection("token")  # type: ignore[misc]
+    with pytest.raises(ValueError, match=r"rules\[1\]: vanilla_tis\(\) is a correction of its own"):
+        rules.chain(rules.mismatch_metrics(), rules.vanilla_tis())
+    b = _batch()
+    with pytest.raises(ValueError, match=r"objectives\.ppo\.correction: .* only report metrics"):
+        objectives.ppo(b[0], b[1], b[3], b[4], rollout_logp=b[2], correction=_mis())
+    with pytest.raises(ValueError, match=r"bypass_ppo\.correction: .* rules\[0\] \(VanillaIS\)"):
+        objectives.bypass_ppo(b[0], b[2], b[3], b[4], correction=rules.chain(rules.vanilla_tis()))

@@ -14,6 +14,13 @@ which builds exactly these values from a :class:`~offpolicy_jax.CorrectionConfig
         opj.rules.batch_normalize(),
     )  # == opj.rules.from_config(opj.CorrectionConfig.preset("mis"))
 
+Every :class:`~offpolicy_jax.CorrectionConfig` has its chain: the asynchronous-RL keys
+are the rules :func:`staleness` (``max_weight_staleness``, ``staleness_level``) and
+:func:`offpolicy_prefix` (``mask_offpolicy_in_partial_rollout``), which read the
+``versions`` given to the call; ``nonfinite_rollout`` is a keyword of :func:`chain`;
+AReaL's ``rejection_sampling`` grid is :func:`areal_rejection`; a
+:class:`~offpolicy_jax.VanillaTIS` is :func:`vanilla_tis`.
+
 A rule of your own subclasses :class:`Stage` (or :class:`Bounded`, or
 :class:`MetricGroup` for a metric): it declares per-token columns (:func:`total`,
 :func:`count`, :func:`count_where`, :func:`minimum`, :func:`maximum`) and turns their
@@ -26,6 +33,7 @@ from offpolicy_jax._src.correction.constructors import (
     BatchNormalize,
     MetricGroup,
     RejectionSampling,
+    areal_rejection,
     batch_normalize,
     criterion,
     importance_weights,
@@ -39,6 +47,14 @@ from offpolicy_jax._src.correction.constructors import (
 )
 from offpolicy_jax._src.correction.rules import batch_extreme, register_rule
 from offpolicy_jax._src.correction.stages import Bounded, Decision, Extreme, Mean, Stage, Tokens
+from offpolicy_jax._src.correction.vanilla import VanillaIS, vanilla_tis
+from offpolicy_jax._src.correction.versioned import (
+    OffPolicyPrefix,
+    Staleness,
+    VersionedRule,
+    offpolicy_prefix,
+    staleness,
+)
 from offpolicy_jax._src.reduction import (
     Column,
     MeanParts,
@@ -59,9 +75,14 @@ __all__ = [
     "Mean",
     "MeanParts",
     "MetricGroup",
+    "OffPolicyPrefix",
     "RejectionSampling",
     "Stage",
+    "Staleness",
     "Tokens",
+    "VanillaIS",
+    "VersionedRule",
+    "areal_rejection",
     "batch_extreme",
     "batch_normalize",
     "chain",
@@ -75,10 +96,13 @@ __all__ = [
     "minimum",
     "minpro_metrics",
     "mismatch_metrics",
+    "offpolicy_prefix",
     "probability_metrics",
     "register_rule",
     "rejection_sampling",
     "seq_logprob_error",
+    "staleness",
     "total",
+    "vanilla_tis",
     "veto",
 ]

@@ -486,26 +486,33 @@ class VanillaTIS:
     clip: float = 2.0
 
     def __post_init__(self):
-        low = check_number("VanillaTIS", "clip_low", self.clip_low, optional=False)
-        no_cap = not isinstance(self.clip, bool) and self.clip == math.inf
-        high = math.inf if no_cap else check_number("VanillaTIS", "clip", self.clip, optional=False)
-        assert low is not None and high is not None  # optional=False never returns None
-        if not 0 <= low < high:
-            raise ValueError(
-                f"VanillaTIS requires 0 <= clip_low < clip, got clip_low={shown(low)}, clip={shown(high)}"
-            )
-        if not no_cap:
-            check_f32_ratio("VanillaTIS", "clip", high)
-        if low != 0:
-            check_f32_ratio("VanillaTIS", "clip_low", low)
-        check_f32_less(
-            "VanillaTIS",
-            f"clip_low must be < clip, got clip_low={shown(low)}, clip={shown(high)}",
-            low,
-            high,
-        )
+        low, high = check_vanilla_tis("VanillaTIS", self.clip_low, self.clip)
         object.__setattr__(self, "clip_low", low)
         object.__setattr__(self, "clip", high)
+
+
+def check_vanilla_tis(owner: str, clip_low: object, clip: object) -> tuple[float, float]:
+    """The validated ``(clip_low, clip)`` of the reference's truncated IS, ``0 <= clip_low
+    < clip`` (``clip`` may be ``math.inf``); ``ValueError`` naming ``<owner>.<key>``."""
+    low = check_number(owner, "clip_low", clip_low, optional=False)
+    no_cap = not isinstance(clip, bool) and clip == math.inf
+    high = math.inf if no_cap else check_number(owner, "clip", clip, optional=False)
+    assert low is not None and high is not None  # optional=False never returns None
+    if not 0 <= low < high:
+        raise ValueError(
+            f"{owner} requires 0 <= clip_low < clip, got clip_low={shown(low)}, clip={shown(high)}"
+        )
+    if not no_cap:
+        check_f32_ratio(owner, "clip", high)
+    if low != 0:
+        check_f32_ratio(owner, "clip_low", low)
+    check_f32_less(
+        owner,
+        f"clip_low must be < clip, got clip_low={shown(low)}, clip={shown(high)}",
+        low,
+        high,
+    )
+    return low, high
 
 
 CorrectionFn = Callable[..., Any]

@@ -16,6 +16,7 @@ from typing import Literal
 
 from offpolicy_jax._src.config.correction import CorrectionConfig
 from offpolicy_jax._src.config.loss import LossConfig
+from offpolicy_jax._src.correction.chain import Correction
 from offpolicy_jax._src.losses.algorithms import ALGORITHMS, Algorithm
 from offpolicy_jax._src.losses.plan import LossPlan
 
@@ -28,6 +29,8 @@ def _versions_key(config: LossConfig) -> str | None:
     correction = config.correction
     if isinstance(correction, CorrectionConfig) and correction.uses_versions:
         return "the correction's max_weight_staleness / mask_offpolicy_in_partial_rollout"
+    if isinstance(correction, Correction):
+        return correction.versions_key
     return None
 
 
@@ -52,8 +55,11 @@ def _mismatch_metrics(config: LossConfig, algorithm: Algorithm) -> CorrectionCon
 
 
 def _nonfinite_rollout(config: LossConfig) -> Literal["reject", "neutral"]:
-    """The correction's ``nonfinite_rollout`` (``"reject"`` without a CorrectionConfig)."""
+    """The correction's ``nonfinite_rollout`` (a CorrectionConfig's or a chain's;
+    ``"reject"`` without one)."""
     correction = config.correction
+    if isinstance(correction, Correction) and correction.nonfinite_rollout == "neutral":
+        return "neutral"
     return correction.nonfinite_rollout if isinstance(correction, CorrectionConfig) else "reject"
 
 

@@ -1,10 +1,11 @@
 """A correction as a chain of rules: :class:`Correction`, :func:`chain`, :func:`from_config`.
 
 The composable form of :func:`~offpolicy_jax.compute_correction`: the rules
-(:mod:`offpolicy_jax._src.correction.constructors`, or a stage of your own) run through the
+(:mod:`offpolicy_jax._src.correction.constructors`, the rules that read policy versions in
+:mod:`~offpolicy_jax._src.correction.versioned`, or a stage of your own) run through the
 same two-pass stage pipeline (``compute.run_stages``), in the order given, and give the
 same :class:`~offpolicy_jax.CorrectionResult`. :func:`from_config` is the chain a
-:class:`~offpolicy_jax.CorrectionConfig` names.
+:class:`~offpolicy_jax.CorrectionConfig` (or :class:`~offpolicy_jax.VanillaTIS`) names.
 """
 
 from __future__ import annotations
@@ -14,16 +15,22 @@ import dataclasses
 import jax
 
 from offpolicy_jax._src import reduction as _reduce
-from offpolicy_jax._src.config import CorrectionConfig
-from offpolicy_jax._src.correction import compute, normalize
+from offpolicy_jax._src.checks import check_choice
+from offpolicy_jax._src.config import CorrectionConfig, VanillaTIS
+from offpolicy_jax._src.config.correction import NONFINITE_ROLLOUT
+from offpolicy_jax._src.correction import compute, normalize, staleness
 from offpolicy_jax._src.correction.bounds import TISWeights
 from offpolicy_jax._src.correction.compute import CorrectionResult
 from offpolicy_jax._src.correction.constructors import BatchNormalize, is_metric_group
 from offpolicy_jax._src.correction.rules import AReaLRejection
 from offpolicy_jax._src.correction.stages import Stage
+from offpolicy_jax._src.correction.vanilla import VanillaIS, vanilla_tis
+from offpolicy_jax._src.correction.versioned import OffPolicyPrefix, Staleness, VersionedRule
 from offpolicy_jax._src.reduction import AxisNames, MeanParts, Reduction
+from offpolicy_jax._src.validation import check_split_over
 
-Rule = Stage | BatchNormalize
+Rule = Stage | BatchNormalize | VersionedRule | VanillaIS
+_RULE_TYPES = (Stage, BatchNormalize, VersionedRule, VanillaIS)
 
 
 def _weighting_level(stages: tuple[Stage, ...]) -> str:
@@ -37,6 +44,27 @@ def _weighting_level(stages: tuple[Stage, ...]) -> str:
     return level
 
 
+def _check_rules(rules: tuple, nonfinite_rollout: object) -> str:
+    """Validates a chain's rules; returns its ``nonfinite_rollout``."""
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, _RULE_TYPES):
+            raise TypeError(
+                f"rules[{i}] must be a rule (a Stage, e.g. opj.rules.veto(threshold=1e-4), "
+                f"or opj.rules.batch_normalize()), got {type(rule).__name__}"
+            )
+    if sum(isinstance(r, BatchNormalize) for r in rules) > 1:
+        raise ValueError("rules: batch_normalize() may be given at most once")
+    how = check_choice("rules.chain", "nonfinite_rollout", nonfinite_rollout, NONFINITE_ROLLOUT)
+    vanilla = [i for i, r in enumerate(rules) if isinstance(r, VanillaIS)]
+    if vanilla and (len(rules) > 1 or how != "reject"):
+        raise ValueError(
+            f"rules[{vanilla[0]}]: vanilla_tis() is a correction of its own (the reference's "
+            "truncated IS): a chain holding it holds no other rule and reads a non-finite "
+            "rollout_logp as 'reject'"
+        )
+    return how
+
+
 @dataclasses.dataclass(frozen=True)
 class Correction:
     """A chain of correction rules (a frozen, hashable value; build it with :func:`chain`).
@@ -46,34 +74,53 @@ class Correction:
     :func:`offpolicy_jax.objectives.decoupled_ppo`, where its metrics stay poolable parts.
 
     Attributes:
-      rules: the stages in order, and at most one
-        :func:`~offpolicy_jax.rules.batch_normalize` marker.
+      rules: the stages and the rules that read ``versions``, in order, at most one
+        :func:`~offpolicy_jax.rules.batch_normalize` marker; or one
+        :func:`~offpolicy_jax.rules.vanilla_tis` alone.
+      nonfinite_rollout: ``"reject"`` or ``"neutral"`` (see :func:`chain`).
     """
 
     rules: tuple[Rule, ...] = ()
+    nonfinite_rollout: str = "reject"
 
     def __post_init__(self):
         rules = tuple(self.rules)
-        markers = [r for r in rules if isinstance(r, BatchNormalize)]
-        for i, rule in enumerate(rules):
-            if not isinstance(rule, (Stage, BatchNormalize)):
-                raise TypeError(
-                    f"rules[{i}] must be a rule (a Stage, e.g. opj.rules.veto(threshold=1e-4), "
-                    f"or opj.rules.batch_normalize()), got {type(rule).__name__}"
-                )
-        if len(markers) > 1:
-            raise ValueError("rules: batch_normalize() may be given at most once")
+        object.__setattr__(self, "nonfinite_rollout", _check_rules(rules, self.nonfinite_rollout))
         object.__setattr__(self, "rules", rules)
 
     @property
     def stages(self) -> tuple[Stage, ...]:
-        """The stages, in order (without the batch-normalisation marker)."""
+        """The stages, in order (without the batch-normalisation marker and the rules
+        that read ``versions``)."""
         return tuple(r for r in self.rules if isinstance(r, Stage))
+
+    @property
+    def vanilla(self) -> VanillaIS | None:
+        """The chain's :func:`~offpolicy_jax.rules.vanilla_tis` rule, or None."""
+        return next((r for r in self.rules if isinstance(r, VanillaIS)), None)
 
     @property
     def reweights(self) -> bool:
         """Whether a rule weights or rejects tokens (else the chain only reports metrics)."""
-        return any(not is_metric_group(s) for s in self.stages)
+        for rule in self.rules:
+            if isinstance(rule, Stage) and not is_metric_group(rule):
+                return True
+            if isinstance(rule, OffPolicyPrefix | VanillaIS):
+                return True
+            if isinstance(rule, Staleness) and rule.max_weight_staleness is not None:
+                return True
+        return False
+
+    @property
+    def counts_nonfinite(self) -> bool:
+        """Whether the chain rejects (and counts) the sequences with a non-finite
+        log-prob itself: a reweighting pipeline does; ``vanilla_tis`` leaves it to the loss."""
+        return self.reweights and self.vanilla is None
+
+    @property
+    def versions_key(self) -> str | None:
+        """The rule that reads ``versions`` (named when they are missing), or None."""
+        return next((r.key for r in self.rules if isinstance(r, VersionedRule)), None)
 
     @property
     def batch_normalize(self) -> str | None:
@@ -84,6 +131,33 @@ class Correction:
                 return rule.reduction or normalize.normalizer_reduction(level)
         return None
 
+    def _pipeline(self, old, rollout, mask, versions, current_version) -> list[Stage]:
+        """The stages of one call: the rules reading versions built from them, and the
+        metric stages ``compute_correction`` adds (neutral reads, ages) before them."""
+        added: list[Stage] = []
+        if self.nonfinite_rollout == "neutral":
+            added.append(staleness.NeutralRollout(staleness.neutral_rollout(old, rollout, mask)[1]))
+        age = None
+        if versions is not None:
+            age = current_version - versions  # integers: exact at any version
+            if not any(isinstance(r, Staleness) for r in self.rules):
+                added.append(Staleness().stage(versions, current_version, age))
+        elif self.versions_key is not None:
+            raise ValueError(
+                f"versions is required: {self.versions_key} reads the policy version of each "
+                "token (int [..., T])"
+            )
+        out: list[Stage] = []
+        for rule in self.rules:
+            if isinstance(rule, VersionedRule):
+                assert versions is not None and age is not None  # required above
+                out.extend(added)
+                added = []
+                out.append(rule.stage(versions, current_version, age))
+            elif isinstance(rule, Stage):
+                out.append(rule)
+        return out + added
+
     def parts(
         self,
         old: jax.Array,
@@ -92,11 +166,21 @@ class Correction:
         *,
         reduction: Reduction,
         layout: _reduce.Rows,
+        versions: jax.Array | None = None,
+        current_version: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, dict[str, MeanParts]]:
         """The pipeline on checked float32 inputs: ``(w, m', metric parts)`` (``w`` not yet
-        multiplied by ``m'``), as ``compute.run_stages``."""
+        multiplied by ``m'``), as ``compute.run_stages``; ``versions`` /
+        ``current_version``: integer arrays checked by ``staleness.check_versions``."""
+        vanilla = self.vanilla
+        if vanilla is not None:
+            weights, parts = vanilla.parts(old, rollout, mask, reduction=reduction, layout=layout)
+            return weights, mask, parts
+        stages = self._pipeline(old, rollout, mask, versions, current_version)
+        if self.nonfinite_rollout == "neutral":
+            rollout = staleness.neutral_rollout(old, rollout, mask)[0]
         return compute.run_stages(
-            list(self.stages),
+            stages,
             old,
             rollout,
             mask,
@@ -116,6 +200,8 @@ class Correction:
         axis_names: AxisNames = None,
         segment_ids: jax.typing.ArrayLike | None = None,
         num_segments: int | None = None,
+        versions: jax.typing.ArrayLike | None = None,
+        current_version: jax.typing.ArrayLike | None = None,
     ) -> CorrectionResult:
         """:func:`~offpolicy_jax.correct` with this chain's rules."""
         compute._check_reduction(reduction)
@@ -123,58 +209,78 @@ class Correction:
         old, rollout, valid, layout = compute.checked_inputs(
             old_logp, rollout_logp, mask, axes, segment_ids, num_segments
         )
-        weights, final, parts = self.parts(old, rollout, valid, reduction=reduction, layout=layout)
+        versions, current = staleness.check_versions(
+            versions, current_version, old.shape, needed_by=self.versions_key, mask=valid
+        )
+        check_split_over(axes.batch + axes.token, versions=versions)
+        weights, final, parts = self.parts(
+            old,
+            rollout,
+            valid,
+            reduction=reduction,
+            layout=layout,
+            versions=None if self.vanilla is not None else versions,
+            current_version=current,
+        )
         return compute.as_result(weights, final, parts, old.shape)
 
 
-def chain(*rules: Rule) -> Correction:
+def chain(*rules: Rule, nonfinite_rollout: str = "reject") -> Correction:
     """Chains correction rules into one :class:`Correction` (like ``optax.chain``).
 
     Args:
       *rules: stages (:func:`~offpolicy_jax.rules.importance_weights`,
         :func:`~offpolicy_jax.rules.rejection_sampling`, :func:`~offpolicy_jax.rules.veto`,
-        metric groups, your own :class:`~offpolicy_jax.rules.Stage`) and at most one
-        :func:`~offpolicy_jax.rules.batch_normalize`, in the order they decide.
+        metric groups, your own :class:`~offpolicy_jax.rules.Stage`), the rules that read
+        ``versions`` (:func:`~offpolicy_jax.rules.staleness`,
+        :func:`~offpolicy_jax.rules.offpolicy_prefix`) and at most one
+        :func:`~offpolicy_jax.rules.batch_normalize`, in the order they decide; or
+        :func:`~offpolicy_jax.rules.vanilla_tis` alone.
+      nonfinite_rollout: what a non-finite ``rollout_logp`` at a valid token does (the
+        ``CorrectionConfig`` key): ``"reject"`` rejects its sequence like any
+        non-finite input; ``"neutral"`` reads it as ``π_rollout = π_old`` there (ratio
+        1, ``δ = 0``), keeps the sequence, reports the share of such tokens as
+        ``mis_nonfinite_rollout_token_fraction``, and makes a loss read it so too.
 
     Returns:
       The :class:`Correction`.
 
     Raises:
-      TypeError: a rule that is not a stage (naming its position, ``rules[i]``).
+      TypeError: a rule that is not a rule (naming its position, ``rules[i]``).
+      ValueError: naming ``rules.chain.nonfinite_rollout``, or a rule that cannot be
+        chained (a second ``batch_normalize``; ``vanilla_tis`` with another rule).
     """
-    return Correction(rules)
+    return Correction(rules, nonfinite_rollout)
 
 
-def from_config(config: CorrectionConfig) -> Correction:
+def from_config(config: CorrectionConfig | VanillaTIS) -> Correction:
     """The chain of rules a :class:`~offpolicy_jax.CorrectionConfig` names (the config path's).
 
-    Add or reorder rules from here: ``opj.rules.chain(*opj.rules.from_config(cfg).rules,
-    my_metric)``.
+    Every valid config has one: ``chain(*from_config(cfg).rules,
+    nonfinite_rollout=cfg.nonfinite_rollout)`` gives ``compute_correction(..., cfg)``'s
+    weights, mask and metrics (with the same ``versions`` / ``current_version``), and as
+    a loss's correction that config's loss. A :class:`~offpolicy_jax.VanillaTIS` is
+    ``chain(vanilla_tis(clip_low=..., clip=...))``. Add or reorder rules from here:
+    ``opj.rules.chain(*opj.rules.from_config(cfg).rules, my_metric)``.
 
     Args:
-      config: a CorrectionConfig without the keys that need per-token policy versions or
-        rewrite the rollout log-probs (``max_weight_staleness``,
-        ``mask_offpolicy_in_partial_rollout``, ``nonfinite_rollout="neutral"``).
+      config: a CorrectionConfig or a VanillaTIS.
 
     Returns:
       The :class:`Correction`.
 
     Raises:
-      ValueError: a config with one of those keys (naming it).
+      TypeError: anything else.
     """
+    if isinstance(config, VanillaTIS):
+        return Correction((vanilla_tis(clip_low=config.clip_low, clip=config.clip),))
     if not isinstance(config, CorrectionConfig):
         raise TypeError(f"config must be a CorrectionConfig, got {type(config).__name__}")
-    for key, off in (
-        ("max_weight_staleness", None),
-        ("mask_offpolicy_in_partial_rollout", False),
-        ("nonfinite_rollout", "reject"),
-    ):
-        if getattr(config, key) != off:
-            raise ValueError(
-                f"from_config: CorrectionConfig.{key} needs compute_correction (per-token "
-                f"versions or rollout log-probs it rewrites); got {getattr(config, key)!r}"
-            )
     rules: list[Rule] = list(compute.correction_stages(config))
+    if config.max_weight_staleness is not None:
+        rules.append(Staleness(config.max_weight_staleness, config.staleness_level))
+    if config.mask_offpolicy_in_partial_rollout:
+        rules.append(OffPolicyPrefix())
     if config.use_tis and config.tis_batch_normalize:
         rules.append(BatchNormalize())
-    return Correction(tuple(rules))
+    return Correction(tuple(rules), config.nonfinite_rollout)

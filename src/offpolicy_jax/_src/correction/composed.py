@@ -18,19 +18,24 @@ def correct(
     rollout_logp: jax.typing.ArrayLike,
     mask: jax.typing.ArrayLike,
     *rules: Rule,
+    nonfinite_rollout: str = "reject",
     reduction: Reduction = "sequence",
     axis_names: AxisNames = None,
     segment_ids: jax.typing.ArrayLike | None = None,
     num_segments: int | None = None,
+    versions: jax.typing.ArrayLike | None = None,
+    current_version: jax.typing.ArrayLike | None = None,
 ) -> CorrectionResult:
     """Rollout correction from rules: IS weights, rejection mask and metrics, without a config.
 
     The composable form of :func:`~offpolicy_jax.compute_correction`: the same pipeline
     runs ``rules`` in order (docs/semantics.md §3), so
-    ``correct(o, b, m, *opj.rules.from_config(cfg).rules)`` equals
+    ``opj.rules.from_config(cfg)(o, b, m)`` (that is ``correct(o, b, m,
+    *chain.rules, nonfinite_rollout=chain.nonfinite_rollout)``) equals
     ``compute_correction(o, b, m, cfg)``. With ``δ = o − b`` the weighting rule gives
     ``w``, the rejection rules shrink the mask to ``m'``, a sequence with a non-finite
-    log-prob at a valid token is rejected, and ``batch_normalize()`` rescales ``w`` to
+    log-prob at a valid token is rejected (with ``nonfinite_rollout="neutral"`` a
+    non-finite ``b`` is read as ``o`` instead), and ``batch_normalize()`` rescales ``w`` to
     mean 1 over ``m'``. Rules that only report metrics leave ``w = 1`` and the mask.
 
     Args:
@@ -38,11 +43,19 @@ def correct(
       rollout_logp: ``[..., T]`` log π_rollout from the inference engine.
       mask: ``[..., T]`` bool, 0/1 integers or floats; > 0 = trained on.
       *rules: the rules (see :func:`~offpolicy_jax.rules.chain`).
+      nonfinite_rollout: ``"reject"`` or ``"neutral"`` (see
+        :func:`~offpolicy_jax.rules.chain`).
       reduction: how metrics reduce: ``"sequence"`` or ``"token"``.
       axis_names: inside ``shard_map``, the mesh axes the batch is split over (a name,
         names, or a :class:`~offpolicy_jax.MeshAxes`).
       segment_ids: packed rows: int ``[..., T]``, 1..K the sequences of a row, 0 padding.
       num_segments: ``K``, static, given exactly when ``segment_ids`` is.
+      versions: asynchronous RL: int ``[..., T]``, the policy version that sampled each
+        token; required by :func:`~offpolicy_jax.rules.staleness` and
+        :func:`~offpolicy_jax.rules.offpolicy_prefix`, and given to any chain it adds
+        ``mis_staleness_mean`` / ``mis_staleness_max`` (as in ``compute_correction``).
+      current_version: the trainer's version, required with ``versions``: an int, or
+        int ``[...]``, ``[..., 1]`` or ``[..., T]``.
 
     Returns:
       A :class:`~offpolicy_jax.CorrectionResult`: float32 ``weights`` (``w·m'``,
@@ -62,7 +75,7 @@ def correct(
       >>> np.round(np.asarray(res.weights, float), 2).tolist()  # min(π_old/π_rollout, 2)
       [[1.0, 2.0, 1.0], [1.0, 0.8, 0.0]]
     """
-    return Correction(rules)(
+    return Correction(rules, nonfinite_rollout)(
         old_logp,
         rollout_logp,
         mask,
@@ -70,4 +83,6 @@ def correct(
         axis_names=axis_names,
         segment_ids=segment_ids,
         num_segments=num_segments,
+        versions=versions,
+        current_version=current_version,
     )

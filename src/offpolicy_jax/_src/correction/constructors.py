@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 
 import jax
 import numpy as np
 
+from offpolicy_jax._src.config.rejection import RejectionSamplingConfig
 from offpolicy_jax._src.correction import criteria, metrics, rejection, rules
 from offpolicy_jax._src.correction.bounds import TISWeights
 from offpolicy_jax._src.correction.stages import Decision, Stage, Tokens
@@ -324,3 +326,56 @@ def batch_normalize(*, reduction: str | None = None) -> BatchNormalize:
     if reduction is not None:
         reduction = _choice("batch_normalize", "reduction", reduction, REDUCTIONS)
     return BatchNormalize(reduction)
+
+
+def areal_rejection(
+    *,
+    level: str = "token",
+    action: str = "mask",
+    metric: str = "ratio",
+    agg: str = "mean",
+    upper: float = 5.0,
+    lower: float | None = None,
+) -> rules.AReaLRejection:
+    """AReaL's rejection grid: the IS weight ``exp(δ)``, masked or clamped by a statistic.
+
+    With ``δ = log π_old − log π_rollout`` the weight is ``w = exp(δ)`` per token (at
+    ``level="sequence"`` with ``metric="ratio"`` the sequence's geometric mean
+    ``exp(Σ δ m / N)``); the statistic (``ratio = e^δ``, ``kl_k1 = δ``, ``kl_k2 = ½δ²``,
+    ``kl_k3 = e^{−δ} − 1 + δ`` or ``binary_kl``), per token or aggregated per sequence by
+    ``agg``, is in bounds iff ``lower ≤ stat ≤ upper``. ``action="mask"`` rejects what is
+    out of bounds; ``action="clamp"`` clips ``w`` to ``[lower or 0, upper]``
+    (docs/semantics.md §8). It is the chain's weighting rule: use it instead of
+    :func:`importance_weights`. ``CorrectionConfig(use_tis=True, tis_mode="none",
+    rejection_sampling={...})`` builds this rule from the same keys.
+
+    Args:
+      level: ``"token"`` or ``"sequence"``.
+      action: ``"mask"`` or ``"clamp"`` (``metric="ratio"`` only).
+      metric: ``"ratio"``, ``"kl_k1"``, ``"kl_k2"``, ``"kl_k3"`` or ``"binary_kl"``.
+      agg: the per-sequence aggregation at ``level="sequence"``: ``"sum"``, ``"mean"``
+        or ``"max"``.
+      upper: the statistic's upper bound (``> 1`` for ``ratio``).
+      lower: its lower bound, or None (no lower test).
+
+    Returns:
+      The weighting stage (a frozen, hashable value). Metrics ``mis_rs_areal_*`` and
+      ``mis_tis_weight_before_bound`` / ``mis_tis_weight_after_bound``.
+
+    Raises:
+      ValueError: the config's message with ``rules.areal_rejection`` as owner, naming
+        the keyword.
+    """
+    keys = {"level": level, "action": action, "metric": metric, "agg": agg}
+    keys |= {"upper": upper, "lower": lower}
+    owner, config_owner = "rules.areal_rejection", "CorrectionConfig.rejection_sampling"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            block = RejectionSamplingConfig(**keys)  # type: ignore[arg-type]
+        except ValueError as error:
+            raise ValueError(str(error).replace(config_owner, owner)) from None
+    for warning in caught:
+        message = str(warning.message).replace(config_owner, owner)
+        warnings.warn(message, warning.category, stacklevel=2)
+    return rules.AReaLRejection(block)

@@ -14,6 +14,8 @@ equal plan, so :func:`~offpolicy_jax.policy_loss_parts` gives the same parts and
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 from jax.typing import ArrayLike
 
@@ -23,6 +25,7 @@ from offpolicy_jax._src.correction.bounds import TISWeights
 from offpolicy_jax._src.correction.chain import Correction
 from offpolicy_jax._src.correction.compute import CorrectionResult
 from offpolicy_jax._src.correction.rules import AReaLRejection
+from offpolicy_jax._src.correction.vanilla import VanillaIS
 from offpolicy_jax._src.logprobs.topk import TopKLogprobs
 from offpolicy_jax._src.losses import regularisers as _regularisers
 from offpolicy_jax._src.losses.algorithms import ALGORITHMS
@@ -64,8 +67,10 @@ def _plan(
     opsm_delta: float | None = None,
     get_mismatch_metrics: bool = False,
     prox_logp_method: str = "recompute",
+    metrics_chain: Correction | None = None,
 ) -> LossPlan:
-    """The plan of an objective's arguments (validated; errors name the argument)."""
+    """The plan of an objective's arguments (validated; errors name the argument);
+    ``metrics_chain``: a chain that only reports metrics, beside the loss."""
     owner = f"objectives.{algorithm}"
     spec = _surrogate(surrogate)
     settings = check_aggregation(
@@ -78,11 +83,20 @@ def _plan(
     method = check_prox_logp_method(owner, prox_logp_method, algorithm)
     # The §4 metrics beside the loss, as LossConfig.get_mismatch_metrics asks for them
     # (a chain reports its own only through its mismatch_metrics() rule).
-    metrics_only = (
-        CorrectionConfig()
+    # A chain's nonfinite_rollout is the loss's too, as a CorrectionConfig's is.
+    reads = correction if correction is not None else metrics_chain
+    neutral = reads is not None and reads.nonfinite_rollout == "neutral"
+    nonfinite: Literal["reject", "neutral"] = "neutral" if neutral else "reject"
+    metrics_only: CorrectionConfig | Correction | None = (
+        CorrectionConfig(nonfinite_rollout=nonfinite)
         if check_bool(owner, "get_mismatch_metrics", get_mismatch_metrics)
         else None
     )
+    if metrics_chain is not None:  # as a metrics-only CorrectionConfig of a LossConfig
+        metrics_only = metrics_chain
+    versions_key = None if reads is None else reads.versions_key
+    if method != "recompute":
+        versions_key = f"{owner}.prox_logp_method"
     return LossPlan(
         ALGORITHMS[algorithm],
         spec.name,
@@ -93,7 +107,8 @@ def _plan(
         rejected_in_denominator=settings.rejected_in_denominator,
         metric_reduction=settings.metric_reduction,
         mismatch_metrics=metrics_only,
-        versions_key=None if method == "recompute" else f"{owner}.prox_logp_method",
+        versions_key=versions_key,
+        nonfinite_rollout=nonfinite,
         prox_logp_method=method,
         opsm_delta=check_opsm_delta(owner, opsm_delta),
         **_regularisers.plan_fields(owner, regularisers),
@@ -115,6 +130,24 @@ def _correction(
     return correction, None
 
 
+def _metrics_only(correction: Correction | None) -> Correction | None:
+    """PPO's correction: a chain that only reports metrics, or None."""
+    if correction is None:
+        return None
+    if not isinstance(correction, Correction):
+        raise TypeError(
+            "correction must be a chain of rules (opj.rules.chain(...)) that only reports "
+            f"metrics, or None, got {type(correction).__name__}"
+        )
+    if correction.reweights:
+        raise ValueError(
+            "objectives.ppo.correction: PPO applies no rollout correction, so its chain may "
+            "only report metrics (e.g. rules.mismatch_metrics()); use objectives.decoupled_ppo "
+            "for a chain that weights or rejects"
+        )
+    return correction
+
+
 def _rejection_only(correction: Correction | None) -> Correction | None:
     """Bypass PPO's correction: a chain whose rules may reject but leave every weight
     at 1 (verl's bypass PPO-clip with ``rollout_rs``), or None."""
@@ -126,7 +159,7 @@ def _rejection_only(correction: Correction | None) -> Correction | None:
             f"None, got {type(correction).__name__}"
         )
     for i, rule in enumerate(correction.rules):
-        weighs = isinstance(rule, AReaLRejection) or (
+        weighs = isinstance(rule, AReaLRejection | VanillaIS) or (
             isinstance(rule, TISWeights) and rule.mode != "none"
         )
         if weighs:
@@ -225,7 +258,10 @@ def decoupled_ppo(
         ``entropy_bonus``; given without one, only the ``entropy`` metric.
       rewards: ``[...]`` or ``[..., T]``, for ``positive_example_nll``; given without
         one, only the ``nll_loss`` metric.
-      versions: int ``[..., T]``, the policy version that sampled each token.
+      versions: int ``[..., T]``, the policy version that sampled each token: read by
+        the chain's :func:`~offpolicy_jax.rules.staleness` /
+        :func:`~offpolicy_jax.rules.offpolicy_prefix` (which require it), and adding
+        ``mis_staleness_mean`` / ``mis_staleness_max`` to its metrics.
       current_version: the trainer's version: an int, or int ``[...]``, ``[..., 1]`` or
         ``[..., T]``; given exactly with ``versions``.
       key: a PRNG key for surrogates that choose tokens at random (``clip_cov``).
@@ -294,6 +330,7 @@ def ppo(
     regularisers: Regularisers = (),
     opsm_delta: float | None = None,
     get_mismatch_metrics: bool = False,
+    correction: Correction | None = None,
     rollout_logp: ArrayLike | None = None,
     ref_logp: ArrayLike | None = None,
     entropy: ArrayLike | None = None,
@@ -321,8 +358,13 @@ def ppo(
       rejected_in_denominator: keep the sequences ``opsm_delta`` drops (and those
         with a non-finite input) in the loss denominator.
       regularisers, opsm_delta, get_mismatch_metrics: as :func:`decoupled_ppo`.
+      correction: None, or a chain of rules that only reports metrics (the form of a
+        metrics-only ``CorrectionConfig`` in ``LossConfig(algorithm="ppo", ...)``, e.g.
+        ``opj.rules.chain(opj.rules.mismatch_metrics(), nonfinite_rollout="neutral")``):
+        its metrics of π_old against ``rollout_logp`` beside the loss, and its
+        ``nonfinite_rollout`` for the loss's reads of ``rollout_logp``.
       rollout_logp: ``[..., T]`` log π_rollout, or None; required by
-        ``get_mismatch_metrics``; given, it adds ``train_rollout_logprob_abs_diff`` and
+        ``get_mismatch_metrics`` and ``correction``; given, it adds ``train_rollout_logprob_abs_diff`` and
         is the behaviour policy of ``opsm_delta`` (else π_old is).
       ref_logp, entropy, rewards, versions, current_version, key, topk: as
         :func:`decoupled_ppo` (``versions`` add the staleness metrics to
@@ -353,6 +395,7 @@ def ppo(
         "ppo",
         None,
         surrogate,
+        metrics_chain=_metrics_only(correction),
         aggregation=aggregation,
         loss_scale_factor=loss_scale_factor,
         rejected_in_denominator=rejected_in_denominator,

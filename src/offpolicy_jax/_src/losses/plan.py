@@ -25,7 +25,7 @@ from offpolicy_jax._src.checks import (
     check_number,
     check_positive,
 )
-from offpolicy_jax._src.config.correction import Correction, CorrectionConfig
+from offpolicy_jax._src.config.correction import Correction, CorrectionConfig, CorrectionFn
 from offpolicy_jax._src.losses.algorithms import Algorithm
 from offpolicy_jax._src.losses.policy_losses import KL_ESTIMATORS
 from offpolicy_jax._src.messages import shown
@@ -140,7 +140,8 @@ class LossPlan:
         or a metrics-only ``CorrectionConfig``).
       aggregation, loss_scale_factor, rejected_in_denominator, metric_reduction: the
         :class:`Aggregation` (validated by :func:`check_aggregation`).
-      mismatch_metrics: the metrics-only correction that reports the §4 metrics beside
+      mismatch_metrics: the metrics-only correction (a ``CorrectionConfig``, or a chain
+        of rules that only report metrics) that reports the §4 metrics beside
         the loss, or None (not asked for, or reported by ``correction`` itself).
       versions_key: the setting that reads ``versions``, named in the error when they are
         missing, or None; a label, left out of the plan's equality and hash.
@@ -160,7 +161,7 @@ class LossPlan:
     loss_scale_factor: float | None = None
     rejected_in_denominator: bool = False
     metric_reduction: Literal["sequence", "token"] = "sequence"
-    mismatch_metrics: CorrectionConfig | None = None
+    mismatch_metrics: CorrectionConfig | CorrectionFn | None = None
     versions_key: str | None = dataclasses.field(default=None, compare=False)
     nonfinite_rollout: Literal["reject", "neutral"] = "reject"
     prox_logp_method: str = "recompute"

@@ -43,13 +43,14 @@ from offpolicy_jax._src.correction.topk_divergence import (
     topk_mismatch_means,
     topk_terms,
 )
+from offpolicy_jax._src.correction.vanilla import VanillaIS
 from offpolicy_jax._src.logprobs.topk import TopKLogprobs
 from offpolicy_jax._src.losses import builtins as _objective
 from offpolicy_jax._src.losses import proximal
 from offpolicy_jax._src.losses.algorithms import ALGORITHMS, Algorithm, Policy
 from offpolicy_jax._src.losses.policy_losses import safe_log_ratio
 from offpolicy_jax._src.losses.registry import SurrogateInput
-from offpolicy_jax._src.losses.surrogates import reinforce_term, vanilla_tis
+from offpolicy_jax._src.losses.surrogates import reinforce_term
 from offpolicy_jax._src.reduction import AxisNames, MeanParts, Reduction
 from offpolicy_jax._src.validation import (
     as_array,
@@ -571,14 +572,18 @@ def _correct(plan: LossPlan, old, b: _Batch, precomputed) -> _Corrected:
         return _Corrected(weights, final, dict(parts), counts_nonfinite=True)
     if isinstance(correction, Correction):  # a chain of rules: the same pipeline, as parts
         weights, final, parts = correction.parts(
-            old, rollout, mask, reduction=b.reduction, layout=layout
+            old,
+            rollout,
+            mask,
+            reduction=b.reduction,
+            layout=layout,
+            versions=b.versions,
+            current_version=b.current,
         )
-        return _Corrected(weights, final, dict(parts), counts_nonfinite=correction.reweights)
+        return _Corrected(weights, final, dict(parts), correction.counts_nonfinite)
     if isinstance(correction, VanillaTIS):
-        clip_low, clip = correction.clip_low, correction.clip
-        weights, parts = vanilla_tis(
-            old, rollout, mask, clip_low=clip_low, clip=clip, reduction=b.reduction, layout=layout
-        )
+        vanilla = VanillaIS(correction.clip_low, correction.clip)
+        weights, parts = vanilla.parts(old, rollout, mask, reduction=b.reduction, layout=layout)
         return _Corrected(weights, mask, dict(parts))
     assert correction is not None  # plan.reweights
     result = correction(
@@ -594,6 +599,29 @@ def _correct(plan: LossPlan, old, b: _Batch, precomputed) -> _Corrected:
     return _Corrected(weights, final, parts, "mis_nonfinite_seq_fraction" in parts)
 
 
+def _mismatch_parts(metrics_only: object, old: jax.Array, b: _Batch, versions, current) -> dict:
+    """The metric parts of the metrics-only correction beside the loss (a
+    ``CorrectionConfig`` or a chain of rules), of ``old`` against π_rollout."""
+    assert b.rollout is not None  # _check_inputs: mismatch metrics require rollout_logp
+    where = {"reduction": b.reduction, "layout": b.layout}
+    if isinstance(metrics_only, CorrectionConfig):
+        _, _, parts = correction_parts(
+            old,
+            b.rollout,
+            b.mask,
+            metrics_only,
+            versions=versions,
+            current_version=current,
+            **where,
+        )
+    else:
+        assert isinstance(metrics_only, Correction)  # a chain that only reports metrics
+        _, _, parts = metrics_only.parts(
+            old, b.rollout, b.mask, versions=versions, current_version=current, **where
+        )
+    return dict(parts)
+
+
 def _corrected(b: _Batch, plan: LossPlan, algo: Algorithm, precomputed) -> _Corrected:
     """The correction (if it reweights), the mismatch metrics and OPSM: ``w``, ``m'``."""
     done = _Corrected(None, b.mask, {})
@@ -605,16 +633,7 @@ def _corrected(b: _Batch, plan: LossPlan, algo: Algorithm, precomputed) -> _Corr
         # unchanged. In reinforce_is they replace those of the correction's sg(θ).
         # The staleness metrics come with them, unless the correction above reported them.
         versions = (None, None) if plan.reweights else (b.versions, b.current)
-        _, _, mismatch = correction_parts(
-            proxy_old,
-            b.rollout,
-            b.mask,
-            plan.mismatch_metrics,
-            reduction=b.reduction,
-            layout=b.layout,
-            versions=versions[0],
-            current_version=versions[1],
-        )
+        mismatch = _mismatch_parts(plan.mismatch_metrics, proxy_old, b, *versions)
         # A reweighting correction counted the neutral reads against its own π_old.
         if _NEUTRAL_KEY in done.parts:
             mismatch.pop(_NEUTRAL_KEY, None)

@@ -16,9 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax._src import reduction as _reduce
-from offpolicy_jax._src.correction.ratios import LOG_RATIO_CLAMP, metric_exp, metric_expm1
-from offpolicy_jax._src.reduction import MeanParts, Reduction, Rows
+from offpolicy_jax._src.correction.ratios import LOG_RATIO_CLAMP, metric_exp
 
 _RATIO_MIN = float(np.exp(np.float32(-LOG_RATIO_CLAMP)))
 _RATIO_MAX = float(np.exp(np.float32(LOG_RATIO_CLAMP)))
@@ -192,49 +190,3 @@ def reinforce_term(logp: jax.Array, advantages: jax.Array, weights: jax.Array) -
     rollout policy as the behaviour policy (D9).
     """
     return -jax.lax.stop_gradient(weights) * advantages * logp
-
-
-def vanilla_tis(
-    old_logp: jax.Array,
-    rollout_logp: jax.Array,
-    population: jax.Array,
-    *,
-    clip_low: float,
-    clip: float,
-    reduction: Reduction,
-    layout: Rows,
-) -> tuple[jax.Array, dict[str, MeanParts]]:
-    """The reference's built-in truncated IS: ``w = clip(exp(o − b), clip_low, clip)``.
-
-    Args:
-      old_logp: ``[..., T]`` log π_old (or ``sg(θ)`` in REINFORCE-IS).
-      rollout_logp: ``[..., T]`` log π_rollout.
-      population: ``[..., T]`` float weights of the tokens the metrics cover.
-      clip_low: lower clip (0 = one-sided truncation).
-      clip: upper clip.
-      reduction: metric reduction.
-      layout: per-sequence reductions (and mesh axes).
-
-    Returns:
-      ``(weights, metrics)``: stop-gradient ``[..., T]`` weights (1 where the
-      log-ratio is not finite: the loss rejects such sequences) and ``tis`` (pre-clip
-      ratio), ``tis_clipfrac`` (share with ``w ≠ ratio``), ``tis_abs`` (``|ratio − 1|``);
-      the metric exponentials are capped (``ratios.metric_exp``).
-    """
-    log_ratio = jax.lax.stop_gradient(old_logp - rollout_logp)
-    usable = (population > 0) & jnp.isfinite(log_ratio)
-    log_ratio = jnp.where(usable, log_ratio, 0.0)
-    weights = jnp.clip(jnp.exp(log_ratio), clip_low, clip)
-    sums = layout.reduce(
-        {
-            "tis": _reduce.total(metric_exp(log_ratio), population),
-            "tis_clipfrac": _reduce.count_where(weights != jnp.exp(log_ratio), population),
-            "tis_abs": _reduce.total(jnp.abs(metric_expm1(log_ratio)), population),
-            "count": _reduce.count(population),
-        }
-    )
-    means = {
-        key: _reduce.seq_mean(sums[key], sums["count"], reduction)
-        for key in ("tis", "tis_clipfrac", "tis_abs")
-    }
-    return weights, layout.batch_means(means)
