@@ -1,7 +1,8 @@
 """One reduction path: packed rows of any layout exact, long rows within float32 rounding.
 
 Every backend runs the same reductions (a row's columns stacked into one sum and one
-min; one scatter per op and one gather for packed rows). These tests pin what that path must
+min; a packed pass's into one scatter-add and one scatter-min, with selects back to the
+tokens). These tests pin what that path must
 give against float64 NumPy references: ``pack_sequences`` rows of many short responses
 after a prompt equal the unpacked batch, the promise argument that let a faster path
 take such rows wrongly is gone, and sums over rows of 1k-8k tokens are within float32
@@ -223,3 +224,86 @@ def test_a_rows_columns_are_two_reductions_each_its_own_rows():
     np.testing.assert_array_equal(got["min_x"], np.where(mask, x, np.inf).min(-1))
     np.testing.assert_array_equal(got["max_x"], np.where(mask, x, -np.inf).max(-1))
     np.testing.assert_array_equal(got["max_y"], np.where(mask, y, -np.inf).max(-1))
+
+
+def _packed_reduce(x, y, population, ids, num_segments, copies):
+    """``copies`` sums, minima and maxima of each kind over packed rows, one pass."""
+    columns = {}
+    for i in range(copies):
+        scaled = x * (i + 1)
+        columns[f"n{i}"] = _reduce.count(population * (i + 1))
+        columns[f"x{i}"] = _reduce.total(scaled, population)
+        columns[f"y{i}"] = _reduce.total(y * y + i, population)
+        columns[f"min_x{i}"] = _reduce.minimum(scaled, population)
+        columns[f"max_x{i}"] = _reduce.maximum(scaled, population)
+        columns[f"max_y{i}"] = _reduce.maximum(y + i, population)
+    return _reduce.segment_reduce(columns, ids, num_segments, _reduce.MeshAxes())
+
+
+def _ops(fn, *args) -> dict[str, int]:
+    hlo = jax.jit(fn).lower(*args).as_text()
+    return {op: hlo.count(f'"stablehlo.{op}"(') for op in ("scatter", "gather")}
+
+
+@pytest.mark.parametrize("copies", [1, 4])
+def test_a_packed_pass_is_two_scatters_and_its_way_back_no_gather(copies):
+    """Packed rows: the sums of one pass are one scatter-add and its minima and maxima
+    one scatter-min, however many columns there are; the gradient and the broadcast of
+    per-segment values back to the tokens gather nothing. Each result is its own
+    column's reduction over its own segment (ids of any layout, out-of-range ids are
+    padding, an empty segment gives 0, +inf, -inf)."""
+    rng = np.random.default_rng(7)
+    shape, k = (3, 300), 5
+    x = rng.normal(size=shape).astype(np.float32)
+    y = rng.exponential(size=shape).astype(np.float32)
+    ids = rng.integers(-1, k + 2, size=shape).astype(np.int32)
+    ids[ids == 3] = 2  # segment 3 is empty
+    population = np.where((ids >= 1) & (ids <= k) & (rng.random(shape) < 0.8), 1.0, 0.0)
+    args = (jnp.asarray(x), jnp.asarray(y), jnp.asarray(population, jnp.float32), ids)
+
+    def reduce(x, y, population, ids):
+        return _packed_reduce(x, y, population, ids, k, copies)
+
+    assert _ops(reduce, *args) == {"scatter": 2, "gather": 0}
+
+    def loss(x, y, population, ids):
+        out = reduce(x, y, population, ids)
+        spread = _reduce.segment_broadcast(out["x0"] * out["y0"], ids)
+        sums = sum(jnp.sum(v) for name, v in out.items() if name[0] in "xy")
+        return sums + jnp.sum(spread * x)
+
+    # the sums' scatter and the broadcast's transpose (a per-segment sum); the minima and
+    # maxima, which the loss does not read, are gone
+    assert _ops(jax.grad(loss), *args) == {"scatter": 2, "gather": 0}
+    got = jax.jit(reduce)(*args)
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    for i in range(copies):
+        sums = {
+            f"n{i}": np.full(shape, i + 1.0),
+            f"x{i}": x64 * (i + 1),
+            f"y{i}": y64 * y64 + i,
+        }
+        extremes = {f"min_x{i}": x64 * (i + 1), f"max_x{i}": x64 * (i + 1), f"max_y{i}": y64 + i}
+        for s in range(1, k + 1):
+            inside = (ids == s) & (population > 0)
+            for key, value in sums.items():
+                want = np.where(inside, value, 0.0).sum(-1)
+                np.testing.assert_allclose(got[key][:, s - 1], want, rtol=1e-5, atol=1e-4)
+            for key, value in extremes.items():
+                fill = np.inf if key.startswith("min") else -np.inf
+                pick = np.where(inside, value, fill)
+                want = pick.min(-1) if key.startswith("min") else pick.max(-1)
+                np.testing.assert_allclose(got[key][:, s - 1], want, rtol=1e-6)
+    assert np.all(np.asarray(got["n0"])[:, 2] == 0)
+    assert np.all(np.isposinf(got["min_x0"][:, 2])) and np.all(np.isneginf(got["max_y0"][:, 2]))
+    # d/dx: (i + 1) p_t from each x_i sum, and from sum_t spread_t x_t the token's own
+    # segment's spread plus y0 of its segment times the sum of x over that segment
+    grad = np.asarray(jax.jit(jax.grad(loss))(*args), np.float64)
+    seg = np.where((ids >= 1) & (ids <= k), ids, 0)
+    x0 = np.pad(np.asarray(got["x0"], np.float64), [(0, 0), (1, 0)])
+    y0 = np.pad(np.asarray(got["y0"], np.float64), [(0, 0), (1, 0)])
+    seg_x = np.stack([np.where(seg == s, x64, 0.0).sum(-1) for s in range(k + 1)], -1)
+    mine = lambda v: np.take_along_axis(v, seg, -1)  # noqa: E731
+    want = copies * (copies + 1) / 2 * population + mine(x0 * y0)
+    want += np.where(seg > 0, mine(y0) * mine(seg_x) * population, 0.0)
+    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-4)
