@@ -1,8 +1,8 @@
 """One reduction path: packed rows of any layout exact, long rows within float32 rounding.
 
 Every backend runs the same reductions (a row's columns stacked into one sum and one
-min; a packed pass's into one scatter-add and one scatter-min, with selects back to the
-tokens). These tests pin what that path must
+min; a packed pass's into one scatter-add and one scatter-min, and one gather back to
+the tokens). These tests pin what that path must
 give against float64 NumPy references: ``pack_sequences`` rows of many short responses
 after a prompt equal the unpacked batch, the promise argument that let a faster path
 take such rows wrongly is gone, and sums over rows of 1k-8k tokens are within float32
@@ -246,10 +246,10 @@ def _ops(fn, *args) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("copies", [1, 4])
-def test_a_packed_pass_is_two_scatters_and_its_way_back_no_gather(copies):
+def test_a_packed_pass_is_two_scatters_and_its_gradient_no_gather(copies):
     """Packed rows: the sums of one pass are one scatter-add and its minima and maxima
-    one scatter-min, however many columns there are; the gradient and the broadcast of
-    per-segment values back to the tokens gather nothing. Each result is its own
+    one scatter-min, however many columns there are; the sums' gradient gathers nothing
+    (a broadcast of per-segment values to the tokens is one gather). Each result is its own
     column's reduction over its own segment (ids of any layout, out-of-range ids are
     padding, an empty segment gives 0, +inf, -inf)."""
     rng = np.random.default_rng(7)
@@ -272,9 +272,10 @@ def test_a_packed_pass_is_two_scatters_and_its_way_back_no_gather(copies):
         sums = sum(jnp.sum(v) for name, v in out.items() if name[0] in "xy")
         return sums + jnp.sum(spread * x)
 
-    # the sums' scatter and the broadcast's transpose (a per-segment sum); the minima and
-    # maxima, which the loss does not read, are gone
-    assert _ops(jax.grad(loss), *args) == {"scatter": 2, "gather": 0}
+    # the sums' scatter, the broadcast's one gather and its transpose (a per-segment sum);
+    # the sums' cotangents reach their tokens without a gather, and the minima and maxima,
+    # which the loss does not read, are gone
+    assert _ops(jax.grad(loss), *args) == {"scatter": 2, "gather": 1}
     got = jax.jit(reduce)(*args)
     x64, y64 = x.astype(np.float64), y.astype(np.float64)
     for i in range(copies):

@@ -815,7 +815,6 @@ def test_without_segment_ids_the_program_is_unchanged():
                 lambda *a, fn=fn: fn(*a, segment_ids=np.ones(a[0].shape, np.int32), num_segments=2)
             )(*args)
         )
-        # the per-segment scatters: packed rows only (and no gather in either: up to 64
-        # segments, per-segment values reach their tokens by selects)
+        # the per-segment scatters and the gathers back to tokens: packed rows only
         assert "scatter" in packed and "scatter" not in plain
-        assert "gather" not in packed and "gather" not in plain
+        assert "gather" in packed and "gather" not in plain

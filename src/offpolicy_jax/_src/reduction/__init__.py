@@ -18,7 +18,7 @@ Behind the seam (see docs/guide/reduction_engine.md):
 * :mod:`~offpolicy_jax._src.reduction.plain` / :mod:`~offpolicy_jax._src.reduction.packed`:
   how the reductions run, the same on every backend (the columns of a row stacked into
   one ``jnp.sum`` and one ``jnp.min``; those of packed rows into one scatter-add and one
-  scatter-min, O(T) whatever the number of segments, and ``K`` selects back);
+  scatter-min, O(T) whatever the number of segments, and one gather back);
 * :mod:`~offpolicy_jax._src.reduction.scan`: the per-sequence prefix minimum.
 """
 

@@ -1,28 +1,31 @@
 """How the packed reductions run, the same on every backend: O(T) per pass, a few ops.
 
 Packed rows hold several sequences, named by ``segment_ids`` (1..K; anything else is
-padding). Every token has one slot in one flat table (:func:`flat_slots`: its row,
-its chunk of :data:`CHUNK` tokens, its segment), computed once from the ids and read
-by every scatter and gather of the program, forward and backward.
+padding). Every token has one slot in its row's table (:func:`token_slots`: its chunk
+of :data:`CHUNK` tokens, its segment), computed once from the ids and used by every
+scatter of the program, forward and backward. Each row is scattered and gathered on
+its own (batched over the leading axes), so that under ``jit`` the XLA partitioner
+keeps a sharded batch axis local: a flat table over all rows would be replicated and
+all-reduced.
 
-* Reductions (:func:`reduce_segments`): the columns of a pass stacked ``[N, n]`` and
+* Reductions (:func:`reduce_segments`): the columns of a pass stacked ``[..., T, n]`` and
   scattered together, one ``segment_sum`` for every sum and one ``segment_min`` for
   every min and max (``max x = −min(−x)``, exact), then reduced over the chunks as a
   tree. A scatter costs about one update per token and column, whatever ``K`` and
   whatever the layout of the ids, so a pass costs about what the padded rows' stacked
   reductions cost; a scatter per column (or per op) would walk the tokens again.
-* The way back (:func:`gather_broadcast`), ``[..., K] -> [..., T]``: a chain of ``K``
-  selects on the ids up to :data:`SELECT_MAX` segments, a gather beyond. The selects
-  are elementwise, so they fuse into the computation that reads them and stay
-  vectorized; a gather reads one token at a time (on XLA:CPU, and it is slow on TPU),
-  and costs more than dozens of selects. Past :data:`SELECT_MAX` segments the gather
-  does less work.
-* Gradients (custom JVPs; forward-mode tangents are exact, reverse mode is what is
-  tuned): the transpose of a per-segment sum is the broadcast of its cotangent, as
-  the same ``K`` selects (its tangent is written as ``K`` masked sums, whose transpose
-  JAX takes to exactly those selects); the transpose of a broadcast is a per-segment
-  sum, as a chunked scatter-add into the flat table (its tangent is written as the
-  gather from that table). Nothing ``[..., K, T]``-sized is ever built.
+* The way back (:func:`gather_broadcast`), ``[..., K] -> [..., T]``: one gather of the
+  tokens' ids, a computation of its own whose result every reader shares.
+* Gradients (custom JVPs; forward-mode tangents are exact, reverse mode is what they
+  are written for). The transpose of a per-segment sum broadcasts its cotangent to
+  the tokens, inside the backward's elementwise pass over them: there ``K`` selects on
+  the ids (up to :data:`SELECT_MAX` segments) fuse and stay vectorized, where a gather
+  fused into that pass reads one token at a time and slows all of it. So a sum's
+  tangent is written as ``K`` masked sums, whose transpose JAX takes to exactly those
+  selects. The transpose of a broadcast is a per-segment sum: its tangent is written
+  as a gather at the tokens' slots of the (chunk, segment) table, whose transpose is
+  the chunked scatter-add (as exact as the forward's sums).
+  Nothing ``[..., K, T]``-sized is ever built.
 
 Arrays sharded in their types (``jit`` with ``NamedSharding`` on an
 ``AxisType.Explicit`` mesh) are reduced and broadcast on each device's block, in a
@@ -33,7 +36,6 @@ devices.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -48,53 +50,52 @@ from offpolicy_jax._src.reduction.plain import linear_jvp, plain_reduce
 # its exact value as a plain ``jnp.sum`` over a row.
 CHUNK = 256
 
-# Up to this many segments a row, a per-segment value reaches its tokens through K
-# selects (elementwise, fused and vectorized on every backend); past it through one
-# gather, whose cost does not grow with K.
+# Up to this many segments a row, the cotangent of a per-segment sum reaches its tokens
+# through K selects (elementwise: they fuse into the backward's pass over the tokens
+# and stay vectorized on every backend); past it through one gather, whose cost does
+# not grow with K.
 SELECT_MAX = 64
 
 _IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
-
-
-def _rows(segment_ids: jax.Array) -> jax.Array:
-    """The ids as ``[rows, T]``: every leading axis flattened into one."""
-    return segment_ids.reshape(math.prod(segment_ids.shape[:-1]), segment_ids.shape[-1])
 
 
 def _chunks(length: int) -> int:
     return max(1, -(-length // CHUNK))
 
 
-def flat_slots(segment_ids: jax.Array, num_segments: int) -> jax.Array:
-    """Each token's slot in one flat table of ``rows · chunks · (K + 1)`` slots, ``[N]``.
+def token_slots(segment_ids: jax.Array, num_segments: int) -> jax.Array:
+    """Each token's slot in its row's table of ``chunks · (K + 1)`` slots, ``[..., T]``.
 
     A row's tokens go to the slots of their (chunk of :data:`CHUNK` tokens, segment),
-    slot 0 of a chunk for padding (any id outside ``1..K``). One flat index a token,
-    the same expression for every scatter and gather of a program (so it is computed
-    once): a batched (per-row) scatter or gather would build a ``(row, slot)`` pair of
-    indices for every token each time instead.
+    slot 0 of a chunk for padding (any id outside ``1..K``). The same expression for
+    every scatter of a program, so it is computed once.
     """
-    ids = _rows(segment_ids)
-    inside = (ids >= 1) & (ids <= num_segments)
-    chunk = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1) // CHUNK
-    row = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
-    per_row = _chunks(ids.shape[-1]) * (num_segments + 1)
-    return (jnp.where(inside, ids, 0) + chunk * (num_segments + 1) + row * per_row).reshape(-1)
+    inside = (segment_ids >= 1) & (segment_ids <= num_segments)
+    chunk = jax.lax.broadcasted_iota(jnp.int32, segment_ids.shape, segment_ids.ndim - 1) // CHUNK
+    return jnp.where(inside, segment_ids, 0) + chunk * (num_segments + 1)
+
+
+def _over_rows(fn: Callable, batch_dims: int) -> Callable:
+    """``fn`` of one row, mapped over ``batch_dims`` leading axes (a batched scatter or
+    gather: each row independent, so a sharded batch axis stays local)."""
+    for _ in range(batch_dims):
+        fn = jax.vmap(fn)
+    return fn
 
 
 def _scatter(kind: str, num_segments: int, stacked: jax.Array, segment_ids: jax.Array):
     """``[..., T, n]`` columns scattered into their tokens' slots, then reduced over the
     chunks (a tree): ``[..., K, n]``. ``kind`` is ``"sum"`` or ``"min"``."""
-    lead, length, n = segment_ids.shape[:-1], segment_ids.shape[-1], stacked.shape[-1]
-    size = math.prod(lead) * _chunks(length) * (num_segments + 1)
+    length = segment_ids.shape[-1]
+    size = _chunks(length) * (num_segments + 1)
     scatter = jax.ops.segment_sum if kind == "sum" else jax.ops.segment_min
-    out = scatter(
-        stacked.reshape(-1, n),
-        flat_slots(segment_ids, num_segments),
-        num_segments=size,
-        mode=_IN_BOUNDS,
-    )
-    out = out.reshape(*lead, _chunks(length), num_segments + 1, n)
+
+    def one_row(v, s):
+        return scatter(v, s, num_segments=size, mode=_IN_BOUNDS)
+
+    slots = token_slots(segment_ids, num_segments)
+    out = _over_rows(one_row, segment_ids.ndim - 1)(stacked, slots)
+    out = out.reshape(*out.shape[:-2], _chunks(length), num_segments + 1, stacked.shape[-1])
     return plain_reduce(kind, jnp.moveaxis(out, -3, -1))[..., 1:, :]
 
 
@@ -121,7 +122,8 @@ def _scatter_columns(
 
 def _masked_sums(value: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
     """``[..., T] -> [..., K]`` as ``K`` masked sums: the tangent of a per-segment sum,
-    written so that its transpose is ``K`` selects (:func:`_select_broadcast`'s work)."""
+    written so that its transpose, the broadcast of the cotangent, is ``K`` selects
+    (exact: each token takes its own segment's value, the others add zeros)."""
     if num_segments > SELECT_MAX:
         return _scatter("sum", num_segments, value[..., None], segment_ids)[..., 0]
     return jnp.stack(
@@ -157,50 +159,42 @@ def _reduce_local_jvp(ops, num_segments, primals, tangents):
 _reduce_local.defjvp(_reduce_local_jvp, symbolic_zeros=True)
 
 
-def _select_broadcast(values: jax.Array, segment_ids: jax.Array, fill) -> jax.Array:
-    """``[..., K] -> [..., T]`` as ``K`` selects on the ids (exact: no arithmetic)."""
-    out = jnp.full(segment_ids.shape, fill, values.dtype)
-    for k in range(values.shape[-1]):
-        out = jnp.where(segment_ids == k + 1, values[..., k : k + 1], out)
-    return out
-
-
 def _gather(values: jax.Array, segment_ids: jax.Array, fill) -> jax.Array:
-    """``[..., K] -> [..., T]`` as one gather from a flat table of ``rows · (K + 1)``
-    values, ``fill`` in each row's slot 0."""
+    """``[..., K] -> [..., T]`` as one gather a row from ``K + 1`` values, ``fill`` in
+    slot 0."""
     num_segments = values.shape[-1]
     fills = jnp.full((*values.shape[:-1], 1), fill, values.dtype)
-    table = jnp.concatenate([fills, values], axis=-1).reshape(-1)
-    ids = _rows(segment_ids)
-    row = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
-    inside = (ids >= 1) & (ids <= num_segments)
-    index = jnp.where(inside, ids, 0) + row * (num_segments + 1)
-    return table.at[index].get(mode="promise_in_bounds").reshape(segment_ids.shape)
+    table = jnp.concatenate([fills, values], axis=-1)
+    inside = (segment_ids >= 1) & (segment_ids <= num_segments)
+    index = jnp.where(inside, segment_ids, 0)
+
+    def one_row(t, i):
+        return t.at[i].get(mode="promise_in_bounds")
+
+    return _over_rows(one_row, segment_ids.ndim - 1)(table, index)
 
 
 def _chunked_gather(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """``[..., K] -> [..., T]``, 0 on padding, read from the table of :func:`flat_slots`:
+    """``[..., K] -> [..., T]``, 0 on padding, read at the tokens' :func:`token_slots`:
     the tangent of a broadcast, whose transpose is the chunked scatter-add of
     :func:`_scatter` (a sum as exact as :data:`CHUNK` promises)."""
     num_segments, length = values.shape[-1], segment_ids.shape[-1]
     table = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(1, 0)])
     table = jnp.broadcast_to(
         table[..., None, :], (*values.shape[:-1], _chunks(length), num_segments + 1)
-    ).reshape(-1)
-    slots = flat_slots(segment_ids, num_segments)
-    return table.at[slots].get(mode="promise_in_bounds").reshape(segment_ids.shape)
+    ).reshape(*values.shape[:-1], _chunks(length) * (num_segments + 1))
 
+    def one_row(t, i):
+        return t.at[i].get(mode="promise_in_bounds")
 
-def _broadcast_raw(values: jax.Array, segment_ids: jax.Array, fill) -> jax.Array:
-    if values.shape[-1] <= SELECT_MAX:
-        return _select_broadcast(values, segment_ids, fill)
-    return _gather(values, segment_ids, fill)
+    slots = token_slots(segment_ids, num_segments)
+    return _over_rows(one_row, segment_ids.ndim - 1)(table, slots)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _broadcast_local(values: jax.Array, segment_ids: jax.Array, fill) -> jax.Array:
     """:func:`gather_broadcast` of arrays on one device, differentiable in ``values``."""
-    return _broadcast_raw(values, segment_ids, fill)
+    return _gather(values, segment_ids, fill)
 
 
 @_broadcast_local.defjvp
@@ -278,7 +272,7 @@ def reduce_segments(
 def _broadcast(values: jax.Array, segment_ids: jax.Array, fill) -> jax.Array:
     if jnp.issubdtype(values.dtype, jnp.inexact):
         return _broadcast_local(values, segment_ids, fill)
-    return _broadcast_raw(values, segment_ids, fill)  # nothing to differentiate
+    return _gather(values, segment_ids, fill)  # nothing to differentiate
 
 
 def gather_broadcast(values: jax.Array, segment_ids: jax.Array, fill) -> jax.Array:

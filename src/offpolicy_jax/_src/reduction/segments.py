@@ -18,8 +18,8 @@ are the sequences of a row and 0 is padding. A per-sequence value is then
 
 A pass is reduced by one scatter-add and one scatter-min
 (:func:`~offpolicy_jax._src.reduction.packed.reduce_segments`) and broadcast back by
-``K`` selects (one gather past 64 segments): O(T) scatters whatever ``K`` and whatever
-the layout of the ids (a sequence need not be one run of tokens).
+one gather: O(T) work whatever ``K`` and whatever the layout of the ids (a sequence
+need not be one run of tokens).
 
 Ids outside ``1..K`` (0, negative, too large) belong to no segment: they are
 padding, whatever the mask says.
