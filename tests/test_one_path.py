@@ -308,3 +308,37 @@ def test_a_packed_pass_is_two_scatters_and_its_gradient_no_gather(copies):
     want = copies * (copies + 1) / 2 * population + mine(x0 * y0)
     want += np.where(seg > 0, mine(y0) * mine(seg_x) * population, 0.0)
     np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_segments", [3, 70])
+def test_packed_sums_gradient_and_tangent_past_the_select_limit(num_segments):
+    """A per-segment sum's gradient is its segment's cotangent at every token (0 on
+    padding) and its forward-mode tangent the per-segment sum of the tangents, both up
+    to 64 segments (selects on the ids) and past them (a gather)."""
+    rng = np.random.default_rng(num_segments)
+    shape = (2, 3, 400)
+    x = rng.normal(size=shape).astype(np.float32)
+    ids = rng.integers(-1, num_segments + 2, size=shape).astype(np.int32)
+    population = np.where(rng.random(shape) < 0.8, 1.0, 0.0).astype(np.float32)
+    population = np.where((ids >= 1) & (ids <= num_segments), population, 0.0)
+    cot = rng.normal(size=(*shape[:-1], num_segments)).astype(np.float32)
+
+    def sums(x):
+        columns = {"s": _reduce.total(x, population), "m": _reduce.maximum(x, population)}
+        return _reduce.segment_reduce(columns, ids, num_segments, _reduce.MeshAxes())["s"]
+
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(sums(x) * cot)))(x)
+    padded = np.concatenate([np.zeros((*shape[:-1], 1)), cot], -1)
+    inside = (ids >= 1) & (ids <= num_segments)
+    want = np.take_along_axis(padded, np.where(inside, ids, 0), -1) * population
+    np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-7)
+    tangent = rng.normal(size=shape).astype(np.float32)
+    _, jvp = jax.jvp(sums, (x,), (tangent,))
+    want = np.stack(
+        [
+            (np.where(ids == k, tangent * population, 0.0)).sum(-1)
+            for k in range(1, num_segments + 1)
+        ],
+        -1,
+    )
+    np.testing.assert_allclose(jvp, want, rtol=1e-5, atol=1e-5)
