@@ -1,7 +1,8 @@
 """One reduction path: packed rows of any layout exact, long rows within float32 rounding.
 
 Every backend runs the same reductions (a row's columns stacked into one sum and one
-min; one scatter per op and one gather for packed rows). These tests pin what that path must
+min; a packed pass's into one scatter-add and one scatter-min, and one gather back to
+the tokens). These tests pin what that path must
 give against float64 NumPy references: ``pack_sequences`` rows of many short responses
 after a prompt equal the unpacked batch, the promise argument that let a faster path
 take such rows wrongly is gone, and sums over rows of 1k-8k tokens are within float32
@@ -223,3 +224,121 @@ def test_a_rows_columns_are_two_reductions_each_its_own_rows():
     np.testing.assert_array_equal(got["min_x"], np.where(mask, x, np.inf).min(-1))
     np.testing.assert_array_equal(got["max_x"], np.where(mask, x, -np.inf).max(-1))
     np.testing.assert_array_equal(got["max_y"], np.where(mask, y, -np.inf).max(-1))
+
+
+def _packed_reduce(x, y, population, ids, num_segments, copies):
+    """``copies`` sums, minima and maxima of each kind over packed rows, one pass."""
+    columns = {}
+    for i in range(copies):
+        scaled = x * (i + 1)
+        columns[f"n{i}"] = _reduce.count(population * (i + 1))
+        columns[f"x{i}"] = _reduce.total(scaled, population)
+        columns[f"y{i}"] = _reduce.total(y * y + i, population)
+        columns[f"min_x{i}"] = _reduce.minimum(scaled, population)
+        columns[f"max_x{i}"] = _reduce.maximum(scaled, population)
+        columns[f"max_y{i}"] = _reduce.maximum(y + i, population)
+    return _reduce.segment_reduce(columns, ids, num_segments, _reduce.MeshAxes())
+
+
+def _ops(fn, *args) -> dict[str, int]:
+    hlo = jax.jit(fn).lower(*args).as_text()
+    return {op: hlo.count(f'"stablehlo.{op}"(') for op in ("scatter", "gather")}
+
+
+@pytest.mark.parametrize("copies", [1, 4])
+def test_a_packed_pass_is_two_scatters_and_its_gradient_no_gather(copies):
+    """Packed rows: the sums of one pass are one scatter-add and its minima and maxima
+    one scatter-min, however many columns there are; the sums' gradient gathers nothing
+    (a broadcast of per-segment values to the tokens is one gather). Each result is its own
+    column's reduction over its own segment (ids of any layout, out-of-range ids are
+    padding, an empty segment gives 0, +inf, -inf)."""
+    rng = np.random.default_rng(7)
+    shape, k = (3, 300), 5
+    x = rng.normal(size=shape).astype(np.float32)
+    y = rng.exponential(size=shape).astype(np.float32)
+    ids = rng.integers(-1, k + 2, size=shape).astype(np.int32)
+    ids[ids == 3] = 2  # segment 3 is empty
+    population = np.where((ids >= 1) & (ids <= k) & (rng.random(shape) < 0.8), 1.0, 0.0)
+    args = (jnp.asarray(x), jnp.asarray(y), jnp.asarray(population, jnp.float32), ids)
+
+    def reduce(x, y, population, ids):
+        return _packed_reduce(x, y, population, ids, k, copies)
+
+    assert _ops(reduce, *args) == {"scatter": 2, "gather": 0}
+
+    def loss(x, y, population, ids):
+        out = reduce(x, y, population, ids)
+        spread = _reduce.segment_broadcast(out["x0"] * out["y0"], ids)
+        sums = sum(jnp.sum(v) for name, v in out.items() if name[0] in "xy")
+        return sums + jnp.sum(spread * x)
+
+    # the sums' scatter, the broadcast's one gather and its transpose (a per-segment sum);
+    # the sums' cotangents reach their tokens without a gather, and the minima and maxima,
+    # which the loss does not read, are gone
+    assert _ops(jax.grad(loss), *args) == {"scatter": 2, "gather": 1}
+    got = jax.jit(reduce)(*args)
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    for i in range(copies):
+        sums = {
+            f"n{i}": np.full(shape, i + 1.0),
+            f"x{i}": x64 * (i + 1),
+            f"y{i}": y64 * y64 + i,
+        }
+        extremes = {f"min_x{i}": x64 * (i + 1), f"max_x{i}": x64 * (i + 1), f"max_y{i}": y64 + i}
+        for s in range(1, k + 1):
+            inside = (ids == s) & (population > 0)
+            for key, value in sums.items():
+                want = np.where(inside, value, 0.0).sum(-1)
+                np.testing.assert_allclose(got[key][:, s - 1], want, rtol=1e-5, atol=1e-4)
+            for key, value in extremes.items():
+                fill = np.inf if key.startswith("min") else -np.inf
+                pick = np.where(inside, value, fill)
+                want = pick.min(-1) if key.startswith("min") else pick.max(-1)
+                np.testing.assert_allclose(got[key][:, s - 1], want, rtol=1e-6)
+    assert np.all(np.asarray(got["n0"])[:, 2] == 0)
+    assert np.all(np.isposinf(got["min_x0"][:, 2])) and np.all(np.isneginf(got["max_y0"][:, 2]))
+    # d/dx: (i + 1) p_t from each x_i sum, and from sum_t spread_t x_t the token's own
+    # segment's spread plus y0 of its segment times the sum of x over that segment
+    grad = np.asarray(jax.jit(jax.grad(loss))(*args), np.float64)
+    seg = np.where((ids >= 1) & (ids <= k), ids, 0)
+    x0 = np.pad(np.asarray(got["x0"], np.float64), [(0, 0), (1, 0)])
+    y0 = np.pad(np.asarray(got["y0"], np.float64), [(0, 0), (1, 0)])
+    seg_x = np.stack([np.where(seg == s, x64, 0.0).sum(-1) for s in range(k + 1)], -1)
+    mine = lambda v: np.take_along_axis(v, seg, -1)  # noqa: E731
+    want = copies * (copies + 1) / 2 * population + mine(x0 * y0)
+    want += np.where(seg > 0, mine(y0) * mine(seg_x) * population, 0.0)
+    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_segments", [3, 70])
+def test_packed_sums_gradient_and_tangent_past_the_select_limit(num_segments):
+    """A per-segment sum's gradient is its segment's cotangent at every token (0 on
+    padding) and its forward-mode tangent the per-segment sum of the tangents, both up
+    to 64 segments (selects on the ids) and past them (a gather)."""
+    rng = np.random.default_rng(num_segments)
+    shape = (2, 3, 400)
+    x = rng.normal(size=shape).astype(np.float32)
+    ids = rng.integers(-1, num_segments + 2, size=shape).astype(np.int32)
+    population = np.where(rng.random(shape) < 0.8, 1.0, 0.0).astype(np.float32)
+    population = np.where((ids >= 1) & (ids <= num_segments), population, 0.0)
+    cot = rng.normal(size=(*shape[:-1], num_segments)).astype(np.float32)
+
+    def sums(x):
+        columns = {"s": _reduce.total(x, population), "m": _reduce.maximum(x, population)}
+        return _reduce.segment_reduce(columns, ids, num_segments, _reduce.MeshAxes())["s"]
+
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(sums(x) * cot)))(x)
+    padded = np.concatenate([np.zeros((*shape[:-1], 1)), cot], -1)
+    inside = (ids >= 1) & (ids <= num_segments)
+    want = np.take_along_axis(padded, np.where(inside, ids, 0), -1) * population
+    np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-7)
+    tangent = rng.normal(size=shape).astype(np.float32)
+    _, jvp = jax.jvp(sums, (x,), (tangent,))
+    want = np.stack(
+        [
+            (np.where(ids == k, tangent * population, 0.0)).sum(-1)
+            for k in range(1, num_segments + 1)
+        ],
+        -1,
+    )
+    np.testing.assert_allclose(jvp, want, rtol=1e-5, atol=1e-5)

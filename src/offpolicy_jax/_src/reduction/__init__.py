@@ -15,9 +15,10 @@ Behind the seam (see docs/guide/reduction_engine.md):
   two layouts (and the ``psum`` of per-sequence values over sharded token axes);
 * :mod:`~offpolicy_jax._src.reduction.means`, :mod:`~offpolicy_jax._src.reduction.mesh`: poolable
   means and the ``axis_names`` argument;
-* :mod:`~offpolicy_jax._src.reduction.plain`: how the reductions run, the same on every
-  backend (the columns of a row stacked into one ``jnp.sum`` and one ``jnp.min``; one
-  scatter per op and one gather for packed rows, O(T) whatever the number of segments);
+* :mod:`~offpolicy_jax._src.reduction.plain` / :mod:`~offpolicy_jax._src.reduction.packed`:
+  how the reductions run, the same on every backend (the columns of a row stacked into
+  one ``jnp.sum`` and one ``jnp.min``; those of packed rows into one scatter-add and one
+  scatter-min, O(T) whatever the number of segments, and one gather back);
 * :mod:`~offpolicy_jax._src.reduction.scan`: the per-sequence prefix minimum.
 """
 

@@ -16,9 +16,10 @@ are the sequences of a row and 0 is padding. A per-sequence value is then
   pipeline, the losses and every rule reduce and broadcast through it, so they are
   all packed-aware without knowing it.
 
-A segment is reduced by one scatter per op (:func:`~offpolicy_jax._src.reduction.plain.reduce_segments`)
-and broadcast back by one gather: O(T) work whatever ``K`` and whatever the layout of
-the ids (a sequence need not be one run of tokens).
+A pass is reduced by one scatter-add and one scatter-min
+(:func:`~offpolicy_jax._src.reduction.packed.reduce_segments`) and broadcast back by
+one gather: O(T) work whatever ``K`` and whatever the layout of the ids (a sequence
+need not be one run of tokens).
 
 Ids outside ``1..K`` (0, negative, too large) belong to no segment: they are
 padding, whatever the mask says.
@@ -34,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax._src import validation as _validation
-from offpolicy_jax._src.reduction import plain, scan
+from offpolicy_jax._src.reduction import packed, scan
 from offpolicy_jax._src.reduction.columns import Column, broadcast_shape, count_where, operand
 from offpolicy_jax._src.reduction.mesh import MeshAxes
-from offpolicy_jax._src.reduction.plain import gather_broadcast
+from offpolicy_jax._src.reduction.packed import gather_broadcast
 from offpolicy_jax._src.reduction.rows import ColumnKey, Rows, combine_over
 
 
@@ -193,7 +194,7 @@ class Packed(Rows):
             return {}
         names = tuple(columns)
         shape = broadcast_shape(columns.values(), self.ids.shape)
-        results = plain.reduce_segments(
+        results = packed.reduce_segments(
             tuple(columns[n].op for n in names),
             self.num_segments,
             tuple(operand(columns[n], shape) for n in names),
@@ -220,7 +221,7 @@ class Packed(Rows):
         local_ids = jnp.broadcast_to(self.ids, values.shape) if ids is None else ids
         out = scan.exclusive_min_segments(values, local_ids)
         if token_axes:
-            (local,) = plain.reduce_segments(("min",), self.num_segments, (values,), local_ids)
+            (local,) = packed.reduce_segments(("min",), self.num_segments, (values,), local_ids)
             carry = scan.carry_from_earlier_shards(local, token_axes)
             out = jnp.minimum(out, segment_broadcast(carry, local_ids, jnp.inf))
         return out
