@@ -134,9 +134,9 @@ SLOW_MODULES = frozenset(
     }
 )
 # 5. `@pytest.mark.heavy` functions: those whose fast-tier cases took over ~5 s of CPU
-#    (measured with `--durations=0` on the 2-core VM: 98 functions, two thirds of the fast
-#    tier's time: pooling, packed == padded, vmap == loop, jit == eager, finite-difference
-#    gradients, the demo's engines). They run in the whole suite.
+#    (measured with `--durations=0` on the 2-core VM: about 120 functions: pooling,
+#    packed == padded, vmap == loop, jit == eager, finite-difference gradients, the demo's
+#    engines, diagnose's end-to-end reports). They run in the whole suite.
 CONFORMANCE_STRIDE = 97
 COVER_MIN = 6
 

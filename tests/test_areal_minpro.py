@@ -168,6 +168,7 @@ def test_grid_and_minpro_match_reference_on_ragged_batches(batch, name, reductio
     assert_matches_reference(batch, config, reduction)
 
 
+@pytest.mark.heavy
 def test_areal_values_at_the_bounds_are_kept():
     """Bounds are inclusive (AReaL's ``lower <= metric <= upper``), per token and per
     sequence, for every metric; one ulp beyond a bound is rejected."""
@@ -352,6 +353,7 @@ def test_garbage_invariance_and_jit_equals_eager(batch, name, reduction):
         for n in sorted(PROPERTY_CONFIGS)
     ],
 )
+@pytest.mark.heavy
 def test_micro_batches_pool_to_the_full_batch(name):
     """Every decision is per token or per sequence: the loss parts and metric parts of
     micro-batches (an empty row and a one-token row included) pool exactly."""
@@ -535,6 +537,7 @@ def test_exclusive_min_matches_loops(data, shape):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.heavy
 def test_exclusive_min_by_hand_and_cached_per_call():
     layout = _reduce.Rows()
     x, p = jnp.arange(4.0), jnp.ones(4)
@@ -627,6 +630,7 @@ def test_block_needs_use_tis_and_tis_mode_none_and_a_mapping():
         opj.CorrectionConfig(tis_level="min_pro")
 
 
+@pytest.mark.heavy
 def test_token_level_agg_warns_as_areal_does():
     with pytest.warns(
         UserWarning, match=r"rejection_sampling\.agg='max' is ignored when level='token'"

@@ -105,6 +105,7 @@ def _call(cfg, versions, current, mask=None, reduction="sequence"):
 # --------------------------------------------------------------------- regressions
 
 
+@pytest.mark.heavy
 def test_per_sequence_current_version_is_read_per_sequence_when_b_equals_t():
     versions = np.full((4, 4), 10)
     current = np.array([10, 10, 10, 20])  # [B], B == T: the last sequence is 10 versions old
@@ -121,6 +122,7 @@ def test_per_sequence_current_version_is_read_per_sequence_when_b_equals_t():
         _call(cfg, np.full((2, 4), 10), np.array([10, 10, 10, 20]))
 
 
+@pytest.mark.heavy
 def test_versions_are_compared_as_integers():
     big = 2**24
     versions = np.array([[big, big + 1, big + 1]])
@@ -291,6 +293,7 @@ def test_async_rules_equal_the_integer_reference(batch, cfg, reduction):
 
 
 @given(version_batches(), configs, reductions)
+@pytest.mark.heavy
 def test_async_rules_eager_equal_jit(batch, cfg, reduction):
     versions, current, _, mask = batch
     eager = _call(cfg, versions, current, mask, reduction)  # its concrete checks pass

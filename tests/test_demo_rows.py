@@ -50,6 +50,7 @@ def test_topk_support_keeps_the_sampled_token():
 
 
 @pytest.mark.parametrize("k", [3, task.VOCAB])
+@pytest.mark.heavy
 def test_engine_topk_equals_numpy_from_the_logits(k):
     """``generate_topk``'s ids and log-probs are the top-k of log_softmax of the engine's
     logits at each sampled position (float64 NumPy), its responses those of generate."""
@@ -79,6 +80,7 @@ def test_engine_topk_equals_numpy_from_the_logits(k):
     )
 
 
+@pytest.mark.heavy
 def test_trainer_topk_logprobs_equal_numpy_and_are_masked():
     cfg, graphdef, params = _routed()
     n = cfg.prompt_len

@@ -541,6 +541,7 @@ def test_demo_dump_recommendation_mild_vs_severe(demo_dump):
     assert severe_cfg.use_rs and severe_cfg.rs_veto_threshold is not None  # rejects too
 
 
+@pytest.mark.heavy
 def test_position_profile_ends_at_the_longest_sequence(tmp_path):
     """A chunk pads to at least 64 tokens (one compiled kernel for small chunks); the
     padding adds no bucket to the position profile, whose token counts are exact."""

@@ -68,6 +68,7 @@ def test_folder_and_index_read_the_listed_files_labelled_by_step(tmp_path):
     assert "| b_seed0.npz | 20 | 3 | 5 |" in table
 
 
+@pytest.mark.heavy
 def test_folder_without_index_reads_every_dump_labelled_by_index(tmp_path):
     folder, _ = _dump_folder(tmp_path, index=False)
     (folder / "notes.txt").write_text("not a dump")

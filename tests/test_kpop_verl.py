@@ -390,6 +390,7 @@ def _confident_flip_dump(seed=0, batch=64, length=32, share=0.05):
     return old.astype(F32), rollout.astype(F32), mask
 
 
+@pytest.mark.heavy
 def test_diagnose_recommends_kpop_for_confident_token_flips(tmp_path):
     pytest.importorskip("pyarrow")
     from offpolicy_jax.diagnose import diagnose, write_dump

@@ -91,6 +91,7 @@ def _assert_metrics_equal(got, want, rtol=2e-6):
         np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.heavy
 def test_pool_metric_parts_pools_every_kind_to_the_full_batch():
     """Micro-batches pooled with pool_metric_parts equal one call on the whole batch, for
     means, maxima, minima and the ESS alike; one micro-batch holds no sequence at all."""
@@ -398,6 +399,7 @@ def test_property_tails_equal_numpy_reference(batch):
 
 
 @given(tail_batches())
+@pytest.mark.heavy
 def test_property_two_micro_batches_pool_to_the_full_batch(batch):
     for pooled, full in _pooled_and_full(*batch):
         for key in full:

@@ -583,6 +583,7 @@ def _topk_dump(tmp_path, data, name="d.npz", **extra):
 
 
 @pytest.mark.parametrize("reduction", ["sequence", "token"])
+@pytest.mark.heavy
 def test_diagnose_reports_the_topk_divergence_of_a_dump(tmp_path, reduction):
     pytest.importorskip("matplotlib")
     from offpolicy_jax.diagnose import diagnose
