@@ -1202,6 +1202,135 @@ def test_every_correction_config_field_is_accepted_by_from_config():
         assert with_it != without, key  # the field reaches the chain
 
 
+def _every_key_at_once():
+    """Every CorrectionConfig key set at once: once with importance_weights' weight, once
+    with AReaL's (``rejection_sampling``, which needs ``tis_mode: none``)."""
+    keys: dict = {}
+    for key, (value, needs) in _non_default_settings().items():
+        if key != "rejection_sampling":
+            keys |= needs | value
+    areal = keys | {"tis_mode": "none", "rejection_sampling": {"upper": 3.0}}
+    return [opj.CorrectionConfig(**keys), opj.CorrectionConfig(**areal)]
+
+
+def _valid_configs():
+    """The shipped presets, the every-key configs and the conformance suite's valid ones."""
+    from conformance import load_cases
+
+    from offpolicy_jax.interop.verl import VERL_PRESETS
+
+    configs = [opj.CorrectionConfig.preset(name) for name in ("mis", *VERL_PRESETS)]
+    configs += _every_key_at_once()
+    for case in load_cases():
+        if "expect_error" in case or case.get("config_from_dict") or "config_yaml" in case:
+            continue
+        config = dict(case["config"])
+        if case["kind"] == "loss":
+            config = config["correction"] if case["correction_type"] != "VanillaTIS" else None
+        if config is not None:
+            configs.append(opj.CorrectionConfig(**config))
+    return configs
+
+
+def test_every_valid_config_gives_a_chain_that_builds_again():
+    configs = _valid_configs()
+    assert len(configs) > 20
+    for config in configs:
+        chained = rules.from_config(config)
+        again = rules.chain(*chained.rules, nonfinite_rollout=config.nonfinite_rollout)
+        assert again == chained, config
+        rules.chain(*chained.rules, rules.mismatch_metrics())  # an equal group may repeat
+
+
+def test_the_every_key_chains_run_like_their_configs():
+    _, old, rollout, _, mask = _batch(3)
+    versions = np.zeros(old.shape, np.int32)
+    versions[:, 6:] = 1  # a partial rollout, for the rules that read versions
+    for config in _every_key_at_once():
+        chained = rules.chain(
+            *rules.from_config(config).rules,
+            rules.mismatch_metrics(),
+            nonfinite_rollout=config.nonfinite_rollout,
+        )
+        got = chained(old, rollout, mask, versions=versions, current_version=2)
+        want = opj.compute_correction(
+            old, rollout, mask, config, versions=versions, current_version=2
+        )
+        np.testing.assert_array_equal(got.weights, want.weights)
+        np.testing.assert_array_equal(got.mask, want.mask)
+        assert got.metrics.keys() == want.metrics.keys()
+        for key in want.metrics:
+            np.testing.assert_array_equal(got.metrics[key], want.metrics[key], err_msg=key)
+
+
+_AREAL = rules.areal_rejection(upper=3.0)
+
+
+@pytest.mark.parametrize(
+    ("chained", "names", "role"),
+    [
+        ((_AREAL, rules.mismatch_metrics(), _IW), "areal_rejection.*importance_weights",
+         "set the importance weights"),
+        ((_IW, _AREAL), "importance_weights.*areal_rejection", "set the importance weights"),
+        ((_IW, rules.importance_weights(level="sequence", upper=3.0)),
+         "importance_weights.*importance_weights", "set the importance weights"),
+        ((_AREAL, rules.areal_rejection(level="sequence")),
+         "areal_rejection.*areal_rejection", "set the importance weights"),
+        ((rules.rejection_sampling(level="token"), rules.rejection_sampling(level="sequence")),
+         "rejection_sampling.*rejection_sampling", "report mis_rs_mask_fraction"),
+        ((rules.veto(threshold=1e-4), _IW, rules.veto(threshold=1e-3)), "veto.*veto",
+         "report mis_rs_catastrophic"),
+        ((rules.criterion("seq_max_k2", threshold=2.0),
+          rules.criterion("seq_max_k2", threshold=1.0)),
+         "criterion\\('seq_max_k2'\\).*criterion\\('seq_max_k2'\\)", "report mis_rs_seq_max_k2_"),
+        ((rules.seq_logprob_error(threshold=2.0), rules.seq_logprob_error(threshold=3.0)),
+         "seq_logprob_error.*seq_logprob_error", "report mis_seq_logprob_error_"),
+        ((rules.m2po(tau=0.1), rules.m2po(tau=0.2)), "m2po.*m2po", "report mis_m2po_"),
+        ((rules.staleness(max_weight_staleness=1), rules.staleness()),
+         "staleness.*staleness", "report mis_staleness_"),
+        ((rules.offpolicy_prefix(), rules.offpolicy_prefix()),
+         "offpolicy_prefix.*offpolicy_prefix", "report mis_offpolicy_prefix_"),
+    ],
+)  # fmt: skip
+def test_a_chain_refuses_a_rule_that_would_silently_override_another(chained, names, role):
+    with pytest.raises(ValueError, match=f"rules\\[\\d\\] \\({names}\\) both {role}"):
+        rules.chain(*chained)
+    _, old, rollout, _, mask = _batch()
+    with pytest.raises(ValueError, match="would silently replace"):
+        opj.correct(old, rollout, mask, *chained)
+
+
+def test_a_weighting_rule_added_to_a_config_chain_is_refused():
+    configured = rules.from_config(opj.CorrectionConfig.preset("mis"))
+    with pytest.raises(ValueError, match="give one weighting rule"):
+        rules.chain(*configured.rules, rules.importance_weights(mode="clip", upper=3.0))
+    with pytest.raises(ValueError, match="give areal_rejection.*tis_mode: none"):
+        rules.chain(*configured.rules, _AREAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Doubled(rules.Stage):
+    """A stage of one's own that weights every token 2 and reports ``name``."""
+
+    name: str = "my_weight"
+
+    def decide(self, t, sums):
+        weights = jnp.where(t.population > 0, 2.0, 0.0)
+        return rules.Decision(weights=weights, metrics={self.name: rules.Mean(weights)})
+
+
+def test_a_stage_of_ones_own_that_overrides_another_is_refused_at_trace_time():
+    _, old, rollout, _, mask = _batch()
+    with pytest.raises(ValueError, match="TISWeights and _Doubled both set the weights"):
+        opj.correct(old, rollout, mask, _IW, _Doubled())
+    with pytest.raises(
+        ValueError, match="MismatchMetrics and _Doubled both set the metric 'mis_kl'"
+    ):
+        opj.correct(old, rollout, mask, rules.mismatch_metrics(), _Doubled("mis_kl"))
+    doubled = opj.correct(old, rollout, mask, _Doubled())  # alone, it is the weight
+    np.testing.assert_array_equal(doubled.weights, np.where(mask, 2.0, 0.0))
+
+
 def test_a_chain_needs_the_versions_its_rules_read():
     _, old, rollout, adv, mask = _batch()
     for rule, name in ((rules.staleness(max_weight_staleness=1), "rules.staleness"),

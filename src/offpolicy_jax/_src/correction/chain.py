@@ -21,8 +21,13 @@ from offpolicy_jax._src.config.correction import NONFINITE_ROLLOUT
 from offpolicy_jax._src.correction import compute, normalize, staleness
 from offpolicy_jax._src.correction.bounds import TISWeights
 from offpolicy_jax._src.correction.compute import CorrectionResult
-from offpolicy_jax._src.correction.constructors import BatchNormalize, is_metric_group
-from offpolicy_jax._src.correction.rules import AReaLRejection
+from offpolicy_jax._src.correction.constructors import (
+    BatchNormalize,
+    RejectionSampling,
+    is_metric_group,
+)
+from offpolicy_jax._src.correction.rejection import Veto
+from offpolicy_jax._src.correction.rules import M2PO, AReaLRejection, KLCriterion, SeqLogprobError
 from offpolicy_jax._src.correction.stages import Stage
 from offpolicy_jax._src.correction.vanilla import VanillaIS, vanilla_tis
 from offpolicy_jax._src.correction.versioned import OffPolicyPrefix, Staleness, VersionedRule
@@ -44,6 +49,70 @@ def _weighting_level(stages: tuple[Stage, ...]) -> str:
     return level
 
 
+_WEIGHTING = "set the importance weights"
+# The built-in rules a chain holds at most once: with a second one of a kind the later
+# would silently override the earlier (the weights: the pipeline keeps the last weighting
+# rule's; the others: the metrics, whose names the two share, keep the last rule's values).
+_ONCE: tuple[tuple[type, str, str], ...] = (
+    (TISWeights, "importance_weights", _WEIGHTING),
+    (AReaLRejection, "areal_rejection", _WEIGHTING),
+    (RejectionSampling, "rejection_sampling", "report mis_rs_mask_fraction_low / _high"),
+    (Veto, "veto", "report mis_rs_catastrophic_token_fraction / _seq_fraction"),
+    (SeqLogprobError, "seq_logprob_error", "report mis_seq_logprob_error_*"),
+    (M2PO, "m2po", "report mis_m2po_*"),
+    (Staleness, "staleness", "report mis_staleness_*"),
+    (OffPolicyPrefix, "offpolicy_prefix", "report mis_offpolicy_prefix_*"),
+)
+
+
+def _role(rule: object) -> tuple[str, str] | None:
+    """``(rule's name, what it does that a second rule of its kind would silently
+    override)``, or None for a rule that may repeat."""
+    if isinstance(rule, KLCriterion):
+        return f"criterion({rule.criterion.name!r})", f"report {rule.prefix}_*"
+    return next(((name, role) for kind, name, role in _ONCE if isinstance(rule, kind)), None)
+
+
+def _instead(first: str, second: str, role: str) -> str:
+    """What to do instead of chaining ``first`` and ``second`` (both doing ``role``)."""
+    if role != _WEIGHTING:
+        return (
+            "the later one's metrics would silently replace the earlier one's; give the rule "
+            "once, with one bound (the stricter one rejects what both would), and a second "
+            "test as a criterion(...) or a Stage of your own"
+        )
+    if "areal_rejection" in (first, second):
+        return (
+            "areal_rejection brings AReaL's own IS weight (behave_imp_weight: the ratio, "
+            "clamped by action='clamp') and a chain has one weight, so the later rule's "
+            "would silently replace the earlier one's; give areal_rejection(...) without "
+            "importance_weights(...) (as CorrectionConfig.rejection_sampling needs "
+            "tis_mode: none)"
+        )
+    return (
+        "a chain has one weight, so the later rule's would silently replace the earlier "
+        "one's; give one weighting rule (and rejection_sampling(...) / criterion(...) to "
+        "reject by a second ratio)"
+    )
+
+
+def _check_overrides(rules: tuple) -> None:
+    """Refuses two rules where the later would silently override the earlier."""
+    seen: dict[str, tuple[int, str]] = {}
+    for i, rule in enumerate(rules):
+        named = _role(rule)
+        if named is None:
+            continue
+        name, role = named
+        if role in seen:
+            j, first = seen[role]
+            raise ValueError(
+                f"rules[{j}] ({first}) and rules[{i}] ({name}) both {role}: "
+                f"{_instead(first, name, role)}"
+            )
+        seen[role] = (i, name)
+
+
 def _check_rules(rules: tuple, nonfinite_rollout: object) -> str:
     """Validates a chain's rules; returns its ``nonfinite_rollout``."""
     for i, rule in enumerate(rules):
@@ -62,6 +131,7 @@ def _check_rules(rules: tuple, nonfinite_rollout: object) -> str:
             "truncated IS): a chain holding it holds no other rule and reads a non-finite "
             "rollout_logp as 'reject'"
         )
+    _check_overrides(rules)
     return how
 
 
@@ -75,7 +145,8 @@ class Correction:
 
     Attributes:
       rules: the stages and the rules that read ``versions``, in order, at most one
-        :func:`~offpolicy_jax.rules.batch_normalize` marker; or one
+        weighting rule, one rule of each other built-in kind and one
+        :func:`~offpolicy_jax.rules.batch_normalize` marker (see :func:`chain`); or one
         :func:`~offpolicy_jax.rules.vanilla_tis` alone.
       nonfinite_rollout: ``"reject"`` or ``"neutral"`` (see :func:`chain`).
     """
@@ -245,10 +316,23 @@ def chain(*rules: Rule, nonfinite_rollout: str = "reject") -> Correction:
     Returns:
       The :class:`Correction`.
 
+    A chain has one weight: it holds at most one weighting rule
+    (:func:`~offpolicy_jax.rules.importance_weights` or
+    :func:`~offpolicy_jax.rules.areal_rejection`, which brings AReaL's own IS weight and
+    takes the place of ``importance_weights``) and every other built-in rule at most once
+    (``rejection_sampling``, ``veto``, ``seq_logprob_error``, ``m2po``, ``staleness``,
+    ``offpolicy_prefix``, ``batch_normalize``, a ``criterion`` per name), since a second
+    one would silently replace the first one's weights or metrics. Rejection rules of
+    different kinds and metric groups chain freely; every valid
+    :class:`~offpolicy_jax.CorrectionConfig`'s chain (:func:`from_config`) is one. A
+    stage of your own that sets the weights or a metric another stage set raises
+    ``ValueError`` when the chain is traced.
+
     Raises:
       TypeError: a rule that is not a rule (naming its position, ``rules[i]``).
       ValueError: naming ``rules.chain.nonfinite_rollout``, or a rule that cannot be
-        chained (a second ``batch_normalize``; ``vanilla_tis`` with another rule).
+        chained (naming both positions: a second weighting rule, a second rule of a
+        built-in kind, a second ``batch_normalize``; ``vanilla_tis`` with another rule).
     """
     return Correction(rules, nonfinite_rollout)
 

@@ -345,11 +345,22 @@ def _pass1(stages: Sequence[Stage], t: Tokens) -> tuple[Tokens, dict, jax.Array]
     return dataclasses.replace(t, population=valid), sums, finite
 
 
+def _check_unset(what: str, earlier: Stage | None, stage: Stage) -> None:
+    """Refuses a stage setting ``what`` that another stage set already: the later would
+    silently override the earlier."""
+    if earlier is not None and earlier is not stage and earlier != stage:
+        raise ValueError(
+            f"rules: {type(earlier).__name__} and {type(stage).__name__} both set {what}, "
+            "so the later would silently override the earlier; chain one rule that sets it"
+        )
+
+
 def _decide(stages: Sequence[Stage], t: Tokens, sums: Mapping, finite: jax.Array) -> _Decided:
     """Each stage's ``decide``, in order: keep masks ANDed, at most one weighting."""
     base = {k: _restrict(finite, sums[k]) for k in ("count", "delta")}
     kept, populations = t.population, [t.population]
-    weights, weights_per_seq = None, False
+    weights, weights_per_seq, weighted_by = None, False, None
+    reported_by: dict[str, Stage] = {}  # equal stages report equal metrics: no override
     requests: list[tuple[str, Mean, int]] = []
     parts: dict[str, MeanParts] = {}
     for i, stage in enumerate(stages):
@@ -360,12 +371,15 @@ def _decide(stages: Sequence[Stage], t: Tokens, sums: Mapping, finite: jax.Array
         }
         d = stage.decide(t, {**base, **own})
         if d.weights is not None:
-            weights, weights_per_seq = d.weights, d.per_seq
+            _check_unset("the weights (Decision.weights)", weighted_by, stage)
+            weights, weights_per_seq, weighted_by = d.weights, d.per_seq, stage
         if d.keep is not None:
             keep = t.layout.broadcast(d.keep) if d.per_seq else d.keep
             kept = jnp.where(keep, kept, 0.0)
             populations.append(kept)
         for name, metric in d.metrics.items():
+            _check_unset(f"the metric {name!r}", reported_by.get(name, stage), stage)
+            reported_by[name] = stage
             if isinstance(metric, MeanParts):
                 parts[name] = metric
             else:
