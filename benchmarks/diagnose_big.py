@@ -61,10 +61,11 @@ def generate(path: Path, gigabytes: float, seed: int = 0, rows_per_group: int = 
     return {"rows": rows, "tokens": tokens, "bytes": os.path.getsize(path)}
 
 
-def measure(path: Path, out: Path, chunk_rows: int) -> dict:
+def measure(path: Path, out: Path, chunk_rows: int, configs_per_program: int) -> dict:
     """Runs diagnose in this process; peak RSS is this process's (a fresh one)."""
-    from offpolicy_jax.diagnose import diagnose
+    from offpolicy_jax.diagnose import analysis, diagnose
 
+    analysis.CONFIGS_PER_PROGRAM = configs_per_program
     start = time.perf_counter()
     report = diagnose(path, out, chunk_rows=chunk_rows, progress=True)
     seconds = time.perf_counter() - start
@@ -74,10 +75,20 @@ def measure(path: Path, out: Path, chunk_rows: int) -> dict:
         "sequences_seen": report["totals"]["sequences"],
         "diagnose_s": round(seconds, 1),
         "tokens_per_s": round(tokens / seconds),
-        # ru_maxrss is in KiB on Linux.
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_rss_mib": _peak_rss_mib(),
         "recommendation": report["recommendation"]["name"],
+        "configs_per_program": configs_per_program,
     }
+
+
+def _peak_rss_mib() -> int:
+    """This process's own peak RSS. Linux's ``ru_maxrss`` would carry the forking
+    parent's (the generator's) high-water mark across ``execve``; VmHWM does not."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024)  # kB
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # not Linux
 
 
 def main() -> None:
@@ -87,14 +98,20 @@ def main() -> None:
     parser.add_argument("--chunk-rows", type=int, default=1024)
     parser.add_argument("--keep", action="store_true", help="do not delete the dump")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--configs-per-program",
+        type=int,
+        nargs="+",
+        default=[4, 10],
+        help="candidate corrections per compiled program, one diagnose run each "
+        "(the library's default first; 10 is all in one program)",
+    )
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
     if args.measure:
-        print(
-            json.dumps(
-                measure(Path(args.measure), Path(args.measure).parent / "out", args.chunk_rows)
-            )
-        )
+        out = Path(args.measure).parent / "out"
+        per = args.configs_per_program[0]
+        print(json.dumps(measure(Path(args.measure), out, args.chunk_rows, per)))
         return
 
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="diagnose_big_"))
@@ -105,12 +122,14 @@ def main() -> None:
         info = generate(path, args.gb)
         info["generate_s"] = round(time.perf_counter() - start, 1)
         print(f"wrote {info['bytes'] / 1e9:.2f} GB: {info}", flush=True)
-        # A fresh process, so that its peak RSS is diagnose's and not the generator's.
-        child = [sys.executable, __file__, "--measure", str(path)]
-        child += ["--chunk-rows", str(args.chunk_rows)]
-        done = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True)
-        result = {**info, **json.loads(done.stdout.strip().splitlines()[-1])}
-        result["cpus"] = len(os.sched_getaffinity(0))
+        runs = []
+        for per in args.configs_per_program:
+            # A fresh process, so that its peak RSS is diagnose's and not the generator's.
+            child = [sys.executable, __file__, "--measure", str(path)]
+            child += ["--chunk-rows", str(args.chunk_rows), "--configs-per-program", str(per)]
+            done = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True)
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        result = {**info, "runs": runs, "cpus": len(os.sched_getaffinity(0))}
         print(json.dumps(result, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

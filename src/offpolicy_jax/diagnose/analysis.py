@@ -37,6 +37,8 @@ M2PO (``m2po_tau``: its cut-off is a function of the whole batch).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
 import heapq
@@ -258,16 +260,7 @@ def _count(n: jax.Array, reduction: str) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("configs", "reduction", "position_bin", "top_k"))
 def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
     """Everything the report needs from one padded ``[B, T]`` chunk, as small arrays."""
-    # A mask entry that is not > 0 (a JSONL/Parquet null read as NaN) is padding, as in
-    # the library (docs/semantics.md §0): summed as NaN it dropped its sequence's count.
-    mask = jnp.where(mask > 0, mask, 0.0)
-    valid_in = mask > 0
-    nonfinite = valid_in & ~(jnp.isfinite(old) & jnp.isfinite(rollout))
-    n_all = jnp.sum(mask, -1)
-    bad = jnp.sum(jnp.where(nonfinite, 1, 0), -1)
-    finite = bad == 0
-    n_valid = jnp.where(finite, n_all, 0.0)
-    use = valid_in & finite[:, None]
+    mask, valid_in, n_all, bad, n_valid, use = _validity(old, rollout, mask)
     delta = jnp.where(use, old - rollout, 0.0)
     out = {
         "tokens": jnp.sum(jnp.where(valid_in, 1, 0)),
@@ -284,6 +277,33 @@ def chunk_stats(old, rollout, mask, *, configs, reduction, position_bin, top_k):
     out |= _worst(old, rollout, delta, use, n_valid, top_k)
     out |= _k3_stats(delta, mask, use, n_valid)
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("configs", "reduction"))
+def config_stats(old, rollout, mask, *, configs, reduction):
+    """``chunk_stats(...)["configs"]`` alone: more candidate corrections on a chunk whose
+    shared statistics one :func:`chunk_stats` call already has."""
+    mask, *_, n_valid, _ = _validity(old, rollout, mask)
+    return {
+        name: _config_stats(old, rollout, mask, config, reduction, n_valid)
+        for name, config in configs
+    }
+
+
+def _validity(old, rollout, mask):
+    """The mask with non-positive entries zeroed, and which tokens and sequences are
+    valid: a sequence with a NaN/inf log-prob at a valid token is left out whole."""
+    # A mask entry that is not > 0 (a JSONL/Parquet null read as NaN) is padding, as in
+    # the library (docs/semantics.md §0): summed as NaN it dropped its sequence's count.
+    mask = jnp.where(mask > 0, mask, 0.0)
+    valid_in = mask > 0
+    nonfinite = valid_in & ~(jnp.isfinite(old) & jnp.isfinite(rollout))
+    n_all = jnp.sum(mask, -1)
+    bad = jnp.sum(jnp.where(nonfinite, 1, 0), -1)
+    finite = bad == 0
+    n_valid = jnp.where(finite, n_all, 0.0)
+    use = valid_in & finite[:, None]
+    return mask, valid_in, n_all, bad, n_valid, use
 
 
 def _k3_stats(delta, mask, use, n_valid):
@@ -417,8 +437,17 @@ _COUNTS = ("kept_tokens", "valid_tokens", "valid_seqs", "rejected_seqs", "zero_w
 _COUNTS += ("sum_w", "sum_w2")
 
 
+CONFIGS_PER_PROGRAM = 4
+"""Candidate corrections compiled into one program. XLA:CPU's compilation temporaries
+grow with the program and set diagnose's peak memory: all ten in one program need about
+a third more than groups of four, for a few tenths faster a run
+(``benchmarks/diagnose_big_results.json``)."""
+
 SPLIT_CELLS = 1 << 20
 """A padded chunk larger than this runs one config per call (see ``Accumulator.add``)."""
+
+LONE_SEQUENCE_COLS = 1 << 16
+"""A one-row chunk wider than this drops its compiled programs after use."""
 
 MAX_POSITION_BUCKETS = 1024
 """The position profile never has more buckets: a longer sequence doubles their width."""
@@ -431,6 +460,18 @@ def auto_position_bin(length: int) -> int:
     while width * 2 * 32 <= length:
         width *= 2
     return width
+
+
+def _drop_programs() -> None:
+    """Drops the compiled chunk programs and hands glibc's free heap pages back to the
+    OS (a no-op elsewhere): XLA:CPU's compilation temporaries otherwise stay in malloc's
+    per-thread arenas, under the next compilation's in the process's peak memory."""
+    for program in (chunk_stats, config_stats):
+        program.clear_cache()  # pyright: ignore[reportAttributeAccessIssue]  # jax's stubs lack it
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to return
+        pass
 
 
 class Accumulator:
@@ -490,12 +531,21 @@ class Accumulator:
         arrays = [jnp.asarray(pad(a)) for a in (chunk.old, chunk.rollout, chunk.mask)]
         kwargs = dict(reduction=self.reduction, position_bin=self.position_bin, top_k=self.top_k)
         # A huge chunk (a very long sequence) runs its configs one call each: one
-        # program's temporaries for all nine held ~50 [B, T] arrays at once.
-        groups = [self.configs] if rows * cols <= SPLIT_CELLS else [(c,) for c in self.configs]
+        # program's temporaries for all ten held ~50 [B, T] arrays at once.
+        per = CONFIGS_PER_PROGRAM if rows * cols <= SPLIT_CELLS else 1
+        groups = [self.configs[i : i + per] for i in range(0, len(self.configs), per)]
+        # A very long sequence analysed alone: its shape (a multiple of 512 tokens)
+        # rarely recurs, so each program compiled for it is dropped once run; kept, the
+        # ten of them stacked ~200 MB onto diagnose's peak memory.
+        lone = rows == 1 and cols > LONE_SEQUENCE_COLS
         stats = jax.device_get(chunk_stats(*arrays, configs=groups[0], **kwargs))
         for configs in groups[1:]:
-            more = chunk_stats(*arrays, configs=configs, **kwargs)["configs"]
+            if lone:
+                _drop_programs()
+            more = config_stats(*arrays, configs=configs, reduction=self.reduction)
             stats["configs"].update(jax.device_get(more))
+        if lone:
+            _drop_programs()
         self._pool(stats, chunk, b)
         if getattr(chunk, "topk_old", None) is not None:
             self._pool_topk(chunk, rows, cols)
