@@ -15,6 +15,7 @@ sequence weight, LUSPO's length) take it through the layout, so packed sequences
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import jax
@@ -507,8 +508,12 @@ def dro(x: SurrogateInput, p: DROPenalty) -> SurrogateTerms:
     return pl.dro(x.logp, x.denominator, x.advantages, x.valid, beta=p.dro_beta)
 
 
-def _probability_masks(x: SurrogateInput, terms: pl.ProbabilityMasks) -> SurrogateTerms:
-    """The loss and prime-rl's mask shares (``is_masked*``) over ``m'``."""
+def _probability_masks(
+    loss: Callable[..., pl.ProbabilityMasks], x: SurrogateInput, **hyperparameters: float
+) -> SurrogateTerms:
+    """prime-rl's masked loss ``loss`` on ``x``, and its mask shares (``is_masked*``)
+    over ``m'``."""
+    terms = loss(x.logp, x.denominator, x.advantages, x.valid, **hyperparameters)
     masks = {
         "is_masked": terms.masked,
         "is_masked_high": terms.masked_high,
@@ -521,47 +526,26 @@ def _probability_masks(x: SurrogateInput, terms: pl.ProbabilityMasks) -> Surroga
 @register_surrogate("prime_dppo", params=PrimeDPPOMask)
 def prime_dppo(x: SurrogateInput, p: PrimeDPPOMask) -> SurrogateTerms:
     """prime-rl's default loss, DPPO mask + KL (:func:`.policy_losses.prime_dppo`)."""
-    terms = pl.prime_dppo(
-        x.logp,
-        x.denominator,
-        x.advantages,
-        x.valid,
-        dppo_mask_low=p.dppo_mask_low,
-        dppo_mask_high=p.dppo_mask_high,
-        adv_tau=p.adv_tau,
-        kl_tau=p.kl_tau,
+    low, high = p.dppo_mask_low, p.dppo_mask_high
+    return _probability_masks(
+        pl.prime_dppo, x, dppo_mask_low=low, dppo_mask_high=high, adv_tau=p.adv_tau, kl_tau=p.kl_tau
     )
-    return _probability_masks(x, terms)
 
 
 @register_surrogate("ipo", params=IPOMask)
 def ipo(x: SurrogateInput, p: IPOMask) -> SurrogateTerms:
     """prime-rl's IPO loss, symmetric mask + KL (:func:`.policy_losses.ipo`)."""
-    terms = pl.ipo(
-        x.logp,
-        x.denominator,
-        x.advantages,
-        x.valid,
-        ipo_threshold=p.ipo_threshold,
-        adv_tau=p.adv_tau,
-        kl_tau=p.kl_tau,
+    return _probability_masks(
+        pl.ipo, x, ipo_threshold=p.ipo_threshold, adv_tau=p.adv_tau, kl_tau=p.kl_tau
     )
-    return _probability_masks(x, terms)
 
 
 @register_surrogate("kpop", params=KPopMask)
 def kpop(x: SurrogateInput, p: KPopMask) -> SurrogateTerms:
     """prime-rl's KPop loss, binary-KL mask + KL (:func:`.policy_losses.kpop`)."""
-    terms = pl.kpop(
-        x.logp,
-        x.denominator,
-        x.advantages,
-        x.valid,
-        kpop_threshold=p.kpop_threshold,
-        adv_tau=p.adv_tau,
-        kl_tau=p.kl_tau,
+    return _probability_masks(
+        pl.kpop, x, kpop_threshold=p.kpop_threshold, adv_tau=p.adv_tau, kl_tau=p.kl_tau
     )
-    return _probability_masks(x, terms)
 
 
 @register_surrogate("two_sided_clip", params=TwoSidedClip)
