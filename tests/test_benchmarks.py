@@ -137,6 +137,7 @@ def test_bandwidth_over_the_looped_wall_time():
     assert bandwidth(row, peak=2e6)["looped_fraction"] == 0.25
 
 
+@pytest.mark.heavy
 def test_looped_step_runs_the_step_and_returns_its_outputs():
     """The timing loop computes what one call does (the shift is zero), every output (to
     float32 rounding: inside the loop XLA may group a row's stacked reductions otherwise)."""
@@ -255,6 +256,7 @@ def test_packing_benchmark_reports_the_paired_ratio(tmp_path):
     assert "packed / padded, paired" in (tmp_path / "packing_results.md").read_text()
 
 
+@pytest.mark.heavy
 def test_loss_benchmark_runs_only_the_chosen_cases_beside_ppo_clip(tmp_path):
     from benchmarks import losses
 
@@ -273,6 +275,7 @@ def test_loss_benchmark_runs_only_the_chosen_cases_beside_ppo_clip(tmp_path):
     assert "`dppo_topk_kl`" in (tmp_path / "losses_results.md").read_text()
 
 
+@pytest.mark.heavy
 def test_loss_benchmark_reports_the_topk_floors_beside_the_losses(tmp_path):
     from benchmarks import losses
 

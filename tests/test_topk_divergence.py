@@ -358,8 +358,16 @@ def _pack(data, rows):
     return packed, where
 
 
-@pytest.mark.parametrize("kind", ["tv", "kl"])
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize(
+    ("kind", "aggregation"),
+    [
+        ("tv", "token_mean"),
+        ("kl", "sequence_mean"),
+        # the other two combinations only in the whole suite (each value runs above)
+        pytest.param("tv", "sequence_mean", marks=pytest.mark.slow),
+        pytest.param("kl", "token_mean", marks=pytest.mark.slow),
+    ],
+)
 def test_packed_equals_padded(kind, aggregation):
     data = topk_batch(9)
     cfg = _config(kind, clip_eps=0.05, clip_eps_high=0.08, aggregation=aggregation)
@@ -610,6 +618,7 @@ def test_diagnose_reports_the_topk_divergence_of_a_dump(tmp_path, reduction):
     assert "topk_divergence" not in diagnose(str(plain))
 
 
+@pytest.mark.heavy
 def test_diagnose_packed_topk_dump_equals_padded(tmp_path):
     from offpolicy_jax.diagnose import diagnose
 
