@@ -411,8 +411,8 @@ def test_diagnose_split_paths_pool_exactly(tmp_path, monkeypatch):
     from offpolicy_jax.diagnose import analysis, diagnose, readers, write_dump
 
     rng = np.random.default_rng(3)
-    lengths = np.array([300, 5, 7, 64, 2, 9, 0, 11])
-    mask = np.arange(300)[None] < lengths[:, None]
+    lengths = np.array([300, 5, 7, 5000, 2, 9, 0, 11])
+    mask = np.arange(5000)[None] < lengths[:, None]
     old = (-rng.exponential(1.0, mask.shape)).astype(np.float32)
     # Log-probs are <= 0: diagnose refuses positive ones at valid tokens.
     rollout = np.minimum(old + rng.normal(0, 0.4, mask.shape), -1e-6).astype(np.float32)
@@ -422,7 +422,17 @@ def test_diagnose_split_paths_pool_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(readers, "length_groups", _always_split(readers.length_groups))
     monkeypatch.setattr(analysis, "SPLIT_CELLS", 0)  # one config per call
     monkeypatch.setattr(analysis, "MAX_POSITION_BUCKETS", 4)  # coarsen the profile
+    # the 5000-token sequence is a lone one: its programs are dropped between calls
+    monkeypatch.setattr(analysis, "LONE_SEQUENCE_COLS", 4096)
+    drops, drop = [], analysis._drop_programs
+
+    def counted_drop():
+        drops.append(True)
+        drop()
+
+    monkeypatch.setattr(analysis, "_drop_programs", counted_drop)
     split = diagnose([path], chunk_rows=8)
+    assert drops  # the lone path ran
     for name, entry in plain["what_if"].items():
         for key, value in entry["metrics"].items():
             got = split["what_if"][name]["metrics"][key]

@@ -440,7 +440,7 @@ _COUNTS += ("sum_w", "sum_w2")
 CONFIGS_PER_PROGRAM = 4
 """Candidate corrections compiled into one program. XLA:CPU's compilation temporaries
 grow with the program and set diagnose's peak memory: all ten in one program need about
-a third more than groups of four, for a few tenths faster a run
+a third more than groups of four, for a run about a sixth shorter
 (``benchmarks/diagnose_big_results.json``)."""
 
 SPLIT_CELLS = 1 << 20
@@ -535,8 +535,9 @@ class Accumulator:
         per = CONFIGS_PER_PROGRAM if rows * cols <= SPLIT_CELLS else 1
         groups = [self.configs[i : i + per] for i in range(0, len(self.configs), per)]
         # A very long sequence analysed alone: its shape (a multiple of 512 tokens)
-        # rarely recurs, so each program compiled for it is dropped once run; kept, the
-        # ten of them stacked ~200 MB onto diagnose's peak memory.
+        # rarely recurs, so each program compiled for it is dropped once run (with the
+        # other shapes' programs, compiled again when next needed); kept, the ten of
+        # them stacked ~200 MB onto diagnose's peak memory.
         lone = rows == 1 and cols > LONE_SEQUENCE_COLS
         stats = jax.device_get(chunk_stats(*arrays, configs=groups[0], **kwargs))
         for configs in groups[1:]:
