@@ -37,8 +37,6 @@ M2PO (``m2po_tau``: its cut-off is a function of the whole batch).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import functools
 import heapq
@@ -463,15 +461,10 @@ def auto_position_bin(length: int) -> int:
 
 
 def _drop_programs() -> None:
-    """Drops the compiled chunk programs and hands glibc's free heap pages back to the
-    OS (a no-op elsewhere): XLA:CPU's compilation temporaries otherwise stay in malloc's
-    per-thread arenas, under the next compilation's in the process's peak memory."""
+    """Drops the compiled chunk programs (XLA:CPU's compiled programs and what their
+    compilation left behind stay resident while JAX's caches hold them)."""
     for program in (chunk_stats, config_stats):
         program.clear_cache()  # pyright: ignore[reportAttributeAccessIssue]  # jax's stubs lack it
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to return
-        pass
 
 
 class Accumulator:
