@@ -1,4 +1,5 @@
-"""Regression tests for the defects of issues 10 and 17 fixed with the stage pipeline.
+"""Regression tests of the stage pipeline: non-finite inputs, metrics near float32's
+limits, integer mask values, result shapes and the shipped presets.
 
 Each test failed on the code before the pipeline (commit e700430).
 """
@@ -98,7 +99,7 @@ def test_nonfinite_old_or_rollout_is_rejected_and_counted_on_every_path(name, fi
     assert float(metrics["mis_nonfinite_seq_fraction"]) == pytest.approx(1 / 3)
 
 
-def test_issue17_example_ppo_with_mismatch_metrics():
+def test_ppo_with_mismatch_metrics_rejects_a_nonfinite_old_logp():
     loss, metrics = opj.policy_loss(
         jnp.array([[-1.0, -1.0]]),
         jnp.array([[NAN, -1.0]]),
