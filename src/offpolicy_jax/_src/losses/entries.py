@@ -14,7 +14,9 @@ equal plan, so :func:`~offpolicy_jax.policy_loss_parts` gives the same parts and
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import jax
 from jax.typing import ArrayLike
@@ -171,8 +173,39 @@ def _rejection_only(correction: Correction | None) -> Correction | None:
     return correction
 
 
-def _parts(inputs: LossInputs, plan: LossPlan, regularisers: Regularisers) -> Parts:
-    given = {"ref_logp": inputs.ref_logp, "entropy": inputs.entropy, "rewards": inputs.rewards}
+# The settings every objective takes as the ``LossConfig`` keys of the same names.
+_PLAN_KEYS = (
+    "aggregation",
+    "loss_scale_factor",
+    "rejected_in_denominator",
+    "metric_reduction",
+    "regularisers",
+    "opsm_delta",
+    "get_mismatch_metrics",
+    "prox_logp_method",
+)
+_INPUT_KEYS = tuple(
+    field.name for field in dataclasses.fields(LossInputs) if field.name != "correction_result"
+)
+
+
+def _objective(
+    algorithm: str,
+    arguments: Mapping[str, Any],
+    *,
+    chain: Correction | None,
+    surrogate: SurrogateSpec | None = None,
+    metrics_chain: Correction | None = None,
+    precomputed: CorrectionResult | None = None,
+) -> Parts:
+    """One objective's loss parts: its plan and its inputs from ``arguments``, the
+    entry's own arguments by name (an entry lacks the keys it does not take: PPO has no
+    precomputed correction, REINFORCE no surrogate, ...)."""
+    settings = {name: arguments[name] for name in _PLAN_KEYS if name in arguments}
+    plan = _plan(algorithm, chain, surrogate, metrics_chain=metrics_chain, **settings)
+    given: dict[str, Any] = {name: arguments.get(name) for name in _INPUT_KEYS}
+    inputs = LossInputs(**given, correction_result=precomputed)
+    regularisers = settings.get("regularisers", ())
     _regularisers.check_needed(regularisers, given)
     terms = loss_terms(inputs, plan)
     return terms.parts, terms.metrics
@@ -282,38 +315,9 @@ def decoupled_ppo(
       TypeError / ValueError: a bad argument or hyperparameter (naming it).
     """
     chain, precomputed = _correction(correction)
-    plan = _plan(
-        "decoupled_ppo",
-        chain,
-        surrogate,
-        aggregation=aggregation,
-        loss_scale_factor=loss_scale_factor,
-        rejected_in_denominator=rejected_in_denominator,
-        metric_reduction=metric_reduction,
-        regularisers=regularisers,
-        opsm_delta=opsm_delta,
-        get_mismatch_metrics=get_mismatch_metrics,
-        prox_logp_method=prox_logp_method,
+    return _objective(
+        "decoupled_ppo", locals(), chain=chain, surrogate=surrogate, precomputed=precomputed
     )
-    inputs = LossInputs(
-        logp,
-        old_logp,
-        rollout_logp,
-        advantages,
-        mask,
-        axis_names=axis_names,
-        correction_result=precomputed,
-        segment_ids=segment_ids,
-        num_segments=num_segments,
-        ref_logp=ref_logp,
-        entropy=entropy,
-        versions=versions,
-        current_version=current_version,
-        key=key,
-        rewards=rewards,
-        topk=topk,
-    )
-    return _parts(inputs, plan, regularisers)
 
 
 def ppo(
@@ -374,37 +378,9 @@ def ppo(
     Returns:
       ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
     """
-    inputs = LossInputs(
-        logp,
-        old_logp,
-        rollout_logp,
-        advantages,
-        mask,
-        axis_names=axis_names,
-        segment_ids=segment_ids,
-        num_segments=num_segments,
-        ref_logp=ref_logp,
-        entropy=entropy,
-        versions=versions,
-        current_version=current_version,
-        key=key,
-        rewards=rewards,
-        topk=topk,
+    return _objective(
+        "ppo", locals(), chain=None, surrogate=surrogate, metrics_chain=_metrics_only(correction)
     )
-    plan = _plan(
-        "ppo",
-        None,
-        surrogate,
-        metrics_chain=_metrics_only(correction),
-        aggregation=aggregation,
-        loss_scale_factor=loss_scale_factor,
-        rejected_in_denominator=rejected_in_denominator,
-        metric_reduction=metric_reduction,
-        regularisers=regularisers,
-        opsm_delta=opsm_delta,
-        get_mismatch_metrics=get_mismatch_metrics,
-    )
-    return _parts(inputs, plan, regularisers)
 
 
 def bypass_ppo(
@@ -462,36 +438,10 @@ def bypass_ppo(
     Returns:
       ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
     """
-    inputs = LossInputs(
-        logp,
-        None,
-        rollout_logp,
-        advantages,
-        mask,
-        axis_names=axis_names,
-        segment_ids=segment_ids,
-        num_segments=num_segments,
-        ref_logp=ref_logp,
-        entropy=entropy,
-        versions=versions,
-        current_version=current_version,
-        key=key,
-        rewards=rewards,
-        topk=topk,
+    old_logp = None  # the ratio's denominator is π_rollout
+    return _objective(
+        "bypass_ppo", locals(), chain=_rejection_only(correction), surrogate=surrogate
     )
-    plan = _plan(
-        "bypass_ppo",
-        _rejection_only(correction),
-        surrogate,
-        aggregation=aggregation,
-        loss_scale_factor=loss_scale_factor,
-        rejected_in_denominator=rejected_in_denominator,
-        metric_reduction=metric_reduction,
-        regularisers=regularisers,
-        opsm_delta=opsm_delta,
-        get_mismatch_metrics=get_mismatch_metrics,
-    )
-    return _parts(inputs, plan, regularisers)
 
 
 def reinforce_is(
@@ -547,33 +497,5 @@ def reinforce_is(
       ``(loss_parts, metric_parts)`` as :func:`decoupled_ppo`.
     """
     chain, precomputed = _correction(correction)
-    plan = _plan(
-        "reinforce_is",
-        chain,
-        None,  # the REINFORCE term has no surrogate; the plan keeps the default's
-        aggregation=aggregation,
-        loss_scale_factor=loss_scale_factor,
-        rejected_in_denominator=rejected_in_denominator,
-        metric_reduction=metric_reduction,
-        regularisers=regularisers,
-        opsm_delta=opsm_delta,
-        get_mismatch_metrics=get_mismatch_metrics,
-    )
-    inputs = LossInputs(
-        logp,
-        old_logp,
-        rollout_logp,
-        advantages,
-        mask,
-        axis_names=axis_names,
-        correction_result=precomputed,
-        segment_ids=segment_ids,
-        num_segments=num_segments,
-        ref_logp=ref_logp,
-        entropy=entropy,
-        versions=versions,
-        current_version=current_version,
-        rewards=rewards,
-        topk=topk,
-    )
-    return _parts(inputs, plan, regularisers)
+    # The REINFORCE term has no surrogate; the plan keeps the default's.
+    return _objective("reinforce_is", locals(), chain=chain, precomputed=precomputed)

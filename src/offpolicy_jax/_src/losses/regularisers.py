@@ -241,7 +241,7 @@ def plan_fields(owner: str, regularisers: Regularisers) -> dict[str, Any]:
 
 def check_needed(regularisers: Regularisers, given: Mapping[str, object]) -> None:
     """``ValueError`` when a regulariser with a non-zero coefficient lacks its input
-    (``given``: the loss call's ``ref_logp``, ``entropy`` and ``rewards``)."""
+    (``given``: the loss call's inputs by name)."""
     if isinstance(regularisers, Regulariser):
         regularisers = (regularisers,)
     for value in regularisers:
