@@ -1,6 +1,7 @@
 import gc
 import os
 import re
+import shutil
 
 # Two device layouts, two runs (README's test commands):
 #
@@ -78,6 +79,35 @@ settings.register_profile("fast", parent=settings.get_profile("ci"), max_example
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# JAX's persistent compilation cache: a program compiled once is read back from disk
+# the next time any run (or the other xdist worker, or a later module after the caches
+# are dropped) compiles it, instead of being compiled again. Most of the suite's time is
+# compiling, so a re-run of the fast tier, the edit loop, is much faster; a run on a
+# clean clone starts cold and fills it. Every program is kept (compile time >= 0 s: the
+# op-by-op programs of eager calls are most of them). JAX keys an entry by the program,
+# the compile options, the devices and the jax/jaxlib versions, so a changed library or
+# device count compiles anew. JAX_COMPILATION_CACHE_DIR overrides the folder (empty:
+# no cache); a folder over COMPILATION_CACHE_MAX_BYTES is emptied when a run starts.
+COMPILATION_CACHE = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache")
+COMPILATION_CACHE_MAX_BYTES = 2 << 30
+_cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE)
+if _cache_dir:
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _bound_compilation_cache() -> None:
+    """Empties the cache folder when it has grown past its bound (the main process only,
+    before any worker starts)."""
+    if not _cache_dir or not os.path.isdir(_cache_dir):
+        return
+    with os.scandir(_cache_dir) as entries:
+        size = sum(entry.stat().st_size for entry in entries if entry.is_file())
+    if size > COMPILATION_CACHE_MAX_BYTES:
+        shutil.rmtree(_cache_dir, ignore_errors=True)
+
+
 @pytest.fixture
 def clear_jax_caches():
     """Drops compiled programs after a test that compiles many one-off programs.
@@ -133,10 +163,12 @@ SLOW_MODULES = frozenset(
         "test_examples.py",
     }
 )
-# 5. `@pytest.mark.heavy` functions: those whose fast-tier cases took over ~5 s of CPU
-#    (measured with `--durations=0` on the 2-core VM: about 120 functions: pooling,
-#    packed == padded, vmap == loop, jit == eager, finite-difference gradients, the demo's
-#    engines, diagnose's end-to-end reports). They run in the whole suite.
+# 5. `@pytest.mark.heavy` functions and cases: those whose fast-tier cases took over
+#    ~2.5 s of CPU (measured with `--durations=0` on the 2-core VM: about 140 functions:
+#    pooling, packed == padded, vmap == loop, jit == eager, finite-difference gradients,
+#    the demo's engines, diagnose's end-to-end reports), and all but a spread of the
+#    settings whose composed path is checked against its config (`test_composing.py`).
+#    They run in the whole suite; each behaviour keeps a cheaper case in the fast tier.
 CONFORMANCE_STRIDE = 97
 COVER_MIN = 6
 
@@ -204,6 +236,8 @@ def pytest_configure(config):
         "markers",
         "heavy: over ~5 s of CPU in the fast tier; deferred to the whole suite (rule 5)",
     )
+    if not hasattr(config, "workerinput"):  # the main process, not an xdist worker
+        _bound_compilation_cache()
     # Before any test module is imported: their @settings decorators read the profile.
     # The 8-device run repeats fast-tier cases with its example cap.
     fast_profile = _fast_run(config) or _eight_device_run(config)

@@ -14,6 +14,15 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _compilation_cache_as_before():
+    """Importing ``benchmarks`` turns JAX's persistent compilation cache off (its compile
+    times are cold compiles); the worker's later tests keep the setting they had."""
+    enabled = jax.config.jax_enable_compilation_cache
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+
+
 # End to end: the whole benchmark grid at a tiny size (~35 s of CPU); the fast tier keeps
 # the command's argument check and the thread probe.
 @pytest.mark.slow
