@@ -271,6 +271,7 @@ def test_hostile_loss_settings_build_sound_or_name_the_key(
 # --------------------------------------------------------------------------- losses
 
 
+@pytest.mark.heavy
 @budget(ci=5)
 @given(batch=campaign_batches(), config=loss_configs, dtype=dtypes, mask_dtype=mask_dtypes)
 def test_garbage_at_masked_positions_changes_nothing_bit_for_bit(batch, config, dtype, mask_dtype):

@@ -21,6 +21,20 @@ from offpolicy_jax import objectives, rules
 RTOL = 1e-6
 
 
+def _spread(cases, every=3):
+    """Every ``every``-th case for the fast tier, the rest marked heavy (whole suite
+    only): each compiles its own config's program, and the composed and config paths
+    share every stage, so a spread of settings checks the composition in the edit loop."""
+    return [
+        case if i % every == 0 else pytest.param(*_as_tuple(case), marks=pytest.mark.heavy)
+        for i, case in enumerate(cases)
+    ]
+
+
+def _as_tuple(case):
+    return case if isinstance(case, tuple) else (case,)
+
+
 def _batch(seed: int = 0, shape=(6, 11)):
     rng = np.random.default_rng(seed)
     old = rng.normal(-2.0, 0.6, shape).astype(np.float32)
@@ -764,7 +778,7 @@ def _assert_bitwise_same_loss(composed, configured, logp, mask):
     np.testing.assert_array_equal(np.asarray(got_grad)[~mask], 0.0)
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("name", _spread(sorted(SETTINGS)))
 def test_a_setting_composed_equals_its_config_bit_for_bit(monkeypatch, name):
     from offpolicy_jax._src.config.plan import resolve
 
@@ -1067,7 +1081,7 @@ def _correction_bits(result):
     return {k: np.asarray(v) for k, v in flat.items()}
 
 
-@pytest.mark.parametrize("name", sorted(CORRECTION_SETTINGS))
+@pytest.mark.parametrize("name", _spread(sorted(CORRECTION_SETTINGS)))
 def test_a_correction_setting_chained_equals_compute_correction_bit_for_bit(name):
     config, build = CORRECTION_SETTINGS[name]
     b = _Async(21)
@@ -1106,7 +1120,9 @@ def _entries(config):
 
 @pytest.mark.parametrize(
     ("name", "entry"),
-    [(n, e) for n in sorted(CORRECTION_SETTINGS) for e in _entries(CORRECTION_SETTINGS[n][0])],
+    _spread(
+        [(n, e) for n in sorted(CORRECTION_SETTINGS) for e in _entries(CORRECTION_SETTINGS[n][0])]
+    ),
 )
 def test_a_correction_setting_chained_gives_its_config_loss_bit_for_bit(name, entry):
     config, _ = CORRECTION_SETTINGS[name]

@@ -121,6 +121,7 @@ def test_new_rows_are_library_configs():
     assert train.topk_of(kpop) == 0
 
 
+@pytest.mark.heavy
 def test_top_k_sizes_must_agree_and_fit_the_vocabulary():
     cfg, graphdef, _ = _routed()
     mismatch = train.Mismatch("router", 30)

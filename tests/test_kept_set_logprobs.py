@@ -204,6 +204,7 @@ def _large_logit_case():
     return hidden, w, tokens
 
 
+@pytest.mark.heavy
 def test_from_hidden_is_exact_to_float32_rounding_at_large_logits():
     """``z_y − (m + log s)`` rounded ``lse`` to an ulp of the logits (−1.796875 for
     −log 6 at 1.6e5); the hidden path now shifts first, as the logits path does. Values,

@@ -186,6 +186,7 @@ def test_verl_block_matches_verl_reference():
     np.testing.assert_array_equal(np.asarray(res.mask), want_mask)
 
 
+@pytest.mark.heavy
 def test_rule_constructor_equals_config():
     old, rollout, mask = _ragged()
     stage = rules.criterion("binary_kl", threshold=0.5)
@@ -233,6 +234,7 @@ def test_the_statistic_takes_six_transcendentals_per_token_once():
     assert extra == Counter({"exponential": 2, "exponential-minus-one": 2, "log": 2})
 
 
+@pytest.mark.heavy
 def test_rule_under_vmap_and_grad():
     """Batched == one at a time; the decision carries no gradient, and a loss through the
     kept tokens has zero gradient at the rejected ones and finite values everywhere."""
@@ -262,6 +264,7 @@ def test_rule_under_vmap_and_grad():
     np.testing.assert_array_equal(free, 0.0)
 
 
+@pytest.mark.heavy
 def test_all_rejected_gives_zero_loss_and_gradient():
     old = jnp.log(jnp.full((2, 5), 0.9))
     rollout = jnp.log(jnp.full((2, 5), 0.01))  # D_B(0.9‖0.01) ≈ 3.7 > 2

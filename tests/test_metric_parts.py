@@ -122,6 +122,7 @@ def test_pool_metric_parts_pools_every_kind_to_the_full_batch():
     )
 
 
+@pytest.mark.heavy
 def test_pool_metric_parts_refuses_finished_values_and_token_axes():
     _, metrics = _parts(slice(0, 2), _every_kind_config())
     with pytest.raises(TypeError, match="MeanParts"):
@@ -406,6 +407,7 @@ def test_property_two_micro_batches_pool_to_the_full_batch(batch):
             np.testing.assert_allclose(pooled[key], full[key], rtol=2e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.heavy
 @given(tail_batches(), st.sampled_from([np.nan, np.inf, -1e30]))
 def test_property_padding_leaves_the_metrics_unchanged(batch, junk):
     old, rollout, mask = batch

@@ -300,6 +300,7 @@ def _jit_parts(config):
     return jax.jit(jax.value_and_grad(numerator, has_aux=True))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean"])
 def test_micro_batches_pool_to_the_full_batch(aggregation):
     config = _config(aggregation=aggregation, beta2=0.05)

@@ -61,6 +61,7 @@ def _geo_rs_seq_fraction(seqs) -> float:
 
 
 # More seeds only in the whole suite: each packs a new layout (~7 s of CPU).
+@pytest.mark.heavy
 @pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2))])
 def test_packed_short_responses_equal_the_unpacked_batch(seed):
     """``pack_sequences`` rows of 128 tokens, 8 segments, responses of 1-40 tokens after
@@ -311,6 +312,7 @@ def test_a_packed_pass_is_two_scatters_and_its_gradient_no_gather(copies):
     np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("num_segments", [3, 70])
 def test_packed_sums_gradient_and_tangent_past_the_select_limit(num_segments):
     """A per-segment sum's gradient is its segment's cotangent at every token (0 on

@@ -766,6 +766,7 @@ def test_packed_hlo_moves_no_token_data(path):
             assert local not in shape and length not in shape, c["line"][:300]
 
 
+@pytest.mark.heavy
 def test_docs_packed_example_runs():
     import doc_pages
 

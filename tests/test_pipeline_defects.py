@@ -214,6 +214,7 @@ def test_integer_mask_values_are_membership_only(value, dtype):
             assert float(la) == float(lb), aggregation
 
 
+@pytest.mark.heavy
 def test_correction_result_shape_is_checked():
     cfg = opj.LossConfig(algorithm="decoupled_ppo", correction=opj.CorrectionConfig(use_tis=True))
     x = jnp.zeros((3, 4))

@@ -153,6 +153,7 @@ def test_exact_approximation_gives_the_recomputed_loss(method):
     np.testing.assert_array_equal(np.asarray(exact)[on_policy], rollout[on_policy])
 
 
+@pytest.mark.heavy
 def test_metrics_mode_trains_on_the_recomputed_policy_and_reports_both_errors():
     logp, rollout, adv, mask, versions, current = _loss_case(2)
     rng = np.random.default_rng(5)

@@ -281,6 +281,7 @@ def test_dppo_topk_core_matches_the_loss_path(kind):
     assert np.all(np.isfinite(loss)) and np.all(loss[~data["valid"]] == 0.0)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["tv", "kl"])
 def test_jit_vmap_and_grad_are_finite_and_agree(kind):
     data = topk_batch(7)

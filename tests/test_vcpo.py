@@ -142,6 +142,7 @@ def test_ess_learning_rate_scale_rejects_bad_hyperparameters(kwargs, message):
         opj.ess_learning_rate_scale(0.5, **kwargs)
 
 
+@pytest.mark.heavy
 def test_the_factor_of_pooled_mis_ess_parts_is_the_full_batch_factor():
     """Micro-batches: the summed ``mis_ess`` parts give the full batch's ESS, exactly."""
     rng = np.random.default_rng(3)

@@ -221,6 +221,7 @@ def test_fully_masked_batch_gives_zero_loss_and_zero_grad(fields):
     assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "fields",
     [pytest.param(CLIP, id="clip_cov", marks=pytest.mark.slow), pytest.param(KL, id="kl_cov")],
@@ -326,6 +327,7 @@ def test_kl_cov_non_finite_covariance_ranks_lowest_among_members():
 # --------------------------------------------------------------------------- layouts
 
 
+@pytest.mark.heavy
 def test_packed_equals_padded():
     """Selection is token-level over the call's tokens: packing sequences (in order) into
     rows picks the same tokens, so value, metrics and gradient are those of one
