@@ -15,6 +15,7 @@ equal plan, so :func:`~offpolicy_jax.policy_loss_parts` gives the same parts and
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -173,16 +174,12 @@ def _rejection_only(correction: Correction | None) -> Correction | None:
     return correction
 
 
-# The settings every objective takes as the ``LossConfig`` keys of the same names.
-_PLAN_KEYS = (
-    "aggregation",
-    "loss_scale_factor",
-    "rejected_in_denominator",
-    "metric_reduction",
-    "regularisers",
-    "opsm_delta",
-    "get_mismatch_metrics",
-    "prox_logp_method",
+# The settings the objectives take as the ``LossConfig`` keys of the same names: the
+# plan's keywords but the chain it may carry beside the loss.
+_PLAN_KEYS = tuple(
+    name
+    for name, parameter in inspect.signature(_plan).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY and name != "metrics_chain"
 )
 _INPUT_KEYS = tuple(
     field.name for field in dataclasses.fields(LossInputs) if field.name != "correction_result"
