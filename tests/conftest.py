@@ -128,7 +128,7 @@ def clear_jax_caches():
 #    still runs one device's numerics; `@pytest.mark.slow` in a module marks single
 #    end-to-end runs (demo presets, benchmark command, long hypothesis properties).
 # 2. Reference packs (tests marked `conformance` and parametrized over `case`): each case
-#    compiles its own program (~1.5 s of CPU each, ~1,500 cases; a run compiles 8
+#    compiles its own program (~1.5 s of CPU each, ~1,500 cases; a run compiles 16
 #    consecutive selected cases of one shape together, tests/grouped_cases.py). The fast
 #    tier keeps the first case of each category (the case name's first word: grid, edge,
 #    new, err, misyaml, metrics, loss; for the verl packs the word after `verl_<kind>__`:
