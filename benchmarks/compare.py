@@ -81,8 +81,8 @@ def load_commit(commit: str, workdir: pathlib.Path, suffix: str = "") -> tuple[M
     return importlib.import_module(name), sha
 
 
-def steps(opj: ModuleType, inputs: dict[str, jax.Array]) -> dict[str, tuple]:
-    """The compiled loss and correction steps of one version, with their arguments."""
+def programs(opj: ModuleType, inputs: dict[str, jax.Array]) -> dict[str, tuple]:
+    """The loss and correction steps of one version (functions), with their arguments."""
     mis_yaml = resources.files("offpolicy_jax") / "configs" / "mis.yaml"
     correction = opj.CorrectionConfig.from_yaml(mis_yaml)
     loss_config = opj.LossConfig(
@@ -98,31 +98,52 @@ def steps(opj: ModuleType, inputs: dict[str, jax.Array]) -> dict[str, tuple]:
     def correct(old_logp, rollout_logp, mask):
         return opj.compute_correction(old_logp, rollout_logp, mask, correction)
 
-    out = {}
-    for name, fn, keys in (
-        ("loss", loss, workloads.LOSS_INPUTS),
-        ("correction", correct, workloads.CORRECTION_INPUTS),
-    ):
-        args = tuple(inputs[k] for k in keys)
-        out[name] = (jax.jit(fn).lower(*args).compile(), args)
-    return out
+    return {
+        name: (fn, tuple(inputs[k] for k in keys))
+        for name, fn, keys in (
+            ("loss", loss, workloads.LOSS_INPUTS),
+            ("correction", correct, workloads.CORRECTION_INPUTS),
+        )
+    }
 
 
-def traced(setting: str, module: ModuleType, inputs) -> dict[str, tuple]:
-    """:func:`steps` of ``module`` traced with the ``NAME=VALUE`` variable ``setting`` set
+def compile_under(setting: str, fn, args) -> jax.stages.Compiled:
+    """``fn`` traced, lowered and compiled with the ``NAME=VALUE`` variable ``setting`` set
     (a variable read when a program is traced), restored afterwards."""
     if not setting:
-        return steps(module, inputs)
+        return jax.jit(fn).lower(*args).compile()
     name, _, value = setting.partition("=")
     before = os.environ.get(name)
     os.environ[name] = value
     try:
-        return steps(module, inputs)
+        return jax.jit(fn).lower(*args).compile()
     finally:
         if before is None:
             del os.environ[name]
         else:
             os.environ[name] = before
+
+
+def traced(setting: str, module: ModuleType, inputs) -> dict[str, tuple]:
+    """The compiled steps of ``module`` (``{name: (compiled, args)}``), traced with
+    ``setting`` (:func:`compile_under`)."""
+    return {
+        name: (compile_under(setting, fn, args), args)
+        for name, (fn, args) in programs(module, inputs).items()
+    }
+
+
+def compile_times(versions: dict[str, tuple], repeats: int) -> dict[str, list[float]]:
+    """Each version's cold trace + lower + compile (``{label: (setting, fn, args)}``),
+    ``repeats`` times, interleaved, after dropping JAX's caches each time."""
+    times: dict[str, list[float]] = {v: [] for v in versions}
+    for _ in range(repeats):
+        for version, (setting, fn, args) in versions.items():
+            jax.clear_caches()
+            start = time.perf_counter()
+            compile_under(setting, fn, args)
+            times[version].append(time.perf_counter() - start)
+    return times
 
 
 def timed(versions: dict[str, tuple], repeats: int) -> dict[str, list[float]]:
@@ -139,9 +160,9 @@ def timed(versions: dict[str, tuple], repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def row(name, batch, length, times, ours, theirs) -> dict:
+def row(name, batch, length, times, compiles, ours, theirs) -> dict:
     """One computation and size: this checkout's median and, per other version, its
-    median, paired ratio and the metric keys only one of the two reports."""
+    median, paired ratio, compile times and the metric keys only one of the two reports."""
     now = statistics.median(times["this checkout"]) * 1e3
     keys_now = metric_keys(*ours[name])
     others = []
@@ -152,11 +173,19 @@ def row(name, batch, length, times, ours, theirs) -> dict:
                 "version": label,
                 "other_ms": statistics.median(times[label]) * 1e3,
                 **paired_ratio(times["this checkout"], times[label]),
+                "other_compile_s": statistics.median(compiles[label]),
+                "compile_ratio": paired_ratio(compiles["this checkout"], compiles[label]),
                 "only_this": sorted(keys_now - keys_then),
                 "only_other": sorted(keys_then - keys_now),
             }
         )
-    return {"computation": name, "size": f"{batch} x {length}", "this_ms": now, "others": others}
+    return {
+        "computation": name,
+        "size": f"{batch} x {length}",
+        "this_ms": now,
+        "this_compile_s": statistics.median(compiles["this checkout"]),
+        "others": others,
+    }
 
 
 def metric_keys(compiled, args) -> set[str]:
@@ -170,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--commit", default=PHASE_1, help="the other version (git revision)")
     parser.add_argument("--sizes", default="64x2048,256x4096,256x8192", help="BxT,BxT,...")
     parser.add_argument("--repeats", type=int, default=21, help="timed calls per version")
+    parser.add_argument(
+        "--compile-repeats",
+        type=int,
+        default=3,
+        help="cold compiles per version, interleaved (at least 2: a paired ratio's quartiles)",
+    )
     parser.add_argument("--out", default=None, help="directory for compare_results.md/.json")
     parser.add_argument(
         "--env",
@@ -180,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
         "(repeatable: each copy is timed beside this checkout; the first is the headline)",
     )
     args = parser.parse_args(argv)
+    if args.compile_repeats < 2:
+        parser.error(f"--compile-repeats must be at least 2, got {args.compile_repeats}")
 
     import offpolicy_jax as current
 
@@ -193,17 +230,24 @@ def main(argv: list[str] | None = None) -> None:
         for item in args.sizes.split(","):
             batch, length = (int(x) for x in item.lower().split("x"))
             inputs = {k: jnp.asarray(v) for k, v in workloads.make_inputs(batch, length).items()}
-            ours = steps(current, inputs)
+            ours = traced("", current, inputs)
             theirs = {label: traced(setting, module, inputs) for label, setting, module in others}
+            fns = {"this checkout": ("", programs(current, inputs))}
+            fns |= {label: (setting, programs(module, inputs)) for label, setting, module in others}
             for name in ours:
                 versions = {"this checkout": ours[name]}
                 versions |= {label: theirs[label][name] for label in theirs}
                 times = timed(versions, args.repeats)
-                rows.append(row(name, batch, length, times, ours, theirs))
+                compiles = compile_times(
+                    {label: (setting, *fn[name]) for label, (setting, fn) in fns.items()},
+                    args.compile_repeats,
+                )
+                rows.append(row(name, batch, length, times, compiles, ours, theirs))
                 print(
                     f"{name:>10} {batch}x{length}: "
                     + "; ".join(
-                        f"{o['version']}: paired {o['paired_ratio']:.2f}"
+                        f"{o['version']}: paired {o['paired_ratio']:.2f}, compile "
+                        f"{o['compile_ratio']['paired_ratio']:.2f}"
                         for o in rows[-1]["others"]
                     )
                 )
@@ -235,18 +279,30 @@ def render(report: dict) -> str:
         "busy machine slows them alike. *paired*: the median over calls of each call's time "
         "of this checkout over the other version's call beside it (quartiles in brackets), "
         "steadier than the ratio of medians when the machine's speed drifts. *only here* / "
-        "*only there*: metric keys one version reports and the other does not.",
+        "*only there*: metric keys one version reports and the other does not. *compile*: "
+        "cold trace + lower + compile in seconds (median of the interleaved repeats, JAX's "
+        "caches dropped before each) and its paired ratio.",
         "",
         "| computation | [B, T] | this checkout ms | "
         + " | ".join(f"`{v}` ms | **this / `{v}`, paired**" for v in versions)
+        + " | this compile s | "
+        + " | ".join(f"`{v}` compile s | compile this / `{v}`" for v in versions)
         + " | only here | only there |",
-        "|---|---|---|" + "---|---|" * len(versions) + "---|---|",
+        "|---|---|---|"
+        + "---|---|" * len(versions)
+        + "---|"
+        + "---|---|" * len(versions)
+        + "---|---|",
     ]
     for r in report["rows"]:
         cells = " | ".join(f"{o['other_ms']:.2f} | {paired_cell(o)}" for o in r["others"])
+        compiles = " | ".join(
+            f"{o['other_compile_s']:.2f} | {paired_cell(o['compile_ratio'])}" for o in r["others"]
+        )
         first = r["others"][0]
         lines.append(
             f"| {r['computation']} | {r['size']} | {r['this_ms']:.2f} | {cells} | "
+            f"{r['this_compile_s']:.2f} | {compiles} | "
             f"{', '.join(f'`{k}`' for k in first['only_this']) or '–'} | "
             f"{', '.join(f'`{k}`' for k in first['only_other']) or '–'} |"
         )

@@ -216,7 +216,16 @@ def _git_checkout() -> bool:
 @pytest.mark.skipif(not _git_checkout(), reason="needs a git checkout of the project")
 def test_compare_against_a_commit_reports_both_versions(tmp_path):
     proc = _run_module(
-        "benchmarks.compare", "--commit", "HEAD", "--sizes", "4x64", "--repeats", "2", out=tmp_path
+        "benchmarks.compare",
+        "--commit",
+        "HEAD",
+        "--sizes",
+        "4x64",
+        "--repeats",
+        "2",
+        "--compile-repeats",
+        "2",
+        out=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "compare_results.json").read_text())
@@ -226,6 +235,8 @@ def test_compare_against_a_commit_reports_both_versions(tmp_path):
     ]
     for row in report["rows"]:
         assert row["this_ms"] > 0 and [o["other_ms"] > 0 for o in row["others"]] == [True]
+        assert row["this_compile_s"] > 0 and row["others"][0]["other_compile_s"] > 0
+        assert row["others"][0]["compile_ratio"]["paired_ratio"] > 0
     assert "| loss | 4 x 64 |" in (tmp_path / "compare_results.md").read_text()
 
 
