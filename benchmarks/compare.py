@@ -124,13 +124,10 @@ def compile_under(setting: str, fn, args) -> jax.stages.Compiled:
             os.environ[name] = before
 
 
-def traced(setting: str, module: ModuleType, inputs) -> dict[str, tuple]:
-    """The compiled steps of ``module`` (``{name: (compiled, args)}``), traced with
+def traced(setting: str, steps: dict[str, tuple]) -> dict[str, tuple]:
+    """The compiled :func:`programs` ``steps`` (``{name: (compiled, args)}``), traced with
     ``setting`` (:func:`compile_under`)."""
-    return {
-        name: (compile_under(setting, fn, args), args)
-        for name, (fn, args) in programs(module, inputs).items()
-    }
+    return {name: (compile_under(setting, fn, args), args) for name, (fn, args) in steps.items()}
 
 
 def compile_times(versions: dict[str, tuple], repeats: int) -> dict[str, list[float]]:
@@ -230,10 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         for item in args.sizes.split(","):
             batch, length = (int(x) for x in item.lower().split("x"))
             inputs = {k: jnp.asarray(v) for k, v in workloads.make_inputs(batch, length).items()}
-            ours = traced("", current, inputs)
-            theirs = {label: traced(setting, module, inputs) for label, setting, module in others}
             fns = {"this checkout": ("", programs(current, inputs))}
             fns |= {label: (setting, programs(module, inputs)) for label, setting, module in others}
+            ours = traced(*fns["this checkout"])
+            theirs = {label: traced(*fns[label]) for label, _, _ in others}
             for name in ours:
                 versions = {"this checkout": ours[name]}
                 versions |= {label: theirs[label][name] for label in theirs}
