@@ -6,8 +6,9 @@ same two computations with each version's own public API (``policy_loss`` forwar
 backward and ``compute_correction``, ``decoupled_ppo`` with the shipped ``mis.yaml``
 and every metric), compiles both and times them call by call, interleaved, so that a
 busy machine slows them alike. It writes ``compare_results.md`` / ``.json``: the median
-time of each version and their ratio per computation and size, and the metric keys
-that only one of them reports (work the other does not do).
+time of each version and their ratio per computation and size, each version's cold
+compile time (``--compile-repeats`` interleaved compiles) and its paired ratio, and the
+metric keys that only one of them reports (work the other does not do).
 
 Why not ``run.py --against``: that compares jit / floor ratios between two runs, which
 is only meaningful on the same machine; this compares the code itself.
@@ -110,9 +111,9 @@ def programs(opj: ModuleType, inputs: dict[str, jax.Array]) -> dict[str, tuple]:
 def compile_under(setting: str, fn, args) -> jax.stages.Compiled:
     """``fn`` traced, lowered and compiled with the ``NAME=VALUE`` variable ``setting`` set
     (a variable read when a program is traced), restored afterwards."""
-    if not setting:
-        return jax.jit(fn).lower(*args).compile()
     name, _, value = setting.partition("=")
+    if not name:
+        return jax.jit(fn).lower(*args).compile()
     before = os.environ.get(name)
     os.environ[name] = value
     try:
