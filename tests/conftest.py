@@ -18,6 +18,17 @@ import shutil
 # JAX fixes the device count when its CPU backend starts; this file is loaded before any
 # test module, in the main process and in every xdist worker, so the setting lands first.
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
+# XLA's lowest backend optimisation level for every program the suite compiles, and for
+# the processes it starts (they inherit the variable): the level governs LLVM's
+# optimisation and machine-code generation for each fused kernel, about a third of a
+# program's compile time, and compiling is most of the suite's time. The library traces
+# the same programs and XLA runs the same HLO passes at every level; only the machine
+# code differs: XLA's default level contracts multiply-adds into FMAs, so its numbers
+# differ from these by float32 rounding, as TPU's and GPU's do (tests/test_compile_level.py
+# bounds the difference). An XLA_FLAGS that names a level keeps it.
+SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
 MULTI_DEVICE_MODULES = frozenset(
     {
         "test_sharding.py",

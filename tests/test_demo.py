@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,14 +29,6 @@ from offpolicy_jax.demo.model import round_mantissa
 TINY_ALGOS = PRESETS["default"].algorithms
 
 
-def fast_compile_env() -> dict[str, str]:
-    """Environment for a child process: XLA:CPU without LLVM optimisation compiles the
-    demo's train step ~3x faster, which is what a seconds-long smoke run is made of."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-    return env
-
-
 def run_cli(out: Path, *flags: str) -> subprocess.CompletedProcess:
     """``offpolicy-jax demo --tiny --no-progress --out OUT FLAGS...`` in a child process."""
     return subprocess.run(
@@ -55,7 +46,6 @@ def run_cli(out: Path, *flags: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
-        env=fast_compile_env(),
         check=False,
     )
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,6 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch, tmp_path):
     monkeypatch.setenv("OPJ_NOTEBOOK_SMALL", "1")
-    # The kernel is a child process: XLA:CPU without LLVM optimisation compiles ~3x faster.
-    monkeypatch.setenv(
-        "XLA_FLAGS",
-        (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip(),
-    )
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
