@@ -23,9 +23,10 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
 # optimisation and machine-code generation for each fused kernel, about a third of a
 # program's compile time, and compiling is most of the suite's time. The library traces
 # the same programs and XLA runs the same HLO passes at every level; only the machine
-# code differs: XLA's default level contracts multiply-adds into FMAs, so its numbers
-# differ from these by float32 rounding, as TPU's and GPU's do (tests/test_compile_level.py
-# bounds the difference). An XLA_FLAGS that names a level keeps it.
+# code differs: at XLA's default level LLVM fuses more multiply-adds into FMA
+# instructions, so its numbers differ from these by float32 rounding, as TPU's and GPU's
+# do (tests/test_compile_level.py bounds the difference). An XLA_FLAGS that names a level
+# keeps it.
 SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0"
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
