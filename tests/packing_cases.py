@@ -16,10 +16,13 @@ its per-token outputs back at the packed positions. Log-probs are multiples of
 
 from __future__ import annotations
 
+import jax
+import mesh_cases as mc
 import numpy as np
 
 import offpolicy_jax as opj
 
+NUM_SEGMENTS = 4  # per packed row, in the tests that pack
 GARBAGE = (np.nan, np.inf, -np.inf, 1e30, -1e30)
 TOKEN_ARRAYS = ("logp", "old_logp", "rollout_logp", "advantages")
 
@@ -98,4 +101,47 @@ def repack(values: np.ndarray, segment_ids: np.ndarray, num_segments: int, fill=
         for k in range(1, num_segments + 1):
             where = np.flatnonzero(segment_ids[r] == k)
             out[r, where] = values[r, k - 1, : where.size]
+    return out
+
+
+def evaluate(batch, corrections, losses, segments=None, axis_names=None, num_segments=NUM_SEGMENTS):
+    """Every correction (both reductions) and loss (value, metrics, gradient) of a
+    :func:`packed_batch` (``segments`` given) or of its :func:`unpack` (``segments=None``)."""
+    packed = {} if segments is None else {"segment_ids": segments, "num_segments": num_segments}
+    out = {}
+    for name, config in corrections.items():
+        for reduction in ("sequence", "token"):
+            res = opj.compute_correction(
+                batch["old_logp"],
+                batch["rollout_logp"],
+                batch["mask"],
+                config,
+                reduction=reduction,
+                axis_names=axis_names,
+                **packed,
+            )
+            out[f"c/{name}/{reduction}"] = dict(w=res.weights, m=res.mask, metrics=res.metrics)
+    for name, config in losses.items():
+        old = None if config.algorithm in ("bypass_ppo", "reinforce_is") else batch["old_logp"]
+
+        extra = mc.regulariser_inputs(
+            config, batch["logp"], batch["rollout_logp"], batch["advantages"]
+        )
+
+        def loss_fn(logp, config=config, old=old, extra=extra):
+            return opj.policy_loss(
+                logp,
+                old,
+                batch["rollout_logp"],
+                batch["advantages"],
+                batch["mask"],
+                config,
+                axis_names=axis_names,
+                key=jax.random.key(mc.KEY_SEED),
+                **packed,
+                **extra,
+            )
+
+        (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(batch["logp"])
+        out[f"l/{name}"] = dict(loss=loss, grad=grad, metrics=metrics)
     return out

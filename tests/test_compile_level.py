@@ -62,31 +62,16 @@ def _pairwise_cover(configs, fields=GRID_FIELDS):
 
 
 CORRECTIONS = {f"grid{i}": c for i, c in enumerate(_pairwise_cover(ALL_CORRECTION_CONFIGS))}
-PACKED_SEGMENTS = 4
 
 
 def _packed(batch):
     """A few corrections and losses on the packed layout (segment reductions)."""
-    out = {}
-    packed = {"segment_ids": batch["segment_ids"], "num_segments": PACKED_SEGMENTS}
-    for name in ("token_truncate_norm_veto", "sequence_mask_rs_geometric"):
-        res = opj.compute_correction(
-            batch["old_logp"], batch["rollout_logp"], batch["mask"], mc.CORRECTIONS[name], **packed
-        )
-        out[f"correction/{name}"] = dict(w=res.weights, m=res.mask, metrics=res.metrics)
-    for name in mc.CORE_LOSSES:
-        config = mc.LOSSES[name][0]
-        old = None if config.algorithm in ("bypass_ppo", "reinforce_is") else batch["old_logp"]
-
-        def loss(logp, config=config, old=old):
-            return opj.policy_loss(
-                logp, old, batch["rollout_logp"], batch["advantages"], batch["mask"], config,
-                **packed,
-            )  # fmt: skip
-
-        (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(batch["logp"])
-        out[f"loss/{name}"] = dict(loss=value, metrics=metrics, grad=grad)
-    return out
+    corrections = {
+        name: mc.CORRECTIONS[name]
+        for name in ("token_truncate_norm_veto", "sequence_mask_rs_geometric")
+    }
+    losses = {name: mc.LOSSES[name][0] for name in mc.CORE_LOSSES}
+    return pc.evaluate(batch, corrections, losses, batch["segment_ids"])
 
 
 def _from_hidden(hidden, unembedding, tokens):
@@ -115,7 +100,7 @@ def outputs() -> dict[str, np.ndarray]:
             lambda b: mc.evaluate_all(b, losses={}, corrections=CORRECTIONS),
             mc.make_batch(1),
         ),
-        "packed": (_packed, pc.packed_batch(2, rows=5, length=24, num_segments=PACKED_SEGMENTS)),
+        "packed": (_packed, pc.packed_batch(2, rows=5, length=24, num_segments=pc.NUM_SEGMENTS)),
         "hidden": (lambda a: _from_hidden(*a), (hidden, unembedding, tokens)),
     }
     flat = {}

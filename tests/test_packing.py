@@ -303,7 +303,7 @@ def test_harness_per_sequence_reductions(seed):
 # config of strategies.py (every level, mode, RS level, veto, batch norm), every
 # algorithm, aggregation and metric reduction, one jitted program per layout.
 
-K = 4
+K = pc.NUM_SEGMENTS
 
 
 def _loss_configs():
@@ -332,63 +332,19 @@ def _surrogate_configs():
     return {name: config for name, (config, _) in mc.SURROGATE_LOSSES.items()}
 
 
-def _evaluate(batch, corrections, losses, segments=None, axis_names=None):
-    """Every correction (both reductions) and loss (value, metrics, gradient)."""
-    import mesh_cases as mc
-
-    packed = {} if segments is None else {"segment_ids": segments, "num_segments": K}
-    out = {}
-    for name, config in corrections.items():
-        for reduction in ("sequence", "token"):
-            res = opj.compute_correction(
-                batch["old_logp"],
-                batch["rollout_logp"],
-                batch["mask"],
-                config,
-                reduction=reduction,
-                axis_names=axis_names,
-                **packed,
-            )
-            out[f"c/{name}/{reduction}"] = dict(w=res.weights, m=res.mask, metrics=res.metrics)
-    for name, config in losses.items():
-        old = None if config.algorithm in ("bypass_ppo", "reinforce_is") else batch["old_logp"]
-
-        extra = mc.regulariser_inputs(
-            config, batch["logp"], batch["rollout_logp"], batch["advantages"]
-        )
-
-        def loss_fn(logp, config=config, old=old, extra=extra):
-            return opj.policy_loss(
-                logp,
-                old,
-                batch["rollout_logp"],
-                batch["advantages"],
-                batch["mask"],
-                config,
-                axis_names=axis_names,
-                key=jax.random.key(mc.KEY_SEED),
-                **packed,
-                **extra,
-            )
-
-        (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(batch["logp"])
-        out[f"l/{name}"] = dict(loss=loss, grad=grad, metrics=metrics)
-    return out
-
-
 @functools.cache
 def _jitted_evaluate(corrections, losses, packed):
-    """``_evaluate`` jitted once per (configs, layout): the tests that share their configs
+    """``packing_cases.evaluate`` jitted once per (configs, layout): the tests that share their configs
     and shapes (seeds of one size, repeated Hypothesis draws) share its compiled programs.
     ``corrections`` and ``losses`` are ``(name, config)`` tuples (configs are hashable)."""
     corrections, losses = dict(corrections), dict(losses)
     if packed:
-        return jax.jit(lambda b, s: _evaluate(b, corrections, losses, s))
-    return jax.jit(lambda b: _evaluate(b, corrections, losses))
+        return jax.jit(lambda b, s: pc.evaluate(b, corrections, losses, s))
+    return jax.jit(lambda b: pc.evaluate(b, corrections, losses))
 
 
 def _packed_equals(batch, corrections, losses):
-    """``_evaluate`` of the packed batch and of its sequences one per row (repacked)."""
+    """``packing_cases.evaluate`` of the packed batch and of its sequences one per row (repacked)."""
     key = (tuple(corrections.items()), tuple(losses.items()))
     got = _jitted_evaluate(*key, packed=True)(batch, batch["segment_ids"])
     return got, _one_per_row(batch, corrections, losses)
@@ -642,7 +598,7 @@ def test_sharded_packed_equals_unsharded(path):
     batch["segment_ids"][0] = np.where(np.arange(32) < 30, 1, 0)
     corrections, losses = _sharded_configs()
     want = mc.to_numpy(
-        jax.jit(lambda b, s: _evaluate(b, corrections, losses, s))(batch, batch["segment_ids"])
+        jax.jit(lambda b, s: pc.evaluate(b, corrections, losses, s))(batch, batch["segment_ids"])
     )
     mesh = _mesh(AxisType.Explicit)
     spec = P("data", "seq")
@@ -653,9 +609,11 @@ def test_sharded_packed_equals_unsharded(path):
             axes = opj.MeshAxes(batch="data", token="seq")
 
             def body(b, s):
-                return _evaluate(b, corrections, losses, s, axis_names=axes)
+                return pc.evaluate(b, corrections, losses, s, axis_names=axes)
 
-            shapes = jax.eval_shape(lambda b, s: _evaluate(b, corrections, losses, s), arrays, ids)
+            shapes = jax.eval_shape(
+                lambda b, s: pc.evaluate(b, corrections, losses, s), arrays, ids
+            )
             fn = jax.jit(
                 jax.shard_map(
                     body,
@@ -665,7 +623,7 @@ def test_sharded_packed_equals_unsharded(path):
                 )
             )
         else:
-            fn = jax.jit(lambda b, s: _evaluate(b, corrections, losses, s))
+            fn = jax.jit(lambda b, s: pc.evaluate(b, corrections, losses, s))
         got = mc.to_numpy(fn(arrays, ids))
     _assert_matches(got, want, batch["segment_ids"])
 
